@@ -1,0 +1,20 @@
+"""pagemem: paged memory management for training models larger than GPU memory.
+
+The page store (``PageStore``) keeps tensors in fixed-size pages across three tiers (``gpu``,
+pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpackages:
+``pagemem.tracer`` records tensor lifetimes, ``pagemem.sched`` plans task queues from them.
+"""
+
+from pagemem.config import StoreConfig
+from pagemem.errors import ConfigError, CorruptPage, OutOfMemory, PageMemError, TierIOError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "StoreConfig",
+    "PageMemError",
+    "ConfigError",
+    "OutOfMemory",
+    "CorruptPage",
+    "TierIOError",
+]

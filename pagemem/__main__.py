@@ -1,0 +1,5 @@
+import sys
+
+from pagemem.cli import main
+
+sys.exit(main())

@@ -1,0 +1,109 @@
+"""Configuration of a :class:`pagemem.PageStore`: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+from pagemem.errors import ConfigError
+from pagemem.units import parse_size
+
+ALIGNMENT = 4096
+"""Page sizes and arena offsets are multiples of this (O_DIRECT and CUDA both want it)."""
+
+IOEngineName = Literal["auto", "aio", "threads"]
+GpuBackendName = Literal["auto", "cuda", "host"]
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Sizes and backends of a page store. Sizes are int bytes or strings like ``"4MiB"``.
+
+    A tier's capacity is its byte budget rounded down to whole pages; a budget of 0 disables it.
+    """
+
+    page_bytes: int | str = "4MiB"
+    """Size of every page: a positive multiple of 4096 bytes."""
+    gpu_bytes: int | str = 0
+    """Budget of the ``gpu`` tier (one device allocation, or a host stand-in without CUDA)."""
+    cpu_bytes: int | str = 0
+    """Budget of the ``cpu`` tier (pinned when CUDA is present)."""
+    nvme_bytes: int | str = 0
+    """Budget of the ``nvme`` tier, preallocated as files under ``nvme_path``."""
+    nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None
+    """Directory for the page files; several directories (one per drive) stripe the pages."""
+    io_engine: IOEngineName = "auto"
+    """``aio`` (Linux AIO via libaio), ``threads`` (pread/pwrite pool) or ``auto`` (aio if it works)."""
+    io_depth: int = 32
+    """Most NVMe requests in flight at once (1..1024)."""
+    direct_io: bool = True
+    """Open page files with O_DIRECT where the filesystem supports it."""
+    checksums: bool = True
+    """Hash every page written to NVMe and verify it on read."""
+    staging_pages: int = 8
+    """Pinned bounce pages for gpu<->nvme moves (1..4096)."""
+    gpu_backend: GpuBackendName = "auto"
+    """``cuda`` (needs CUDA), ``host`` (host-memory stand-in) or ``auto`` (cuda when present)."""
+    cuda_device: int = 0
+    """CUDA device index for the ``gpu`` tier."""
+    pin_cpu: bool = True
+    """Pin the ``cpu`` arena when CUDA is present (falls back to pageable with a warning)."""
+    copy_threads: int = 2
+    """Host threads copying between host-memory arenas (1..64)."""
+    nvme_paths: tuple[str, ...] = field(init=False, repr=False)
+    """``nvme_path`` normalised to a tuple of directories (derived)."""
+
+    def __post_init__(self) -> None:
+        page = parse_size(self.page_bytes, "page_bytes")
+        if page <= 0 or page % ALIGNMENT:
+            raise ConfigError(
+                f"page_bytes: must be a positive multiple of {ALIGNMENT} bytes, got {page}"
+            )
+        object.__setattr__(self, "page_bytes", page)
+        for name in ("gpu_bytes", "cpu_bytes", "nvme_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        _check_choice("io_engine", self.io_engine, ("auto", "aio", "threads"))
+        _check_choice("gpu_backend", self.gpu_backend, ("auto", "cuda", "host"))
+        _check_int("io_depth", self.io_depth, 1, 1024)
+        _check_int("staging_pages", self.staging_pages, 1, 4096)
+        _check_int("cuda_device", self.cuda_device, 0, 1023)
+        _check_int("copy_threads", self.copy_threads, 1, 64)
+        for name in ("direct_io", "checksums", "pin_cpu"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+        paths = _normalise_paths(self.nvme_path)
+        if self.nvme_bytes and not paths:
+            raise ConfigError("nvme_path: required when nvme_bytes > 0 (a directory for the page files)")
+        for p in paths:
+            if not os.path.isdir(p):
+                raise ConfigError(f"nvme_path: {p!r} is not an existing directory")
+        object.__setattr__(self, "nvme_paths", paths)
+
+    def pages(self, tier: str) -> int:
+        """Whole pages that fit in ``tier``'s budget."""
+        return getattr(self, f"{tier}_bytes") // self.page_bytes
+
+
+def _normalise_paths(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, os.PathLike)):
+        return (os.fspath(value),)
+    try:
+        paths = tuple(os.fspath(p) for p in value)  # type: ignore[union-attr]
+    except TypeError:
+        raise ConfigError(f"nvme_path: expected a directory or a list of directories, got {value!r}") from None
+    if len(set(paths)) != len(paths):
+        raise ConfigError(f"nvme_path: a directory is listed twice in {paths!r}")
+    return paths
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{name}: must be an integer in [{lo}, {hi}], got {value!r}")

@@ -1,0 +1,62 @@
+"""The exceptions pagemem raises. Every one derives from :class:`PageMemError`."""
+
+from __future__ import annotations
+
+
+class PageMemError(Exception):
+    """Base class of every error pagemem raises on purpose."""
+
+
+class ConfigError(PageMemError, ValueError):
+    """A configuration value is out of range; the message names the field and the allowed range."""
+
+
+class OutOfMemory(PageMemError, MemoryError):
+    """A tier has too few free pages for a request. Raised before anything changes.
+
+    Attributes name the tier, the pages and bytes asked for, and what was free.
+    """
+
+    def __init__(self, tier: str, requested_pages: int, free_pages: int, page_bytes: int,
+                 what: str = "") -> None:
+        self.tier = tier
+        self.requested_pages = requested_pages
+        self.free_pages = free_pages
+        self.page_bytes = page_bytes
+        self.requested_bytes = requested_pages * page_bytes
+        self.free_bytes = free_pages * page_bytes
+        from pagemem.units import format_bytes
+
+        detail = f" for {what}" if what else ""
+        super().__init__(
+            f"tier {tier!r} is out of memory{detail}: requested {requested_pages} pages "
+            f"({format_bytes(self.requested_bytes)}), free {free_pages} pages "
+            f"({format_bytes(self.free_bytes)}); nothing was changed"
+        )
+
+
+class CorruptPage(PageMemError):
+    """A page read back from disk does not match the checksum written with it."""
+
+    def __init__(self, tier: str, slot: int, expected: int, actual: int, where: str = "") -> None:
+        self.tier = tier
+        self.slot = slot
+        self.expected = expected
+        self.actual = actual
+        loc = f" ({where})" if where else ""
+        super().__init__(
+            f"corrupt page in tier {tier!r} slot {slot}{loc}: checksum {actual:#018x}, "
+            f"expected {expected:#018x}; the data was not returned"
+        )
+
+
+class TierIOError(PageMemError, OSError):
+    """A disk operation failed. The source copy of the data is still valid and readable."""
+
+    def __init__(self, message: str, errno_: int | None = None) -> None:
+        OSError.__init__(self, message)
+        self.errno = errno_
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
