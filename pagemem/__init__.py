@@ -6,12 +6,19 @@ pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpack
 """
 
 from pagemem.config import StoreConfig
-from pagemem.errors import ConfigError, CorruptPage, OutOfMemory, PageMemError, TierIOError
+from pagemem.errors import (ConfigError, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
+                            TierIOError)
+from pagemem.store import MoveHandle, PagedTensor, PageStore, StoreStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "StoreConfig",
+    "PageStore",
+    "PagedTensor",
+    "MoveHandle",
+    "StoreStats",
+    "InvalidRequest",
     "PageMemError",
     "ConfigError",
     "OutOfMemory",

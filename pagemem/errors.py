@@ -60,3 +60,7 @@ class TierIOError(PageMemError, OSError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class InvalidRequest(PageMemError, ValueError):
+    """A call was misused: unknown tier, wrong shape or dtype, a freed tensor, a closed store."""

@@ -1,0 +1,48 @@
+"""Laying tensors out in pages.
+
+Tensors allocated together are placed back to back (each start aligned to ``TENSOR_ALIGN``
+bytes), so a tensor may start on a partly filled page, span full pages and end on a partly
+filled one, and small tensors share pages instead of each wasting most of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TENSOR_ALIGN = 256
+"""Byte alignment of every tensor's start (what CUDA allocations guarantee)."""
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where each tensor of a group starts in the group's byte range, and the pages it needs."""
+
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    pages: int
+    page_bytes: int
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(self.sizes)
+
+    def page_span(self, i: int) -> range:
+        """Indices (within the group) of the pages tensor ``i`` touches; empty for 0 bytes."""
+        if self.sizes[i] == 0:
+            return range(0)
+        first = self.starts[i] // self.page_bytes
+        last = (self.starts[i] + self.sizes[i] - 1) // self.page_bytes
+        return range(first, last + 1)
+
+
+def pack(sizes: list[int] | tuple[int, ...], page_bytes: int, align: int = TENSOR_ALIGN) -> GroupLayout:
+    """Lay out tensors of ``sizes`` bytes back to back in pages of ``page_bytes``."""
+    starts = []
+    end = 0
+    for size in sizes:
+        if size < 0:
+            raise ValueError(f"tensor size must be >= 0, got {size}")
+        start = -(-end // align) * align if size else end
+        starts.append(start)
+        end = start + size
+    return GroupLayout(tuple(starts), tuple(sizes), -(-end // page_bytes), page_bytes)

@@ -1,0 +1,113 @@
+"""Store statistics: per-tier occupancy and per-direction transfer totals."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagemem.units import format_bytes
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    page_bytes: int
+    capacity_pages: int
+    used_pages: int
+    free_pages: int
+    live_bytes: int
+    """Bytes of live tensors whose pages sit in this tier."""
+    backend: dict
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_pages * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_pages * self.page_bytes
+
+    @property
+    def utilization(self) -> float:
+        """Live bytes / bytes of used pages (1.0 when no page is used)."""
+        return self.live_bytes / self.used_bytes if self.used_pages else 1.0
+
+
+@dataclass(frozen=True)
+class MoveStats:
+    pages: int
+    bytes: int
+    seconds: float
+    """Time at least one transfer in this direction was in flight."""
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    tiers: dict[str, TierStats]
+    moves: dict[str, MoveStats]
+    """Keyed ``"cpu->nvme"`` etc."""
+    staging_pages: int
+    cuda: bool
+
+    def __getitem__(self, tier: str) -> TierStats:
+        return self.tiers[tier]
+
+    def table(self) -> str:
+        """The statistics as a plain-text table."""
+        lines = [f"{'tier':<5} {'capacity':>11} {'used':>6} {'free':>6} {'live':>11} {'util':>7}  backend"]
+        for t in self.tiers.values():
+            backend = t.backend.get("backend", "")
+            if t.name == "nvme":
+                backend = f"{t.backend.get('io_engine')} engine, " + \
+                    ("O_DIRECT" if t.backend.get("o_direct") else "buffered") + \
+                    f", checksum {t.backend.get('checksum')}"
+            lines.append(
+                f"{t.name:<5} {format_bytes(t.capacity_bytes):>11} {t.used_pages:>6} {t.free_pages:>6} "
+                f"{format_bytes(t.live_bytes):>11} {t.utilization:>7.2%}  {backend}")
+        if self.moves:
+            lines.append("")
+            lines.append(f"{'move':<11} {'pages':>7} {'bytes':>11} {'seconds':>9} {'GB/s':>7}")
+            for key, m in sorted(self.moves.items()):
+                lines.append(f"{key:<11} {m.pages:>7} {format_bytes(m.bytes):>11} {m.seconds:>9.3f} {m.gbps:>7.2f}")
+        return "\n".join(lines)
+
+
+@dataclass
+class TransferMeter:
+    """Accumulates bytes and busy time per direction. Called under the store's lock."""
+
+    _active: dict[str, int] = field(default_factory=dict)
+    _since: dict[str, float] = field(default_factory=dict)
+    _busy: dict[str, float] = field(default_factory=dict)
+    _bytes: dict[str, int] = field(default_factory=dict)
+    _pages: dict[str, int] = field(default_factory=dict)
+
+    def begin(self, direction: str) -> None:
+        n = self._active.get(direction, 0)
+        if n == 0:
+            self._since[direction] = time.perf_counter()
+        self._active[direction] = n + 1
+
+    def end(self, direction: str, nbytes: int) -> None:
+        n = self._active[direction] - 1
+        self._active[direction] = n
+        if n == 0:
+            self._busy[direction] = self._busy.get(direction, 0.0) + time.perf_counter() - self._since[direction]
+        if nbytes:
+            self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
+            self._pages[direction] = self._pages.get(direction, 0) + 1
+
+    def snapshot(self) -> dict[str, MoveStats]:
+        now = time.perf_counter()
+        out = {}
+        for d in set(self._busy) | set(self._active):
+            busy = self._busy.get(d, 0.0)
+            if self._active.get(d):
+                busy += now - self._since[d]
+            if self._pages.get(d) or busy:
+                out[d] = MoveStats(self._pages.get(d, 0), self._bytes.get(d, 0), busy)
+        return out

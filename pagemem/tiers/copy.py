@@ -1,0 +1,111 @@
+"""Copy engines: asynchronous copies between a memory tier and host buffers.
+
+With CUDA, host<->device copies run on two dedicated streams (one per direction) and complete
+through CUDA events, so they overlap compute on other streams. Without CUDA, copies between
+host-memory arenas run on a small thread pool (torch's copy releases the GIL).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+CopyDone = Callable[[BaseException | None], None]
+_log = logging.getLogger("pagemem")
+
+
+def _call(done: CopyDone, error: BaseException | None) -> None:
+    try:
+        done(error)
+    except Exception:
+        _log.exception("copy completion callback failed")
+
+
+class HostCopyEngine:
+    """Copies between host tensors on ``threads`` worker threads."""
+
+    name = "host threads"
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagemem-copy")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, done: CopyDone) -> None:
+        self._pool.submit(self._run, dst, src, done)
+
+    @staticmethod
+    def _run(dst: torch.Tensor, src: torch.Tensor, done: CopyDone) -> None:
+        try:
+            dst.copy_(src)
+        except Exception as exc:  # reported to the waiter, not lost on a pool thread
+            _call(done, exc)
+            return
+        _call(done, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _EventWaiter:
+    """A thread that waits on CUDA events in submission order and runs their callbacks."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def push(self, event: torch.cuda.Event, done: CopyDone) -> None:
+        self._queue.put((event, done))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, done = item
+            try:
+                event.synchronize()
+            except Exception as exc:
+                _call(done, exc)
+                continue
+            _call(done, None)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class CudaCopyEngine:
+    """Host<->device copies on an H2D stream and a D2H stream, completed by CUDA events."""
+
+    name = "cuda streams"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        self._waiters = {
+            self.h2d: _EventWaiter("pagemem-h2d"),
+            self.d2h: _EventWaiter("pagemem-d2h"),
+        }
+        self._lock = threading.Lock()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, done: CopyDone) -> None:
+        stream = self.h2d if dst.is_cuda else self.d2h
+        try:
+            with self._lock, torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                # enqueue under the lock so events reach the waiter in stream order
+                self._waiters[stream].push(event, done)
+        except Exception as exc:
+            _call(done, exc)
+
+    def close(self) -> None:
+        for waiter in self._waiters.values():
+            waiter.close()

@@ -1,0 +1,112 @@
+"""Linux AIO engine through the ``libaio`` package (which needs the system ``libaio.so.1``).
+
+Traps handled here: importing ``libaio`` without the system library raises OSError, not
+ImportError; buffers are measured in items, so only uint8 memoryviews are passed; errors come
+back as negative result codes, not exceptions.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections import deque
+
+from pagemem.tiers.io.base import Done, EngineUnavailable, IOEngine
+
+
+def _load_libaio():
+    try:
+        import libaio
+    except (ImportError, OSError) as exc:
+        raise EngineUnavailable(f"cannot load libaio: {exc}") from exc
+    return libaio
+
+
+class AioEngine(IOEngine):
+    """Submits ``io_submit`` requests directly; one reaper thread collects completions."""
+
+    name = "aio"
+
+    def __init__(self, depth: int) -> None:
+        self._libaio = libaio = _load_libaio()
+        try:
+            self._ctx = libaio.AIOContext(depth)
+        except OSError as exc:
+            raise EngineUnavailable(f"io_setup({depth}) failed: {exc}") from exc
+        self.depth = depth
+        self._cv = threading.Condition(threading.Lock())
+        self._inflight = 0
+        self._backlog: deque = deque()
+        self._callbacks: dict[object, Done] = {}
+        self._closed = False
+        self._reaper = threading.Thread(target=self._reap, name="pagemem-aio", daemon=True)
+        self._reaper.start()
+
+    def submit(self, write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
+        lib = self._libaio
+        mode = lib.AIOBLOCK_MODE_WRITE if write else lib.AIOBLOCK_MODE_READ
+        block = lib.AIOBlock(mode, fd, [buf], offset)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("I/O engine is closed")
+            self._callbacks[block] = done
+            if self._inflight >= self.depth:
+                self._backlog.append(block)
+                return
+            self._inflight += 1
+            self._cv.notify()
+        self._io_submit([block])
+
+    def _io_submit(self, blocks: list) -> None:
+        """Hand ``blocks`` (already counted in flight) to the kernel; fail what it refuses."""
+        submitted = 0
+        error = errno.EIO
+        try:
+            submitted = self._ctx.submit(blocks)
+        except OSError as exc:
+            error = exc.errno or errno.EIO
+        if submitted == len(blocks):
+            return
+        refused = blocks[submitted:]
+        with self._cv:
+            self._inflight -= len(refused)
+            callbacks = [self._callbacks.pop(b) for b in refused]
+        for done in callbacks:
+            done(-error)
+
+    def _reap(self) -> None:
+        while True:
+            with self._cv:
+                while self._inflight == 0 and not self._closed:
+                    self._cv.wait()
+                if self._inflight == 0:
+                    return
+            events = self._ctx.getEvents(min_nr=1, nr=self.depth, timeout=None)
+            with self._cv:
+                self._inflight -= len(events)
+                refill = []
+                while self._backlog and self._inflight < self.depth:
+                    refill.append(self._backlog.popleft())
+                    self._inflight += 1
+                callbacks = [(self._callbacks.pop(block), res) for block, res, _ in events]
+                self._cv.notify_all()
+            if refill:
+                self._io_submit(refill)
+            for done, res in callbacks:
+                try:
+                    done(res)
+                except Exception:  # a failing callback must not stop the reaper
+                    import logging
+
+                    logging.getLogger("pagemem").exception("I/O completion callback failed")
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            while self._inflight or self._backlog:
+                self._cv.wait()
+            self._closed = True
+            self._cv.notify_all()
+        self._reaper.join()
+        self._ctx.close()

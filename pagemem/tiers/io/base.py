@@ -1,0 +1,60 @@
+"""The interface every NVMe I/O engine implements, and the choice between them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+Done = Callable[[int], None]
+"""Completion callback: bytes transferred, or a negative errno. Runs on an engine thread."""
+
+
+class EngineUnavailable(RuntimeError):
+    """An I/O engine cannot run here; the message says why."""
+
+
+class IOEngine(ABC):
+    """Asynchronous positional reads and writes of whole buffers.
+
+    ``submit`` never blocks on the disk: requests beyond ``depth`` in flight wait in a queue.
+    ``done`` is called exactly once per request, from an engine thread (or from ``submit``'s
+    caller when the request fails before reaching the disk).
+    """
+
+    name: str
+    depth: int
+
+    @abstractmethod
+    def submit(self, write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
+        """Start reading ``len(buf)`` bytes at ``offset`` into ``buf`` (or writing them from it)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for requests in flight, then stop the engine's threads."""
+
+
+def make_engine(name: str, depth: int, direct: bool) -> tuple[IOEngine, str]:
+    """Build the engine ``name`` ("auto", "aio" or "threads"); return it and why it was chosen.
+
+    "auto" takes Linux AIO when libaio loads and the files are opened with O_DIRECT (without
+    O_DIRECT the kernel runs AIO synchronously inside io_submit), else the thread pool.
+    Raises EngineUnavailable when "aio" is asked for and cannot run.
+    """
+    from pagemem.tiers.io.aio import AioEngine
+    from pagemem.tiers.io.threads import ThreadEngine
+
+    if name == "threads":
+        return ThreadEngine(depth), "asked for"
+    if not direct:
+        if name == "aio":
+            raise EngineUnavailable(
+                "io_engine='aio' needs O_DIRECT (direct_io=True on a filesystem that supports it); "
+                "without it Linux runs AIO synchronously"
+            )
+        return ThreadEngine(depth), "no O_DIRECT, so no asynchronous kernel AIO"
+    try:
+        return AioEngine(depth), "asked for" if name == "aio" else "libaio and O_DIRECT available"
+    except EngineUnavailable as exc:
+        if name == "aio":
+            raise
+        return ThreadEngine(depth), f"libaio unavailable ({exc})"
