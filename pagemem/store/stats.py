@@ -51,6 +51,8 @@ class StoreStats:
     moves: dict[str, MoveStats]
     """Keyed ``"cpu->nvme"`` etc."""
     staging_pages: int
+    staging_free: int
+    """Pinned bounce pages, and how many are free right now."""
     cuda: bool
 
     def __getitem__(self, tier: str) -> TierStats:

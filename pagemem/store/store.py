@@ -107,7 +107,8 @@ class PageStore:
                 for t in self._tiers
             }
             moves = self._meter.snapshot()
-        return StoreStats(tiers, moves, self._tiers.staging.capacity, self.cuda)
+        staging = self._tiers.staging
+        return StoreStats(tiers, moves, staging.capacity, staging.free, self.cuda)
 
     def location(self, page_id: int) -> tuple[str, int]:
         """``(tier, slot)`` currently holding logical page ``page_id``."""
@@ -221,16 +222,19 @@ class PageStore:
     def _page_moved(self, op: Op, item: tuple, error: BaseException | None) -> None:
         page, src, src_slot, dest, dest_slot, direction = item
         with self._lock:
-            if error is None:
-                page.tier, page.slot = dest, dest_slot
-                src.release([src_slot])
-                self._meter.end(direction, self.page_bytes)
-            else:
-                dest.release([dest_slot])
-                self._meter.end(direction, 0)
-                op.errors.append(error)
-                if page.last_op is op:
-                    page.future_tier = page.tier
+            try:
+                if error is None:
+                    page.tier, page.slot = dest, dest_slot
+                    src.release([src_slot])
+                    self._meter.end(direction, self.page_bytes)
+                else:
+                    dest.release([dest_slot])
+                    self._meter.end(direction, 0)
+                    op.errors.append(error)
+                    if page.last_op is op:
+                        page.future_tier = page.tier
+            except Exception as exc:  # a broken invariant: report it rather than hang the waiters
+                op.errors.append(exc)
             op.remaining -= 1
             last = op.remaining == 0
         if last:
