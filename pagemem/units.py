@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1, "b": 1,
@@ -37,8 +38,8 @@ def parse_size(value: int | str, field: str = "size") -> int:
                 f"{field}: cannot parse {value!r}; use an int or a number with a unit "
                 "such as '4MiB', '2GiB', '512KiB', '1GB'"
             )
-        number = float(m.group(1)) * _UNITS[unit]
-        if number != int(number):
+        number = Fraction(m.group(1)) * _UNITS[unit]
+        if number.denominator != 1:
             raise ConfigError(f"{field}: {value!r} is not a whole number of bytes")
         return int(number)
     raise ConfigError(f"{field}: expected a byte count (int or '4MiB'-style string), got {type(value).__name__}")
