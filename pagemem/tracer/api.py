@@ -81,7 +81,7 @@ def trace(model: nn.Module, step: Callable[[], object], optimizer: torch.optim.O
 
     devices = Counter(p.device for _, p in params)
     device = devices.most_common(1)[0][0]
-    cuda = next((d for d in devices if d.type == "cuda"), None)
+    cuda = _cuda_device_of(devices)
     session = LiveSession(model, params, cuda)
     _tracing = True
     t0 = time.perf_counter()
@@ -97,6 +97,11 @@ def trace(model: nn.Module, step: Callable[[], object], optimizer: torch.optim.O
         _tracing = False
     wall = time.perf_counter() - t0
     return _build(model, session, params, device, cuda, options, wall)
+
+
+def _cuda_device_of(devices: Counter) -> torch.device | None:
+    """The CUDA device holding parameters (timed with CUDA events), or None."""
+    return next((d for d in devices if d.type == "cuda"), None)
 
 
 def _ran_backward(session: LiveSession) -> bool:

@@ -129,7 +129,7 @@ class LiveSession:
     # ---- saved tensors ---------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
         rec = self.rec
-        if not self.active:
+        if not self.active or not rec.op_event:  # nothing to attribute a save to before the first op
             return _Packed(t.detach(), None, None, rec)
         with rec.lock:
             try:

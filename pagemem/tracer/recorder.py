@@ -80,8 +80,7 @@ class Recorder:
         """Start a new op, close the previous one, and touch everything in an open window."""
         now = time.perf_counter() if self._timed else 0.0
         op = len(self.op_event)
-        if op:
-            self._close_previous(now)
+        boundary = self._close_previous(now) if op else None
         self._drain()
         self._peak = self.live_bytes
         self.op_event.append(event)
@@ -90,8 +89,8 @@ class Recorder:
         self.op_non_model.append(0)
         self.op_start.append(now)
         self.op_end.append(None)
-        if self._cuda is not None:
-            self.cuda_start.append(_cuda_event(self._cuda))
+        if self._cuda is not None:  # one event marks both the end of the last op and this start
+            self.cuda_start.append(boundary if boundary is not None else _cuda_event(self._cuda))
             self.cuda_end.append(None)
         for _, params, _ in self._fwd:
             pa = self.param_acc
@@ -106,14 +105,17 @@ class Recorder:
         if self.op_event and self.op_end[-1] is None:
             self._close_previous(time.perf_counter() if self._timed else 0.0)
 
-    def _close_previous(self, now: float) -> None:
+    def _close_previous(self, now: float) -> object | None:
+        """End the last op at ``now``; returns the CUDA event recorded for it (if any)."""
         last = len(self.op_event) - 1
         if self.op_end[last] is not None:
-            return
+            return None
         self.op_end[last] = now
+        event = None
         if self._cuda is not None:
-            self.cuda_end[last] = _cuda_event(self._cuda)
+            event = self.cuda_end[last] = _cuda_event(self._cuda)
         self.op_non_model[last] = self.probe() if self.probe is not None else self._peak
+        return event
 
     # ---- module windows --------------------------------------------------------------------
     def forward_enter(self, key: int, params: tuple[int, ...], in_backward: bool) -> None:

@@ -63,6 +63,18 @@ class Trace:
         """``tensor_id`` of every tensor accessed at op ``op_id``, in increasing order."""
         return self._accessed[op_id]
 
+    @cached_property
+    def _by_layer(self) -> tuple[tuple[TensorRecord, ...], ...]:
+        groups: list[list[TensorRecord]] = [[] for _ in self.layers]
+        for t in self.tensors:
+            if t.layer is not None:
+                groups[t.layer].append(t)
+        return tuple(tuple(g) for g in groups)
+
+    def layer_tensors(self, index: int) -> tuple[TensorRecord, ...]:
+        """Parameters, gradients and optimizer states of layer ``index`` (what moves with it)."""
+        return self._by_layer[index]
+
     def of_kind(self, kind: str) -> tuple[TensorRecord, ...]:
         """Records of one kind (``"param"``, ``"grad"``, ``"activation"``, ``"optimizer_state"``)."""
         if kind not in KINDS:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import gpt_step, make_gpt
+from conftest import gpt_batch, gpt_step, make_gpt
 from pagemem.tracer import Trace, TraceOptions, trace
 
 
@@ -209,3 +209,24 @@ def test_cuda_times_and_allocator_memory():
     measured = [o for o in tr.ops if o.phase != "step"]
     assert all(o.gpu_time is not None and o.duration == o.gpu_time for o in measured)
     assert max(o.non_model_bytes for o in tr.ops) > 0
+
+
+def test_saves_before_the_model_runs_are_not_attributed(tiny):
+    idx, tgt = gpt_batch(tiny)
+    scale = torch.ones((), requires_grad=True)
+
+    def step():
+        s2 = scale * scale  # saved for backward before the model's first op
+        (tiny(idx, tgt) * s2).backward()
+
+    tr = trace(tiny, step)
+    assert all(a.first_id >= 0 for a in tr.of_kind("activation"))
+    assert scale.grad is not None
+
+
+def test_layer_tensors_group_model_states(tiny):
+    tr = trace(tiny, gpt_step(tiny))
+    block = tr.layer_tensors(2)
+    assert {t.kind for t in block} == {"param", "grad", "optimizer_state"}
+    assert all(t.name.startswith("blocks.0.") for t in block)
+    assert sum(t.nbytes for t in block if t.kind == "param") == tr.layers[2].nbytes
