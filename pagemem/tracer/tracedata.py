@@ -36,6 +36,11 @@ class Trace:
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __repr__(self) -> str:
+        return (f"Trace(source={self.meta.get('source')!r}, model={self.meta.get('model')!r}, "
+                f"ops={len(self.ops)}, tensors={len(self.tensors)}, layers={len(self.layers)}, "
+                f"fingerprint={self.fingerprint[:16]!r})")
+
     def __post_init__(self) -> None:
         _validate(self)
 

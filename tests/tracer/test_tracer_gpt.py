@@ -230,3 +230,34 @@ def test_layer_tensors_group_model_states(tiny):
     assert {t.kind for t in block} == {"param", "grad", "optimizer_state"}
     assert all(t.name.startswith("blocks.0.") for t in block)
     assert sum(t.nbytes for t in block if t.kind == "param") == tr.layers[2].nbytes
+
+
+def test_reentrant_checkpointing_is_traced_and_gradients_unchanged():
+    import copy
+
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=True)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = Stack()
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    tr = trace(model, lambda: model(x).backward())
+    twin(x.detach().clone().requires_grad_()).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+    w = tr.tensor("blocks.1.0.weight")
+    events = [(tr.ops[a].event, tr.ops[a].phase) for a in w.accesses]
+    assert events[:2] == [("forward_pre", "forward"), ("forward_post", "forward")]
+    assert events[2:4] == [("forward_pre", "backward"), ("forward_post", "backward")]  # recomputed
+    assert ("backward_pre", "backward") in events[4:]
+    assert [lay.name for lay in tr.layers] == ["blocks.0", "blocks.1", "blocks.2"]
