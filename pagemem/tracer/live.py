@@ -89,8 +89,9 @@ class LiveSession:
         self._opt_params: dict[int, tuple[int, ...]] = {}
         self._param_ptr: dict[int, tuple[int, ...]] = {}
         for i, (_, p) in enumerate(self.params):
-            ptr = p.untyped_storage().data_ptr()
-            self._param_ptr[ptr] = self._param_ptr.get(ptr, ()) + (i,)
+            if p.numel():
+                ptr = p.untyped_storage().data_ptr()
+                self._param_ptr[ptr] = self._param_ptr.get(ptr, ()) + (i,)
         self._buffer_ptr = {b.untyped_storage().data_ptr() for b in model.buffers()}
         self._cuda = cuda_device
         self._track_outputs = cuda_device is None
@@ -115,7 +116,7 @@ class LiveSession:
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         if self._cuda is not None:
             self._rescan_grads()
-            self._optim_bytes = _state_bytes(optimizer, self._cuda) if optimizer is not None else 0
+            self._optim_bytes = _state_bytes(optimizer) if optimizer is not None else 0
             torch.cuda.reset_peak_memory_stats(self._cuda)
         self.active = True
 
@@ -320,7 +321,7 @@ class LiveSession:
                             (i, str(k)), (dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size(), []))
                         rec_state[3].append(op)
             if self._cuda is not None:
-                self._optim_bytes = _state_bytes(opt, self._cuda)
+                self._optim_bytes = _state_bytes(opt)
             rec.end_op()
             self.stepped = True
             self.optimizer_names.add(type(opt).__name__)
@@ -342,7 +343,8 @@ class LiveSession:
             self._count_grad(i, p.grad)
 
 
-def _state_bytes(opt: torch.optim.Optimizer, device: torch.device) -> int:
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of an optimizer's state tensors on CUDA."""
     total = 0
     for state in opt.state.values():
         for v in state.values():
