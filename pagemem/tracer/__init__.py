@@ -9,9 +9,10 @@
 Design, in short (details in each module):
 
 - Logical time (:mod:`~pagemem.tracer.records`): ops are numbered ``0 .. len(tr.ops) - 1`` in the
-  order seen (module forward pre/post, backward pre/post of modules owning parameters, gradient
-  ready, optimizer step); every id in a record is an op id. An op's ``duration`` is the time until
-  the next op. A tensor lists every op that accesses it, not only the first and last.
+  order seen (module forward pre/post; backward pre/post of leaf modules and of modules owning
+  parameters; gradient ready; optimizer step); every id in a record is an op id. An op's
+  ``duration`` is the time until the next op. A tensor lists every op that accesses it, not only
+  the first and last.
 - What counts as an access (:mod:`~pagemem.tracer.recorder`): a module's own parameters at every
   op of its forward and backward windows; saved-for-backward tensors where saved and unpacked.
   A traced activation's first access is where autograd saved it, which can be one op after the

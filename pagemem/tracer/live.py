@@ -5,8 +5,8 @@ What is hooked, and why:
 
 - forward pre/post hooks on every module: ``forward_pre``/``forward_post`` ops, and the forward
   window of modules owning parameters;
-- for a module owning parameters, at ``forward_post`` the autograd nodes it created (found by
-  walking back from its outputs, stopping at nodes older than the module's start) get a pre-hook
+- for a leaf module or one owning parameters, at ``forward_post`` the autograd nodes it created
+  (found by walking back from its outputs, stopping at nodes older than the module's start) get a pre-hook
   (the first to fire is ``backward_pre``) and a post-hook (the last to fire is
   ``backward_post``). The graph is not modified; the hooks die with it;
 - ``register_post_accumulate_grad_hook`` on each trainable parameter: ``grad_ready``;
@@ -107,8 +107,9 @@ class LiveSession:
         for key, (path, module) in enumerate(self.model.named_modules()):
             owned = tuple(dict.fromkeys(
                 self.param_index[id(p)] for p in module.parameters(recurse=False) if id(p) in self.param_index))
-            self._handles.append(module.register_forward_pre_hook(self._make_pre(path, owned, key)))
-            self._handles.append(module.register_forward_hook(self._make_post(path, owned, key)))
+            backward = bool(owned) or next(module.children(), None) is None
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(path, owned, key, backward)))
+            self._handles.append(module.register_forward_hook(self._make_post(path, owned, key, backward)))
         for i, (name, p) in enumerate(self.params):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_ready(i, name)))
@@ -164,7 +165,7 @@ class LiveSession:
         return packed.tensor
 
     # ---- module hooks ----------------------------------------------------------------------
-    def _make_pre(self, path: str, owned: tuple[int, ...], key: int) -> Callable[..., None]:
+    def _make_pre(self, path: str, owned: tuple[int, ...], key: int, backward: bool) -> Callable[..., None]:
         rec = self.rec
         graph_task = torch._C._current_graph_task_id
         next_seq = torch._C._autograd._get_sequence_nr
@@ -180,11 +181,12 @@ class LiveSession:
                 rec.begin_op("forward_pre", path, "backward" if in_backward else "forward")
                 if owned:
                     rec.forward_enter(key, owned, in_backward)
+                if backward:
                     starts.setdefault(key, []).append(next_seq())
 
         return pre
 
-    def _make_post(self, path: str, owned: tuple[int, ...], key: int) -> Callable[..., None]:
+    def _make_post(self, path: str, owned: tuple[int, ...], key: int, backward: bool) -> Callable[..., None]:
         rec = self.rec
         graph_task = torch._C._current_graph_task_id
         starts = self._starts
@@ -197,6 +199,7 @@ class LiveSession:
                 rec.begin_op("forward_post", path, "backward" if in_backward else "forward")
                 if owned:
                     rec.forward_exit(key)
+                if backward:
                     stack = starts.get(key)
                     if stack:
                         lo = stack.pop()
