@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import gpt_step, make_gpt
+from tracer_helpers import gpt_step, make_gpt
 from pagemem.tracer import api, trace
 
 

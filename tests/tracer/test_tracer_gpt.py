@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import gpt_batch, gpt_step, make_gpt
+from tracer_helpers import gpt_batch, gpt_step, make_gpt
 from pagemem.tracer import Trace, TraceOptions, trace
 
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from conftest import hook_snapshot
+from tracer_helpers import hook_snapshot
 from pagemem.tracer import synthetic_transformer, trace
 
 transformers = pytest.importorskip("transformers")

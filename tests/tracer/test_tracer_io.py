@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import gpt_step
+from tracer_helpers import gpt_step
 from pagemem.tracer import Trace, TraceError, synthetic_transformer, trace
 
 

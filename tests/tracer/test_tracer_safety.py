@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import gpt_batch, gpt_step, hook_snapshot, make_gpt
+from tracer_helpers import gpt_batch, gpt_step, hook_snapshot, make_gpt
 from pagemem.errors import ConfigError, PageMemError
 from pagemem.tracer import TraceError, TraceOptions, trace
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import gpt_step
+from tracer_helpers import gpt_step
 from pagemem.errors import ConfigError
 from pagemem.models import GPT, gpt_config
 from pagemem.tracer import CostModel, TransformerShape, synthetic_from_config, synthetic_transformer, trace
