@@ -10,6 +10,7 @@ import sys
 # (name, module, one-line help). Add a subcommand by adding a row.
 COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "pagemem.demo", "store a model-sized set of tensors across the tiers, move them, verify every byte"),
+    ("trace", "pagemem.tracer.cli", "trace one training iteration of the GPT (or synthesise it) and write trace JSON files"),
 ]
 
 
