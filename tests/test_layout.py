@@ -45,3 +45,11 @@ def test_big_tensor_may_start_and_end_mid_page():
     assert lay.starts[1] == 1024
     assert list(lay.page_span(1)) == [0, 1, 2, 3]
     assert lay.pages == 4
+
+
+@given(sizes, page_sizes, st.integers(0, 65535))
+def test_pack_can_continue_a_partly_filled_page(sz, pb, start):
+    start %= pb
+    lay = pack(sz, pb, start=start)
+    assert all(s >= start for s in lay.starts)
+    assert lay.end >= start and lay.pages == -(-lay.end // pb)

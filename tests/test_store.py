@@ -308,3 +308,32 @@ def test_concurrent_threads(store):
     for name in ("gpu", "cpu", "nvme"):
         assert s[name].used_pages + s[name].free_pages == s[name].capacity_pages
     assert sum(s[n].used_pages for n in ("gpu", "cpu", "nvme")) == len({p for t in shared for p in t.pages})
+
+
+def test_groups_chained_with_after_share_the_boundary_page(store):
+    a = store.allocate_group([((PAGE + 500,), torch.uint8)], tier="cpu")
+    b = store.allocate_group([((300,), torch.uint8), ((PAGE,), torch.uint8)], tier="cpu", after=a[-1])
+    assert b[0].pages[0] == a[0].pages[-1]  # b starts in a's tail page
+    assert store.stats()["cpu"].used_pages == 3  # 4096+500 + 300 + 4096 bytes in 3 pages, not 4
+    c = store.allocate_group([((10,), torch.uint8)], tier="cpu", after=a[-1])
+    assert c[0].pages[0] not in a[0].pages  # something already follows a: fresh page
+    datas = [random_tensor(t.shape, t.dtype, i) for i, t in enumerate(a + b + c)]
+    for t, d in zip(a + b + c, datas):
+        t.copy_(d)
+    store.move(b, "nvme").wait()
+    assert a[0].tier is None  # the shared page went with b
+    for t, d in zip(a + b + c, datas):
+        assert same_bytes(t.to_torch(), d)
+    d = store.allocate_group([((10,), torch.uint8)], tier="gpu", after=b[-1])
+    assert d[0].pages[0] not in b[-1].pages  # b's tail is on nvme, not gpu: fresh page
+
+
+def test_chained_group_oom_changes_nothing(store):
+    a = store.allocate((100,), torch.uint8, tier="gpu")
+    before = store.stats()["gpu"]
+    with pytest.raises(pagemem.OutOfMemory):
+        store.allocate_group([((9 * PAGE,), torch.uint8)], tier="gpu", after=a)
+    after = store.stats()["gpu"]
+    assert (after.used_pages, after.live_bytes) == (before.used_pages, before.live_bytes)
+    b = store.allocate_group([((50,), torch.uint8)], tier="gpu", after=a)  # the tail is still open
+    assert b[0].pages == a.pages

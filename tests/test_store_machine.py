@@ -88,6 +88,15 @@ class StoreMachine(RuleBasedStateMachine):
             self.live.extend((t, None) for t in ts)
 
     @precondition(lambda self: self.live)
+    @rule(group=st.lists(specs, min_size=1, max_size=3), tier=tiers, i=index, settle=st.booleans())
+    def allocate_group_after(self, group, tier, i, settle):
+        after, _ = self.live[i % len(self.live)]
+        ts = self.expect_unchanged_after_oom(
+            lambda: self.store.allocate_group(group, tier=tier, after=after), settle)
+        if ts is not None:
+            self.live.extend((t, None) for t in ts)
+
+    @precondition(lambda self: self.live)
     @rule(i=index, settle=st.booleans())
     def write(self, i, settle):
         i %= len(self.live)

@@ -21,6 +21,8 @@ class GroupLayout:
     sizes: tuple[int, ...]
     pages: int
     page_bytes: int
+    end: int
+    """Byte just past the last tensor (counting from the first page's start)."""
 
     @property
     def live_bytes(self) -> int:
@@ -35,14 +37,18 @@ class GroupLayout:
         return range(first, last + 1)
 
 
-def pack(sizes: list[int] | tuple[int, ...], page_bytes: int, align: int = TENSOR_ALIGN) -> GroupLayout:
-    """Lay out tensors of ``sizes`` bytes back to back in pages of ``page_bytes``."""
+def pack(sizes: list[int] | tuple[int, ...], page_bytes: int, align: int = TENSOR_ALIGN,
+         start: int = 0) -> GroupLayout:
+    """Lay out tensors of ``sizes`` bytes back to back in pages of ``page_bytes``, the first one
+    ``start`` bytes into the first page (when continuing a partly filled page)."""
+    if not 0 <= start < page_bytes:
+        raise ValueError(f"start must be in [0, {page_bytes}), got {start}")
     starts = []
-    end = 0
+    end = start
     for size in sizes:
         if size < 0:
             raise ValueError(f"tensor size must be >= 0, got {size}")
         start = -(-end // align) * align if size else end
         starts.append(start)
         end = start + size
-    return GroupLayout(tuple(starts), tuple(sizes), -(-end // page_bytes), page_bytes)
+    return GroupLayout(tuple(starts), tuple(sizes), -(-end // page_bytes), page_bytes, end)

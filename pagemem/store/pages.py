@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 class Page:
     """One logical page. Guarded by the store's lock."""
 
-    __slots__ = ("id", "tier", "slot", "live", "last_op", "pending", "future_tier")
+    __slots__ = ("id", "tier", "slot", "live", "fill", "last_op", "pending", "future_tier")
 
     def __init__(self, page_id: int, tier: "Tier", slot: int) -> None:
         self.id = page_id
@@ -20,6 +20,9 @@ class Page:
         self.slot = slot
         self.live = 0
         """Bytes of live tensors on this page; the page is released when it drops to 0."""
+        self.fill = 0
+        """Bytes from the page's start that have been handed out; a later group may continue
+        after them (``allocate_group(..., after=)``)."""
         self.last_op: Op | None = None
         """The newest unfinished operation on this page (later ones wait for it)."""
         self.pending = 0

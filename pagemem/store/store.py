@@ -125,28 +125,42 @@ class PageStore:
         written (like ``torch.empty``). Raises OutOfMemory, changing nothing, if it does not fit."""
         return self.allocate_group([(shape, dtype)], tier)[0]
 
-    def allocate_group(self, specs: Iterable[TensorSpec], tier: str = "cpu") -> list[PagedTensor]:
+    def allocate_group(self, specs: Iterable[TensorSpec], tier: str = "cpu",
+                       after: PagedTensor | None = None) -> list[PagedTensor]:
         """Several tensors laid back to back, so small ones share pages (e.g. a layer's
-        parameters). All or nothing: raises OutOfMemory, changing nothing, if they do not fit."""
+        parameters). All or nothing: raises OutOfMemory, changing nothing, if they do not fit.
+
+        ``after``: continue in the partly filled last page of that tensor (as ANGEL-PTM lets a
+        tensor begin on a partly filled page), so consecutive groups waste no page tails. Only
+        when that page is in ``tier``, not moving, and nothing was placed after the tensor yet;
+        otherwise the group starts on fresh pages. The groups then share that page.
+        """
         dest = self._tiers[tier]
         shapes, dtypes = [], []
         for spec in specs:
             shape, dtype = _check_spec(spec)
             shapes.append(shape)
             dtypes.append(dtype)
-        layout = pack([s.numel() * d.itemsize for s, d in zip(shapes, dtypes)], self.page_bytes)
+        sizes = [s.numel() * d.itemsize for s, d in zip(shapes, dtypes)]
+        pb = self.page_bytes
         with self._lock:
             self._check_open()
-            if layout.pages > dest.free_pages:
-                raise OutOfMemory(tier, layout.pages, dest.free_pages, self.page_bytes,
+            shared = self._open_tail(after, dest) if after is not None else None
+            layout = pack(sizes, pb, start=shared.fill if shared else 0)
+            fresh = layout.pages - (1 if shared else 0)
+            if fresh > dest.free_pages:
+                raise OutOfMemory(tier, fresh, dest.free_pages, pb,
                                   f"{len(shapes)} tensor(s) of {format_bytes(layout.live_bytes)}")
-            pages = []
-            for slot in dest.allocate(layout.pages):
+            pages = [shared] if shared else []
+            for slot in dest.allocate(fresh):
                 page = Page(self._ids.take(), dest, slot)
                 self._pages[page.id] = page
                 pages.append(page)
+            if pages:
+                pages[-1].fill = layout.end - (layout.pages - 1) * pb
+                for page in pages[:-1]:
+                    page.fill = pb
             tensors = []
-            pb = self.page_bytes
             for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
                 span = layout.page_span(i)
                 offset = layout.starts[i] - span.start * pb if span else 0
@@ -155,6 +169,17 @@ class PageStore:
                     page.live += hi - lo
                 tensors.append(t)
         return tensors
+
+    def _open_tail(self, after: PagedTensor, dest: Tier) -> Page | None:
+        """``after``'s last page if a new group may continue in it (see ``allocate_group``)."""
+        self._check_live(after)
+        if not after._pages:
+            return None
+        page = after._pages[-1]
+        end = after._offset + after.nbytes - (len(after._pages) - 1) * self.page_bytes
+        if page.tier is not dest or page.future_tier is not dest or page.fill != end or end >= self.page_bytes:
+            return None
+        return page
 
     # ------------------------------------------------------------------ moves
 
