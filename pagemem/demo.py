@@ -147,10 +147,11 @@ def run(args: argparse.Namespace) -> int:
                 g = torch.Generator().manual_seed(0)
                 for name, shapes in groups:
                     specs = [(s, DTYPE) for _, s in shapes]
+                    after = layers[-1].tensors[-1] if layers else None  # chain: no page tails wasted
                     try:
-                        tensors = store.allocate_group(specs, tier="cpu")
+                        tensors = store.allocate_group(specs, tier="cpu", after=after)
                     except OutOfMemory:
-                        tensors = store.allocate_group(specs, tier="nvme")
+                        tensors = store.allocate_group(specs, tier="nvme", after=after)
                     digests = []
                     for t, (_, shape) in zip(tensors, shapes):
                         data = torch.randn(shape, generator=g).to(DTYPE)
