@@ -337,3 +337,22 @@ def test_chained_group_oom_changes_nothing(store):
     assert (after.used_pages, after.live_bytes) == (before.used_pages, before.live_bytes)
     b = store.allocate_group([((50,), torch.uint8)], tier="gpu", after=a)  # the tail is still open
     assert b[0].pages == a.pages
+
+
+def test_copy_into_a_split_tensor_is_all_or_nothing(make_store, engine):
+    """A tensor with pages on cpu and nvme: if the nvme part cannot be written (no free slot for
+    copy-on-write), the cpu part must not be overwritten either."""
+    store = make_store(io_engine=engine, nvme_bytes=3 * PAGE)
+    a, b = store.allocate_group([((1000,), torch.uint8), ((2 * PAGE,), torch.uint8)], tier="cpu")
+    da, db = random_tensor((1000,), torch.uint8, 1), random_tensor((2 * PAGE,), torch.uint8, 2)
+    a.copy_(da)
+    b.copy_(db)
+    a.move("nvme").wait()  # b's first page goes with a; b's other two pages stay on cpu
+    filler = store.allocate((2 * PAGE,), torch.uint8, tier="nvme")  # nvme is now full
+    assert store.stats()["nvme"].free_pages == 0
+    with pytest.raises(pagemem.OutOfMemory, match="nvme"):
+        b.copy_(torch.zeros(2 * PAGE, dtype=torch.uint8))
+    assert same_bytes(b.to_torch(), db) and same_bytes(a.to_torch(), da)
+    filler.free()
+    b.copy_(torch.zeros(2 * PAGE, dtype=torch.uint8))
+    assert torch.count_nonzero(b.to_torch()) == 0 and same_bytes(a.to_torch(), da)

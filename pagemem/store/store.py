@@ -304,21 +304,22 @@ class PageStore:
         data = src.detach().contiguous().reshape(-1).view(torch.uint8)
 
         def write() -> None:
-            on_disk = []
-            for page, lo, hi, pos in t._segments():
-                if page.tier.resident:
-                    page.tier.buffer(page.slot)[lo:hi].copy_(data[pos:pos + hi - lo])
-                else:
-                    on_disk.append((page, lo, hi, pos))
+            resident, on_disk = [], []
+            for seg in t._segments():
+                (resident if seg[0].tier.resident else on_disk).append(seg)
+            # disk pages first, copy-on-write: if that fails (full, I/O error) nothing has changed
+            commit = self._write_nvme(on_disk, data) if on_disk else None
+            for page, lo, hi, pos in resident:
+                page.tier.buffer(page.slot)[lo:hi].copy_(data[pos:pos + hi - lo])
             self._sync_cuda(t)
-            if on_disk:
-                self._write_nvme(on_disk, data)
+            if commit:
+                commit()
 
         self._exclusive(t, write)
 
-    def _write_nvme(self, segments: list, data: torch.Tensor) -> None:
-        """Copy-on-write: new slots get the new pages; they replace the old ones only if every
-        write succeeded, so a failed write leaves the tensor as it was."""
+    def _write_nvme(self, segments: list, data: torch.Tensor):
+        """Write the new contents of on-disk pages to fresh slots (copy-on-write) and return the
+        function that swaps them in. Raises, changing nothing, if the slots or writes fail."""
         nvme = self._tiers.nvme
         with self._lock:
             if len(segments) > nvme.free_pages:
@@ -334,18 +335,20 @@ class PageStore:
                 buf.tensor[lo:hi].copy_(data[pos:pos + hi - lo])
             nvme_write(list(zip(new_slots[i:i + len(batch)], bufs)))
 
-        ok = False
         try:
             self._staged(segments, write_batch)
-            ok = True
-        finally:
+        except BaseException:
             with self._lock:
-                if ok:
-                    for (page, *_), slot in zip(segments, new_slots):
-                        nvme.release([page.slot])
-                        page.slot = slot
-                else:
-                    nvme.release(new_slots)
+                nvme.release(new_slots)
+            raise
+
+        def commit() -> None:
+            with self._lock:
+                for (page, *_), slot in zip(segments, new_slots):
+                    nvme.release([page.slot])
+                    page.slot = slot
+
+        return commit
 
     def _read(self, t: PagedTensor) -> torch.Tensor:
         def read() -> torch.Tensor:
