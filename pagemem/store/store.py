@@ -226,7 +226,8 @@ class PageStore:
                 if slot is None:  # an earlier move of this page failed, so none was reserved
                     if not dest.free_pages:
                         op.errors.append(OutOfMemory(dest.name, 1, 0, self.page_bytes, f"page {page.id}"))
-                        page.future_tier = page.tier if page.last_op is op else page.future_tier
+                        if page.last_op is op:
+                            page.future_tier = page.tier
                         continue
                     slot = dest.allocate(1)[0]
                 direction = f"{page.tier.name}->{dest.name}"
