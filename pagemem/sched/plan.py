@@ -1,0 +1,167 @@
+"""A plan: the ordered task queue, with what it was made for and a readable summary."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pagemem.errors import ConfigError
+from pagemem.sched.layout import LayerLayout, Layout
+from pagemem.sched.tasks import TIERS, Target, Task
+from pagemem.units import format_bytes, parse_size
+
+FORMAT = "pagemem-plan"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Per-rank memory budgets in bytes. Accepts ints or "8GiB"-style strings."""
+
+    gpu: int
+    cpu: int
+    nvme: int = 0
+
+    @classmethod
+    def parse(cls, value: "Budgets | Mapping[str, int | str]") -> "Budgets":
+        if isinstance(value, Budgets):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"budgets: expected a mapping like {{'gpu': '8GiB', 'cpu': '64GiB'}}, got {value!r}")
+        unknown = set(value) - set(TIERS)
+        if unknown:
+            raise ConfigError(f"budgets: unknown tier(s) {sorted(unknown)}; tiers are 'gpu', 'cpu', 'nvme'")
+        for tier in ("gpu", "cpu"):
+            if tier not in value:
+                raise ConfigError(f"budgets['{tier}']: required")
+        return cls(**{t: parse_size(v, f"budgets['{t}']") for t, v in value.items()})
+
+    def __getitem__(self, tier: str) -> int:
+        return getattr(self, tier)
+
+    def as_dict(self) -> dict[str, int]:
+        return {t: self[t] for t in TIERS}
+
+
+@dataclass
+class Plan:
+    """The task queue for one training iteration on one rank, in order (``tasks``)."""
+
+    tasks: list[Task]
+    layout: Layout
+    budgets: Budgets
+    world_size: int
+    optimizer_tier: str
+    n_ops: int
+    """Ops in the trace; trigger ids run from 0 to ``n_ops`` (the end of the iteration)."""
+    cached_layers: tuple[int, ...]
+    """Layers whose parameters, gradients and optimizer states stay on the gpu (updated there)."""
+    min_gpu_bytes: int
+    """The smallest GPU budget with which the planner finds a plan for this trace."""
+    predicted_peak: dict[str, int]
+    """Peak bytes per tier over logical time, as the planner's own timelines saw it."""
+    trace_fingerprint: str
+    planning_seconds: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.page_bytes
+
+    def counts(self) -> dict[str, int]:
+        """Tasks per operation."""
+        return dict(Counter(t.operation for t in self.tasks))
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes per transfer kind: ``h2d``, ``d2h``, ``ssd_read``, ``ssd_write``, ``network``."""
+        pb, w = self.page_bytes, self.world_size
+        out = dict.fromkeys(("h2d", "d2h", "ssd_read", "ssd_write", "network"), 0)
+        for t in self.tasks:
+            op = t.operation
+            if op == "move_to_gpu":
+                out["h2d"] += pb
+            elif op == "all_gather" or op == "reduce_scatter":
+                out["network"] += (w - 1) * pb
+            elif op == "offload" and t.target.kind == "grad":
+                out["d2h"] += pb
+            elif op == "offload" and t.target.kind == "optim":
+                out["ssd_write"] += self.layout.layers[t.target.layer].optim_pages * pb
+            elif op == "move_to_cpu":
+                out["ssd_read"] += self.layout.layers[t.target.layer].optim_pages * pb
+        return out
+
+    def holds_for(self, trace) -> bool:
+        """True when ``trace`` has the access order this plan was made from."""
+        return trace.fingerprint == self.trace_fingerprint
+
+    def summary(self) -> str:
+        """A few lines for people: size, traffic, peaks against budgets, caching."""
+        counts = self.counts()
+        moved = self.bytes_moved()
+        lines = [
+            f"plan: {len(self.tasks)} tasks for {len(self.layout.layers)} layers, {self.n_ops} ops, "
+            f"world size {self.world_size}, {format_bytes(self.page_bytes)} pages, optimizer states on "
+            f"{self.optimizer_tier}; planned in {self.planning_seconds * 1000:.0f} ms",
+            "  tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+            "  traffic per iteration: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in moved.items() if v),
+            "  peak / budget: " + ", ".join(
+                f"{t} {format_bytes(self.predicted_peak.get(t, 0))} / {format_bytes(self.budgets[t])}"
+                for t in TIERS if self.budgets[t] or self.predicted_peak.get(t)),
+            f"  smallest gpu budget that works: {format_bytes(self.min_gpu_bytes)}",
+            f"  layers cached on gpu (params, grads, optimizer states): "
+            + (", ".join(self.layout.layers[i].name for i in self.cached_layers) if self.cached_layers else "none"),
+        ]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ serialization
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": self.world_size,
+            "optimizer_tier": self.optimizer_tier,
+            "n_ops": self.n_ops,
+            "budgets": self.budgets.as_dict(),
+            "cached_layers": list(self.cached_layers),
+            "min_gpu_bytes": self.min_gpu_bytes,
+            "predicted_peak": self.predicted_peak,
+            "trace_fingerprint": self.trace_fingerprint,
+            "planning_seconds": self.planning_seconds,
+            "meta": self.meta,
+            "layout": {"page_bytes": self.layout.page_bytes, "world_size": self.layout.world_size,
+                       "layers": [list(_layer_fields(l)) for l in self.layout.layers]},
+            "tasks": [[t.operation, t.target.kind, t.target.layer, t.target.page, t.trigger_id, t.tier]
+                      for t in self.tasks],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if data.get("format") != FORMAT:
+            raise ConfigError(f"not a pagemem plan (format {data.get('format')!r})")
+        if data.get("version") != VERSION:
+            raise ConfigError(f"plan version {data.get('version')!r} is not supported (this pagemem reads {VERSION})")
+        lay = data["layout"]
+        layout = Layout(lay["page_bytes"], lay["world_size"], tuple(LayerLayout(*f) for f in lay["layers"]))
+        tasks = [Task(op, Target(kind, layer, page), trig, tier) for op, kind, layer, page, trig, tier in data["tasks"]]
+        return cls(tasks, layout, Budgets(**data["budgets"]), data["world_size"], data["optimizer_tier"],
+                   data["n_ops"], tuple(data["cached_layers"]), data["min_gpu_bytes"],
+                   dict(data["predicted_peak"]), data["trace_fingerprint"], data["planning_seconds"],
+                   dict(data.get("meta", {})))
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def _layer_fields(layer: LayerLayout) -> tuple:
+    return (layer.index, layer.name, layer.param_bytes, layer.shard_elements, layer.shard_bytes,
+            layer.param_pages, layer.optim_bytes, layer.optim_pages)

@@ -1,0 +1,376 @@
+"""The planner: ANGEL-PTM's Algorithm 1, completed.
+
+Per rank, in logical time (the trace's ops, plus op ``n`` for the end of the iteration):
+
+1. **What must be on the GPU.** Each layer's parameters, gathered from all ranks, during each of
+   its compute windows; its gradient buffer from the window that starts producing gradients
+   until ``reduce_scatter`` has consumed it (W > 1) or the pages are offloaded (W = 1); and the
+   non-model memory the trace recorded per op. Its peak is the smallest GPU budget that works
+   (``min_gpu_bytes``); below it the planner raises ``InfeasiblePlan``.
+2. **Phase 1, prioritized moves.** Every window's parameter pages are first scheduled to move
+   at the earliest trigger (0, or just after the layer's previous window). Walking the windows
+   in time order, while memory over the current stretch exceeds the budget, the last scheduled
+   moves (those of the latest windows) are rolled back onto a wait stack; after each window
+   starts, waiting moves are re-issued at that point as far as memory allows.
+3. **Phase 2, all-gathers** (W > 1) are advanced from the window start to the earliest trigger,
+   no earlier than their page's move, that causes no OOM.
+4. **Caching.** While the GPU peak leaves room, layers (earliest first, after AutoHete) keep their
+   parameter shard, gradients and optimizer states on the GPU and are updated there.
+5. **Gradients and updates.** After a layer's last gradient access: ``reduce_scatter``, the
+   ``offload`` of its gradient shard to CPU, the ``update``; with optimizer states on NVMe they
+   are fetched to CPU as early as the CPU budget allows and written back after the update.
+
+Every "how much room is there" question is a query on a ``SegmentTimeline`` (O(log n)).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from pagemem.errors import ConfigError
+from pagemem.sched.errors import InfeasiblePlan
+from pagemem.sched.layout import Layout
+from pagemem.sched.plan import Budgets, Plan
+from pagemem.sched.tasks import Target, Task
+from pagemem.sched.timeline import TIMELINES
+from pagemem.sched.windows import Usage, Window
+from pagemem.tracer import Trace
+from pagemem.units import parse_size
+
+
+@dataclass
+class _Run:
+    """Pages ``[lo, hi)`` of window ``w`` moved to the gpu at trigger ``m``."""
+
+    w: int
+    lo: int
+    hi: int
+    m: int
+
+
+def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size: int = 1,
+         optimizer_tier: str = "cpu", page_bytes: int | str = "4MiB", *, cache_optimizer: bool = True,
+         timeline: str = "segment") -> Plan:
+    """Plan one training iteration of ``trace`` on each of ``world_size`` ranks.
+
+    ``budgets`` are per rank (``{"gpu": "8GiB", "cpu": "64GiB", "nvme": "1TiB"}``);
+    ``optimizer_tier`` is where optimizer states live (``"cpu"`` or ``"nvme"``), except for layers
+    the planner caches on the gpu when ``cache_optimizer`` and the budget allow. Raises
+    ``InfeasiblePlan`` (with ``min_gpu_bytes``) when no plan fits, ``ConfigError`` for bad input.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(trace, Trace):
+        raise ConfigError(f"trace: expected a pagemem.tracer.Trace, got {type(trace).__name__}")
+    b = Budgets.parse(budgets)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 65536:
+        raise ConfigError(f"world_size: must be an integer in [1, 65536], got {world_size!r}")
+    if optimizer_tier not in ("cpu", "nvme"):
+        raise ConfigError(f"optimizer_tier: must be 'cpu' or 'nvme', got {optimizer_tier!r}")
+    pb = parse_size(page_bytes, "page_bytes")
+    if pb <= 0 or pb % 4096:
+        raise ConfigError(f"page_bytes: must be a positive multiple of 4096 bytes, got {pb}")
+    if timeline not in TIMELINES:
+        raise ConfigError(f"timeline: must be one of {sorted(TIMELINES)}, got {timeline!r}")
+    planner = _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline])
+    result = planner.run(cache_optimizer)
+    result.planning_seconds = time.perf_counter() - t0
+    return result
+
+
+class _Planner:
+    def __init__(self, trace: Trace, budgets: Budgets, world_size: int, optimizer_tier: str,
+                 page_bytes: int, timeline_cls) -> None:
+        self.trace = trace
+        self.b = budgets
+        self.W = world_size
+        self.opt_tier = optimizer_tier
+        self.pb = page_bytes
+        self.Timeline = timeline_cls
+        self.layout = Layout.from_trace(trace, world_size, page_bytes)
+        self.usage = Usage.from_trace(trace)
+        self.n = len(trace.ops)
+        self.wins: list[Window] = self.usage.all_windows()
+        # lower bound of each window's move trigger: just after the layer's previous window
+        last_end: dict[int, int] = {}
+        self.lower = []
+        for w in self.wins:
+            self.lower.append(last_end.get(w.layer, -1) + 1)
+            last_end[w.layer] = w.end
+        # where each layer's gradients are reduced, offloaded and applied
+        self.r = {g.layer: g.last + 1 for g in self.usage.grads if g is not None}
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self, cache_optimizer: bool) -> Plan:
+        self._mandatory_gpu()
+        self._phase1()
+        gathers = self._phase2() if self.W > 1 else {}
+        cached = self._cache() if cache_optimizer else []
+        staging = self._cpu(set(cached))
+        tasks = self._emit(gathers, set(cached), staging)
+        peaks = {"gpu": self.gpu.max(0, self.n + 1), "cpu": self.cpu_peak, "nvme": self.nvme_used}
+        return Plan(tasks, self.layout, self.b, self.W, self.opt_tier, self.n, tuple(sorted(cached)),
+                    self.min_gpu, peaks, self.trace.fingerprint,
+                    meta={"windows": len(self.wins), "timeline": self.Timeline.__name__})
+
+    # ------------------------------------------------------------------ step 1: what must be there
+
+    def _mandatory_gpu(self) -> None:
+        n, pb = self.n, self.pb
+        base = [op.non_model_bytes for op in self.trace.ops] + [0]
+        self.gpu = tl = self.Timeline(base)
+        for w in self.wins:
+            tl.add(w.start, w.end + 1, self.layout.gathered_pages(w.layer) * pb)
+        for g in self.usage.grads:
+            if g is None:
+                continue
+            start = self.usage.windows[g.layer][g.window].start
+            r = self.r[g.layer]
+            tl.add(start, r + 1, self.layout.grad_buffer_pages(g.layer) * pb)
+            if self.W > 1:  # the gradient shard reduce_scatter creates, offloaded during op r
+                tl.add(r, r + 1, self.layout.layers[g.layer].param_pages * pb)
+        self.min_gpu = tl.max(0, n + 1)
+        if self.min_gpu > self.b.gpu:
+            at = tl.last_above(0, n + 1, self.min_gpu - 1)
+            op = self.trace.ops[at] if at < n else None
+            where = f"{op.phase} of {op.module or 'the model'}" if op else "the end of the iteration"
+            raise InfeasiblePlan("gpu", self.min_gpu, self.b.gpu, self.min_gpu, at,
+                                 f"{where}: non-model memory plus the layers that must be resident")
+
+    # ------------------------------------------------------------------ step 2: phase 1
+
+    def _prefetch_add(self, run: _Run, sign: int) -> None:
+        start = self.wins[run.w].start
+        if run.m < start:
+            self.gpu.add(run.m, start, sign * (run.hi - run.lo) * self.pb)
+
+    def _phase1(self) -> None:
+        """Algorithm 1, phase 1, on runs of pages (one timeline update per run, not per page)."""
+        wins, lower, pb, budget, tl = self.wins, self.lower, self.pb, self.b.gpu, self.gpu
+        pages = [self.layout.layers[w.layer].param_pages for w in wins]
+        runs: list[_Run] = []
+        for i, w in enumerate(wins):
+            run = _Run(i, 0, pages[i], min(lower[i], w.start))
+            self._prefetch_add(run, +1)
+            runs.append(run)
+        keys = [r.w for r in runs]  # runs stay sorted by window index
+        wait: list[list[int]] = []  # [window, lo, hi]; top = earliest window
+        bounds = [0] + [w.start for w in wins] + [self.n + 1]
+        for seg in range(len(bounds) - 1):
+            lo, hi = bounds[seg], bounds[seg + 1]
+            if lo >= hi:
+                continue
+            started = seg  # windows 0 .. seg-1 have started by op lo
+            # roll back the latest moves while this stretch is over budget
+            while True:
+                p = tl.last_above(lo, hi, budget)  # the latest op of this stretch over budget
+                if p < 0:
+                    break
+                over = tl.max(p, p + 1) - budget
+                k = len(runs) - 1  # the last scheduled move that holds memory at op p
+                while k >= 0 and (runs[k].w < started or runs[k].m > p):
+                    k -= 1
+                if k < 0:
+                    raise AssertionError("phase 1 found nothing to roll back though the mandatory memory fits")
+                run = runs[k]
+                take = min(run.hi - run.lo, -(-over // pb))
+                self._prefetch_add(_Run(run.w, run.hi - take, run.hi, run.m), -1)
+                wait.append([run.w, run.hi - take, run.hi])
+                run.hi -= take
+                if run.hi == run.lo:
+                    del runs[k]
+                    del keys[k]
+            wait.sort(key=lambda e: -e[0])  # pop() gives the earliest window
+            # re-issue waiting moves from here while they fit
+            while wait:
+                wi, plo, phi = wait[-1]
+                t = max(lo, lower[wi])
+                start = wins[wi].start
+                if t >= start:  # no time left to prefetch: it moves when its window starts
+                    wait.pop()
+                    self._insert(runs, keys, _Run(wi, plo, phi, start))
+                    continue
+                room = budget - tl.max(t, start)
+                k = min(phi - plo, room // pb) if room > 0 else 0
+                if k == 0:
+                    break
+                run = _Run(wi, plo, plo + k, t)
+                self._prefetch_add(run, +1)
+                self._insert(runs, keys, run)
+                if plo + k == phi:
+                    wait.pop()
+                else:
+                    wait[-1][1] = plo + k
+        for wi, plo, phi in wait:  # still waiting at the end: moved when their window starts
+            self._insert(runs, keys, _Run(wi, plo, phi, wins[wi].start))
+        self.runs = runs
+
+    @staticmethod
+    def _insert(runs: list[_Run], keys: list[int], run: _Run) -> None:
+        i = bisect.bisect_right(keys, run.w)
+        runs.insert(i, run)
+        keys.insert(i, run.w)
+
+    # ------------------------------------------------------------------ step 3: phase 2
+
+    def _phase2(self) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+        """Advance all-gathers: per (window, run start) a list of (lo, hi, trigger)."""
+        extra = (self.W - 1) * self.pb
+        budget, tl = self.b.gpu, self.gpu
+        out: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for run in self.runs:
+            start = self.wins[run.w].start
+            pieces = []
+            lo, hi = run.lo, run.hi
+            while lo < hi:
+                if run.m >= start:
+                    pieces.append((lo, hi, start))
+                    break
+                count = hi - lo
+                idx = tl.last_above(run.m, start, budget - extra * count)
+                g = idx + 1 if idx >= 0 else run.m
+                if g < start:
+                    tl.add(g, start, extra * count)
+                    pieces.append((lo, hi, g))
+                    break
+                # not even one op early for all of them: advance as many as fit just before start
+                room = budget - tl.max(start - 1, start)
+                fit = min(count - 1, room // extra) if room > 0 else 0
+                if fit <= 0:
+                    pieces.append((lo, hi, start))
+                    break
+                hi_part = lo + fit
+                idx = tl.last_above(run.m, start, budget - extra * fit)
+                g = idx + 1 if idx >= 0 else run.m
+                tl.add(g, start, extra * fit)
+                pieces.append((lo, hi_part, g))
+                lo = hi_part
+            out[(run.w, run.lo)] = pieces
+        return out
+
+    # ------------------------------------------------------------------ step 4: caching
+
+    def _cache(self) -> list[int]:
+        """Keep layers' model states on the gpu, earliest layers first, while the peak allows."""
+        tl, pb, n = self.gpu, self.pb, self.n
+        cached = []
+        by_layer: dict[int, list[_Run]] = {}
+        for run in self.runs:
+            by_layer.setdefault(self.wins[run.w].layer, []).append(run)
+        for lay in self.layout.layers:
+            if lay.index not in self.r:  # no gradients: nothing to update
+                continue
+            persistent = (lay.param_pages + lay.optim_pages) * pb
+            changes = [(0, n + 1, persistent)]
+            for run in by_layer.get(lay.index, []):
+                start = self.wins[run.w].start
+                if run.m < start:  # its prefetch is no longer needed
+                    changes.append((run.m, start, -(run.hi - run.lo) * pb))
+            for w in self.usage.windows[lay.index]:  # the gathered pages include the resident shard
+                changes.append((w.start, w.end + 1, -lay.param_pages * pb))
+            for lo, hi, v in changes:
+                tl.add(lo, hi, v)
+            if tl.max(0, n + 1) <= self.b.gpu:
+                cached.append(lay.index)
+                for run in by_layer.get(lay.index, []):
+                    run.m = self.wins[run.w].start  # no move: the shard is already there
+            else:
+                for lo, hi, v in changes:
+                    tl.add(lo, hi, -v)
+                break
+        return cached
+
+    # ------------------------------------------------------------------ step 5: cpu and nvme
+
+    def _cpu(self, cached: set[int]) -> dict[int, int]:
+        """Check the cpu (and nvme) budgets; schedule optimizer-state fetches from nvme as early
+        as the cpu budget allows. Returns {layer: fetch trigger}."""
+        n, pb = self.n, self.pb
+        host = [l for l in self.layout.layers if l.index not in cached]
+        base = sum(l.param_pages for l in host) * pb
+        if self.opt_tier == "cpu":
+            base += sum(l.optim_pages for l in host) * pb
+        tl = self.Timeline([base] * (n + 1))
+        order = sorted((self.r[l.index], l.index) for l in host if l.index in self.r)
+        for r, layer in order:
+            lay = self.layout.layers[layer]
+            tl.add(r, r + 1, lay.param_pages * pb)  # the offloaded gradient shard
+            if self.opt_tier == "nvme":
+                tl.add(r, r + 1, lay.optim_pages * pb)  # fetched no later than the update
+        need = tl.max(0, n + 1)
+        if need > self.b.cpu:
+            at = tl.last_above(0, n + 1, need - 1)
+            raise InfeasiblePlan("cpu", need, self.b.cpu, self.min_gpu, at,
+                                 "parameter shards, offloaded gradients and optimizer states")
+        self.nvme_used = sum(l.optim_pages for l in host) * pb if self.opt_tier == "nvme" else 0
+        if self.nvme_used > self.b.nvme:
+            raise InfeasiblePlan("nvme", self.nvme_used, self.b.nvme, self.min_gpu, 0, "optimizer states")
+        fetch = {}
+        if self.opt_tier == "nvme":
+            for r, layer in order:  # fetch as early as the cpu budget allows, in update order
+                size = self.layout.layers[layer].optim_pages * pb
+                idx = tl.last_above(0, r, self.b.cpu - size)
+                f = idx + 1 if idx >= 0 else 0
+                tl.add(f, r, size)
+                fetch[layer] = f
+        self.cpu_peak = tl.max(0, n + 1)
+        return fetch
+
+    # ------------------------------------------------------------------ the queue
+
+    def _emit(self, gathers, cached: set[int], fetch: dict[int, int]) -> list[Task]:
+        n, W = self.n, self.W
+        starts: list[list[Task]] = [[] for _ in range(n + 1)]
+        ends: list[list[Task]] = [[] for _ in range(n + 1)]
+        layers = self.layout.layers
+        runs_of: dict[int, list[_Run]] = {}
+        for run in self.runs:
+            runs_of.setdefault(run.w, []).append(run)
+        for wi, w in enumerate(self.wins):
+            L = w.layer
+            is_cached = L in cached
+            for run in runs_of.get(wi, []):
+                if not is_cached:
+                    for j in range(run.lo, run.hi):
+                        starts[run.m].append(Task("move_to_gpu", Target("param", L, j), run.m, "gpu"))
+                if W > 1:
+                    for glo, ghi, g in gathers[(wi, run.lo)]:
+                        for j in range(glo, ghi):
+                            starts[g].append(Task("all_gather", Target("param", L, j), g))
+            starts[w.start].append(Task("compute", Target("layer", L), w.start, "gpu"))
+            if not is_cached or W > 1:
+                ends[w.end].append(Task("release", Target("param", L), w.end, "gpu"))
+        for g in self.usage.grads:
+            if g is None:
+                continue
+            L, r = g.layer, self.r[g.layer]
+            pages = layers[L].param_pages
+            is_cached = L in cached
+            s, e = starts[r], ends[r]
+            if W > 1:
+                for j in range(pages):
+                    s.append(Task("reduce_scatter", Target("grad", L, j), r))
+                e.append(Task("release", Target("fullgrad", L), r, "gpu"))
+            if is_cached:
+                s.append(Task("update", Target("layer", L), r, "gpu"))
+                e.append(Task("release", Target("grad", L), r, "gpu"))
+                continue
+            for j in range(pages):
+                s.append(Task("offload", Target("grad", L, j), r, "cpu"))
+            e.append(Task("release", Target("grad", L), r, "gpu"))
+            if self.opt_tier == "nvme":
+                f = fetch[L]
+                starts[f].append(Task("move_to_cpu", Target("optim", L), f, "cpu"))
+            s.append(Task("update", Target("layer", L), r, "cpu"))
+            e.append(Task("release", Target("grad", L), r, "cpu"))
+            if self.opt_tier == "nvme":
+                s.append(Task("offload", Target("optim", L), r, "nvme"))
+                e.append(Task("release", Target("optim", L), r, "cpu"))
+        tasks: list[Task] = []
+        for t in range(n + 1):
+            tasks.extend(starts[t])
+            tasks.extend(ends[t])
+        return tasks
