@@ -62,12 +62,24 @@ _PRESETS = {
     "gpt-1.3b": GPTConfig(layers=24, hidden=2048, heads=16, vocab=50304, seq=2048),
     "gpt-6.7b": GPTConfig(layers=32, hidden=4096, heads=32, vocab=50304, seq=2048),
     "gpt3-175b": GPTConfig(layers=96, hidden=12288, heads=96, vocab=50304, seq=2048),
+    # ANGEL-PTM Table 4. The extracted table garbles two rows: GPT3-13B reads hidden 5140 /
+    # ffn 20506 (not divisible by its 40 heads; 5120 / 20480 is GPT-3 13B), and GPT3-30B reads
+    # 64 layers / 36 heads (36 layers / 64 heads gives its 30B parameters). "GPT3-28B" (Tables 4
+    # and 5: 26 layers of hidden 8192) holds 21.4B parameters by the closed form, not 28B.
+    "angel-gpt3-1.7b": GPTConfig(layers=24, hidden=2304, heads=24, ffn=9216, vocab=50304, seq=2048),
+    "angel-gpt3-13b": GPTConfig(layers=40, hidden=5120, heads=40, ffn=20480, vocab=50304, seq=2048),
+    "angel-gpt3-28b": GPTConfig(layers=26, hidden=8192, heads=128, ffn=32768, vocab=50304, seq=2048),
+    "angel-gpt3-30b": GPTConfig(layers=36, hidden=8192, heads=64, ffn=32768, vocab=50304, seq=2048),
+    "angel-gpt3-55b": GPTConfig(layers=68, hidden=8192, heads=128, ffn=32768, vocab=50304, seq=2048),
+    "angel-gpt3-120b": GPTConfig(layers=64, hidden=12288, heads=96, ffn=49152, vocab=50304, seq=2048),
+    "angel-gpt3-175b": GPTConfig(layers=70, hidden=14336, heads=112, ffn=57344, vocab=50304, seq=2048),
 }
 
 
 def gpt_config(name: str, **overrides: object) -> GPTConfig:
     """A named preset (``tiny``, ``small``, ``gpt2``, ``gpt2-medium``, ``gpt-1.3b``, ``gpt-6.7b``,
-    ``gpt3-175b``), with fields optionally overridden."""
+    ``gpt3-175b``, and ANGEL-PTM Table 4's ``angel-gpt3-1.7b`` .. ``angel-gpt3-175b``), with fields
+    optionally overridden."""
     try:
         base = _PRESETS[name]
     except KeyError:

@@ -64,6 +64,8 @@ class Plan:
     predicted_peak: dict[str, int]
     """Peak bytes per tier over logical time, as the planner's own timelines saw it."""
     trace_fingerprint: str
+    non_model: tuple[int, ...] = ()
+    """The non-model bytes per op the plan was made for."""
     planning_seconds: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -94,8 +96,12 @@ class Plan:
         return out
 
     def holds_for(self, trace) -> bool:
-        """True when ``trace`` has the access order this plan was made from."""
-        return trace.fingerprint == self.trace_fingerprint
+        """True when the plan is safe for ``trace``: the same access order (fingerprint) and, at
+        every op, no more non-model memory than the plan's spare gpu memory absorbs."""
+        if trace.fingerprint != self.trace_fingerprint or len(trace.ops) != self.n_ops:
+            return False
+        spare = self.budgets.gpu - self.predicted_peak.get("gpu", 0)
+        return all(op.non_model_bytes <= planned + spare for op, planned in zip(trace.ops, self.non_model))
 
     def summary(self) -> str:
         """A few lines for people: size, traffic, peaks against budgets, caching."""
@@ -130,6 +136,7 @@ class Plan:
             "min_gpu_bytes": self.min_gpu_bytes,
             "predicted_peak": self.predicted_peak,
             "trace_fingerprint": self.trace_fingerprint,
+            "non_model": list(self.non_model),
             "planning_seconds": self.planning_seconds,
             "meta": self.meta,
             "layout": {"page_bytes": self.layout.page_bytes, "world_size": self.layout.world_size,
@@ -149,8 +156,8 @@ class Plan:
         tasks = [Task(op, Target(kind, layer, page), trig, tier) for op, kind, layer, page, trig, tier in data["tasks"]]
         return cls(tasks, layout, Budgets(**data["budgets"]), data["world_size"], data["optimizer_tier"],
                    data["n_ops"], tuple(data["cached_layers"]), data["min_gpu_bytes"],
-                   dict(data["predicted_peak"]), data["trace_fingerprint"], data["planning_seconds"],
-                   dict(data.get("meta", {})))
+                   dict(data["predicted_peak"]), data["trace_fingerprint"], tuple(data["non_model"]),
+                   data["planning_seconds"], dict(data.get("meta", {})))
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:

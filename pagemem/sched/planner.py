@@ -114,7 +114,7 @@ class _Planner:
         peaks = {"gpu": self.gpu.max(0, self.n + 1), "cpu": self.cpu_peak, "nvme": self.nvme_used}
         return Plan(tasks, self.layout, self.b, self.W, self.opt_tier, self.n, tuple(sorted(cached)),
                     self.min_gpu, peaks, self.trace.fingerprint,
-                    meta={"windows": len(self.wins), "timeline": self.Timeline.__name__})
+                    tuple(op.non_model_bytes for op in self.trace.ops), meta={"windows": len(self.wins), "timeline": self.Timeline.__name__})
 
     # ------------------------------------------------------------------ step 1: what must be there
 

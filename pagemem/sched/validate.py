@@ -290,12 +290,14 @@ class _Replay:
 def validate(plan: Plan, trace: Trace, budgets: "Budgets | Mapping[str, int | str] | None" = None) -> ValidationReport:
     """Replay ``plan`` against ``trace``; report peak memory per tier and every violation."""
     b = Budgets.parse(budgets) if budgets is not None else plan.budgets
-    rp = _Replay(plan, trace, b)
-    n, pb = rp.n, plan.page_bytes
+    n, pb = len(trace.ops), plan.page_bytes
     non_model = np.array([op.non_model_bytes for op in trace.ops] + [0], dtype=np.int64)
     series = {tier: np.zeros(n + 1, dtype=np.int64) for tier in TIERS}
-    if plan.n_ops != n or not plan.holds_for(trace):
-        rp.bad("bad_task", 0, "plan", "the plan was made for a trace with another access order")
+    if trace.fingerprint != plan.trace_fingerprint or plan.n_ops != n or len(trace.layers) != len(plan.layout.layers):
+        mismatch = Violation("bad_task", 0, "plan", "the plan was made for a trace with another access order; "
+                             "nothing was replayed")
+        return ValidationReport(dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0), [mismatch], series, non_model, b)
+    rp = _Replay(plan, trace, b)
     by_trigger: list[list[Task]] = [[] for _ in range(n + 1)]
     ends: list[list[Task]] = [[] for _ in range(n + 1)]
     last = -1
