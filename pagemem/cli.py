@@ -11,6 +11,7 @@ import sys
 COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "pagemem.demo", "store a model-sized set of tensors across the tiers, move them, verify every byte"),
     ("trace", "pagemem.tracer.cli", "trace one training iteration of the GPT (or synthesise it) and write trace JSON files"),
+    ("plan", "pagemem.sched.cli", "plan one training iteration: the task queue, its validated peak memory"),
 ]
 
 
