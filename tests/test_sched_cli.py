@@ -1,0 +1,56 @@
+"""``pagemem plan`` end to end, and the memory plot."""
+
+import json
+
+import pytest
+
+from pagemem.cli import main
+from pagemem.sched import Plan, plan, validate
+from pagemem.tracer import synthetic_transformer
+
+SMALL = ["--model", "tiny", "--batch", "2", "--seq", "16", "--page-bytes", "4096", "--world-size", "2",
+         "--cpu", "1GiB", "--nvme", "1GiB"]
+
+
+def test_plan_command_writes_a_valid_plan_and_a_plot(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "mem.png"
+    rc = main(["plan", *SMALL, "--gpu", "64MiB", "--optimizer-tier", "nvme", "--out", str(out), "--plot", str(png)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "validated" in text and "valid" in text and "peak / budget" in text
+    p = Plan.load(out)
+    assert p.world_size == 2 and p.optimizer_tier == "nvme"
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plan_command_reports_infeasible_with_the_minimum(capsys):
+    rc = main(["plan", *SMALL, "--gpu", "1KiB"])
+    text = capsys.readouterr().out
+    assert rc == 3
+    assert "smallest GPU budget that works is" in text
+
+
+def test_plan_command_reads_a_trace_file(tmp_path, capsys):
+    tr = synthetic_transformer(layers=2, hidden=32, ffn=128, heads=2, seq=8, batch=1, vocab=64)
+    tr.save(tmp_path / "t.json")
+    rc = main(["plan", "--trace", str(tmp_path / "t.json"), "--gpu", "1GiB", "--cpu", "1GiB",
+               "--page-bytes", "4096", "--world-size", "1"])
+    assert rc == 0, capsys.readouterr().out
+
+
+def test_plan_command_bad_input(capsys):
+    assert main(["plan", *SMALL, "--gpu", "lots"]) == 2
+    assert "budgets['gpu']" in capsys.readouterr().out
+
+
+def test_plot_draws_a_plan_that_is_over_budget_too(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pagemem.sched.plot import plot_memory
+
+    tr = synthetic_transformer(layers=2, hidden=64, ffn=256, heads=4, seq=16, batch=2, vocab=128)
+    p = plan(tr, {"gpu": "1GiB", "cpu": "1GiB"}, page_bytes=4096, cache_optimizer=False)
+    report = validate(p, tr, {"gpu": 50_000, "cpu": "1GiB"})
+    assert not report.ok
+    path = plot_memory(report, tmp_path / "over.png", phases=[o.phase for o in tr.ops] + ["end"])
+    assert open(path, "rb").read(4) == b"\x89PNG"
