@@ -31,6 +31,20 @@ statistics and the attention log-sum-exp (a few bytes per token) are left out.
 Each record is created at the op that computes it, touched where it is used, and released after
 its backward use. Durations come from :class:`~pagemem.tracer.cost.CostModel` (a roofline
 estimate).
+
+Activation checkpointing (``checkpoint=True``; ``GPT`` with ``checkpoint_activations`` runs
+``torch.utils.checkpoint(block, x, use_reentrant=False)`` per block). Forward saves only each
+block's input (``embed``, then ``blocks.i:mlp_add``, the previous block's output, saved at that
+block's ``forward_post``); what a block computes inside lives only until Python drops it.
+Backward reaches block ``i`` at ``blocks.i.mlp.proj``'s ``backward_pre``: the checkpoint unpacks
+the block's input and recomputes the block's forward -- its ``forward_pre``/``forward_post`` ops,
+in phase ``backward``, re-accessing its parameters -- up to ``mlp.proj``'s ``forward_pre``, where
+the last tensor the block saves (``gelu``) exists again and torch stops early; ``mlp.proj``'s
+backward then runs, and the block's input is released after ``ln1``'s backward. The recomputed
+activations (Table 1's rows for the block, less ``mlp_add``) count in ``non_model_bytes`` from
+their recomputation to their backward use but get no records: the checkpoint keeps them behind
+its own saved-tensor hooks, so the live tracer records none either and the two traces' records
+agree.
 """
 
 from __future__ import annotations
