@@ -21,7 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name in ("layers", "hidden", "heads", "ffn", "vocab"):
         parser.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
     parser.add_argument("--untied", action="store_true", help="untie the output head from the token embedding")
-    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
+    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (traced, or modelled with --synthetic)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per batch (default 2)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's seq)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")

@@ -212,6 +212,15 @@ class Recorder:
         if self.live_bytes + nbytes > self._peak:
             self._peak = self.live_bytes + nbytes
 
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` as live from the current op on, without a tensor record (negative:
+        stop counting them). For memory a synthetic trace models but no record describes, e.g.
+        the activations a checkpointed block recomputes, which the checkpoint (not autograd's
+        saved-tensor hooks) keeps."""
+        self.live_bytes += nbytes
+        if self.live_bytes > self._peak:
+            self._peak = self.live_bytes
+
     def _drain(self) -> None:
         released = self._released
         while released:

@@ -31,6 +31,20 @@ statistics and the attention log-sum-exp (a few bytes per token) are left out.
 Each record is created at the op that computes it, touched where it is used, and released after
 its backward use. Durations come from :class:`~pagemem.tracer.cost.CostModel` (a roofline
 estimate).
+
+Activation checkpointing (``checkpoint=True``; ``GPT`` with ``checkpoint_activations`` runs
+``torch.utils.checkpoint(block, x, use_reentrant=False)`` per block). Forward saves only each
+block's input (``embed``, then ``blocks.i:mlp_add``, the previous block's output, saved at that
+block's ``forward_post``); what a block computes inside lives only until Python drops it.
+Backward reaches block ``i`` at ``blocks.i.mlp.proj``'s ``backward_pre``: the checkpoint unpacks
+the block's input and recomputes the block's forward -- its ``forward_pre``/``forward_post`` ops,
+in phase ``backward``, re-accessing its parameters -- up to ``mlp.proj``'s ``forward_pre``, where
+the last tensor the block saves (``gelu``) exists again and torch stops early; ``mlp.proj``'s
+backward then runs, and the block's input is released after ``ln1``'s backward. The recomputed
+activations (Table 1's rows for the block, less ``mlp_add``) count in ``non_model_bytes`` from
+their recomputation to their backward use but get no records: the checkpoint keeps them behind
+its own saved-tensor hooks, so the live tracer records none either and the two traces' records
+agree.
 """
 
 from __future__ import annotations
@@ -74,6 +88,9 @@ class TransformerShape:
     ``b*heads*s*s`` tensors are kept."""
     optimizer_model: str = "adam"
     """``"adam"`` (mixed-precision Adam states and a ``step`` op) or ``"none"``."""
+    checkpoint: bool = False
+    """Activation checkpointing per block (``GPTConfig.checkpoint_activations``): forward keeps
+    each block's input only; backward recomputes each block's forward before its backward."""
     cost: CostModel = field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
@@ -103,6 +120,8 @@ class TransformerShape:
             raise ConfigError(f"attention: must be one of {ATTENTION}, got {self.attention!r}")
         if self.optimizer_model not in OPTIMIZER_MODELS:
             raise ConfigError(f"optimizer_model: must be one of {OPTIMIZER_MODELS}, got {self.optimizer_model!r}")
+        if not isinstance(self.checkpoint, bool):
+            raise ConfigError(f"checkpoint: must be True or False, got {self.checkpoint!r}")
         if not isinstance(self.cost, CostModel):
             raise ConfigError(f"cost: must be a CostModel, got {type(self.cost).__name__}")
 
@@ -115,28 +134,28 @@ class TransformerShape:
 def synthetic_transformer(layers: int = 24, hidden: int = 2304, ffn: int = 0, heads: int = 24,
                           seq: int = 1024, batch: int = 8, dtype: str | torch.dtype = torch.float16,
                           *, vocab: int = 50304, positions: int = 0, tie_embeddings: bool = True,
-                          attention: str = "flash", optimizer_model: str = "adam",
+                          attention: str = "flash", optimizer_model: str = "adam", checkpoint: bool = False,
                           cost: CostModel | None = None) -> Trace:
     """Trace of one training iteration of a GPT with this shape, built from the configuration
     alone (closed-form footprint of ANGEL-PTM Table 1; see the module docs). Fields are those of
     :class:`TransformerShape`."""
-    return build_synthetic(TransformerShape(layers, hidden, ffn, heads, seq, batch, dtype, vocab,
-                                            positions, tie_embeddings, attention, optimizer_model,
-                                            cost if cost is not None else CostModel()))
+    return build_synthetic(TransformerShape(
+        layers=layers, hidden=hidden, ffn=ffn, heads=heads, seq=seq, batch=batch, dtype=dtype, vocab=vocab,
+        positions=positions, tie_embeddings=tie_embeddings, attention=attention,
+        optimizer_model=optimizer_model, checkpoint=checkpoint, cost=cost if cost is not None else CostModel()))
 
 
 def synthetic_from_config(cfg: GPTConfig, *, batch: int, seq: int | None = None,
                           dtype: str | torch.dtype = torch.float32, attention: str = "flash",
                           optimizer_model: str = "adam", cost: CostModel | None = None) -> Trace:
     """Synthetic trace of ``GPT(cfg)`` on a ``batch x seq`` batch (``seq`` defaults to
-    ``cfg.seq``). Activation checkpointing is not modelled."""
+    ``cfg.seq``), with activation checkpointing if ``cfg.checkpoint_activations``."""
     if not isinstance(cfg, GPTConfig):
         raise ConfigError(f"cfg: expected a GPTConfig, got {type(cfg).__name__}")
-    if cfg.checkpoint_activations:
-        raise ConfigError("cfg.checkpoint_activations: synthetic traces do not model activation checkpointing")
     return synthetic_transformer(cfg.layers, cfg.hidden, cfg.ffn, cfg.heads, seq or cfg.seq, batch, dtype,
                                  vocab=cfg.vocab, positions=cfg.seq, tie_embeddings=cfg.tie_embeddings,
-                                 attention=attention, optimizer_model=optimizer_model, cost=cost)
+                                 attention=attention, optimizer_model=optimizer_model,
+                                 checkpoint=cfg.checkpoint_activations, cost=cost)
 
 
 def build_synthetic(shape: TransformerShape) -> Trace:
@@ -171,6 +190,12 @@ class _Emitter:
         self.rec = Recorder(len(self.specs), [True] * len(self.specs))
         self.est: list[float] = []
         self.keys: dict[str, int] = {}
+        self.phase = "forward"
+        """Phase of forward ops: ``"backward"`` once backward began (checkpoint recomputation)."""
+        self.in_checkpoint = False
+        """Inside a checkpointed block: its saved activations are held, not recorded."""
+        self.held: dict[str, int] = {}
+        """Bytes of what checkpointed blocks hold (see :meth:`keep`), by name."""
 
     def _param(self, module: str, *pairs: object) -> None:
         owned = []
@@ -191,25 +216,28 @@ class _Emitter:
         return self.keys.setdefault(module, len(self.keys))
 
     def fpre(self, module: str, seconds: float = 0.0) -> None:
-        self._op("forward_pre", module, "forward", seconds)
+        self._op("forward_pre", module, self.phase, seconds)
         if module in self.owned:
-            self.rec.forward_enter(self._key(module), self.owned[module], False)
+            self.rec.forward_enter(self._key(module), self.owned[module], self.phase == "backward")
 
     def fpost(self, module: str, seconds: float = 0.0) -> None:
-        self._op("forward_post", module, "forward", seconds)
+        self._op("forward_post", module, self.phase, seconds)
         if module in self.owned:
             self.rec.forward_exit(self._key(module))
 
     def bpre(self, module: str, seconds: float) -> None:
+        self.rec.drop_recompute_windows()
         self._op("backward_pre", module, "backward", seconds)
         self.rec.backward_enter(self._key(module), self.owned[module])
 
     def bpost(self, module: str, seconds: float = 0.0) -> None:
+        self.rec.drop_recompute_windows()
         self._op("backward_post", module, "backward", seconds)
         self.rec.backward_exit(self._key(module))
 
     def ready(self, *names: str) -> None:
         for name in names:
+            self.rec.drop_recompute_windows()
             self._op("grad_ready", name, "backward", 0.0)
             self.rec.touch_grad(self.index[name])
 
@@ -217,14 +245,28 @@ class _Emitter:
         dtype = dtype or self.dt
         self.rec.save_activation(name, "", dtype, shape, math.prod(shape) * itemsize(dtype), name=name)
 
+    def keep(self, name: str, shape: tuple[int, ...]) -> None:
+        """A block saves ``name`` for backward: a record, or (inside a checkpointed block) bytes
+        held without one -- dropped in forward, kept by the checkpoint after recomputation."""
+        if self.in_checkpoint:
+            self.held[name] = math.prod(shape) * self.it
+            self.rec.hold(self.held[name])
+        else:
+            self.save(name, shape)
+
     def use(self, *names: str) -> None:
+        if self.in_checkpoint:  # the checkpoint's own saved-tensor hooks see these accesses
+            return
         for name in names:
             self.rec.use_activation(name)
 
     def free(self, *names: str) -> None:
         for name in names:
-            self.rec.use_activation(name)
-            self.rec.release_activation(name)
+            if name in self.held:
+                self.rec.hold(-self.held.pop(name))
+            else:
+                self.rec.use_activation(name)
+                self.rec.release_activation(name)
 
     # ---- cost helpers ----------------------------------------------------------------------
     def mm(self, k: int, n: int, backward: bool = False) -> float:
@@ -236,16 +278,133 @@ class _Emitter:
         return self.shape.cost.seconds(nbytes=elements * passes * self.it)
 
     # ---- the iteration ---------------------------------------------------------------------
+    def block_forward(self, i: int, x: str, recompute: bool = False) -> None:
+        """Block ``i``'s forward on input record ``x``; its output is ``blocks.i:mlp_add``.
+
+        Checkpointed (``shape.checkpoint``), the block's saved activations are only held: in
+        forward until Python drops them, in a recomputation (``recompute``, phase backward) until
+        their backward use. A recomputation stops where the block saves its last tensor (the
+        input of ``mlp.proj``), as ``torch.utils.checkpoint`` does (non-reentrant, early stop)."""
+        sh, rec = self.shape, self.rec
+        b, s, d, f, a = sh.batch, sh.seq, sh.hidden, sh.ffn, sh.heads
+        T, it, c = b * s, self.it, sh.cost
+        bsd, bsf = (b, s, d), (b, s, f)
+        p = f"blocks.{i}"
+        scores_bytes = 2 * b * a * s * s * it if sh.attention == "math" else 0
+        self.fpre(p)
+        self.fpre(f"{p}.ln1", self.mem(T * d, 2))
+        self.use(x)
+        self.keep(f"{p}:ln1", bsd)
+        self.fpost(f"{p}.ln1")
+        self.fpre(f"{p}.attn")
+        self.fpre(f"{p}.attn.qkv", self.mm(d, 3 * d))
+        self.use(f"{p}:ln1")
+        self.keep(f"{p}:qkv", (b, s, 3 * d))
+        self.fpost(f"{p}.attn.qkv", c.seconds(4 * b * s * s * d, 4 * T * d * it + scores_bytes))
+        self.use(f"{p}:qkv")
+        if sh.attention == "math":
+            self.keep(f"{p}:scores", (b, a, s, s))
+            self.keep(f"{p}:softmax", (b, a, s, s))
+        self.keep(f"{p}:context", bsd)
+        self.fpre(f"{p}.attn.proj", self.mm(d, d))
+        self.use(f"{p}:context")
+        rec.transient(T * d * it)
+        self.fpost(f"{p}.attn.proj")
+        rec.transient(T * d * it)
+        self.fpost(f"{p}.attn", self.mem(T * d, 3))
+        rec.transient(T * d * it)
+        self.use(x)
+        self.keep(f"{p}:attn_add", bsd)
+        if self.in_checkpoint and not recompute:  # attention's inputs and internals die with its call
+            self.free(f"{p}:ln1", f"{p}:qkv", f"{p}:context")
+            if sh.attention == "math":
+                self.free(f"{p}:scores", f"{p}:softmax")
+        self.fpre(f"{p}.ln2", self.mem(T * d, 2))
+        self.use(f"{p}:attn_add")
+        self.keep(f"{p}:ln2", bsd)
+        self.fpost(f"{p}.ln2")
+        self.fpre(f"{p}.mlp")
+        self.fpre(f"{p}.mlp.fc", self.mm(d, f))
+        self.use(f"{p}:ln2")
+        self.keep(f"{p}:fc", bsf)
+        self.fpost(f"{p}.mlp.fc", self.mem(T * f, 2))
+        self.use(f"{p}:fc")
+        self.keep(f"{p}:gelu", bsf)
+        if recompute:  # mlp.proj saves its input: recomputation stops; mlp.proj's backward runs
+            self.fpre(f"{p}.mlp.proj", self.mm(f, d, backward=True))
+            return
+        self.fpre(f"{p}.mlp.proj", self.mm(f, d))
+        self.use(f"{p}:gelu")
+        rec.transient(T * d * it)
+        self.fpost(f"{p}.mlp.proj")
+        rec.transient(T * d * it)
+        self.fpost(f"{p}.mlp", self.mem(T * d, 3))
+        rec.transient(T * d * it)
+        self.use(f"{p}:attn_add")
+        if not self.in_checkpoint:
+            self.save(f"{p}:mlp_add", bsd)
+            self.fpost(p)
+            return
+        self.free(f"{p}:attn_add", f"{p}:ln2", f"{p}:fc", f"{p}:gelu")
+        self.in_checkpoint = False
+        self.fpost(p)
+        self.save(f"{p}:mlp_add", bsd)  # the output, saved as the next checkpoint's (or ln_f's) input
+
+    def block_backward(self, i: int) -> None:
+        """Block ``i``'s backward (after recomputing its forward when checkpointed)."""
+        sh = self.shape
+        b, s, d, f = sh.batch, sh.seq, sh.hidden, sh.ffn
+        T, it, c = b * s, self.it, sh.cost
+        scores_bytes = 2 * b * sh.heads * s * s * it if sh.attention == "math" else 0
+        p = f"blocks.{i}"
+        x_in = "embed" if i == 0 else f"blocks.{i - 1}:mlp_add"
+        if sh.checkpoint:
+            # mlp.proj's backward unpacks a checkpointed tensor: the checkpoint reads its saved
+            # input and recomputes the block; mlp.proj's backward runs after that
+            self.bpre(f"{p}.mlp.proj", 0.0)
+            self.use(x_in)
+            self.in_checkpoint = True
+            self.block_forward(i, x_in, recompute=True)
+            self.in_checkpoint = False
+        else:
+            self.bpre(f"{p}.mlp.proj", self.mm(f, d, backward=True))
+        self.free(f"{p}:gelu")
+        self.ready(f"{p}.mlp.proj.bias", f"{p}.mlp.proj.weight")
+        self.bpost(f"{p}.mlp.proj", self.mem(T * f, 3))
+        self.free(f"{p}:fc")
+        self.bpre(f"{p}.mlp.fc", self.mm(d, f, backward=True))
+        self.free(f"{p}:ln2")
+        self.ready(f"{p}.mlp.fc.bias", f"{p}.mlp.fc.weight")
+        self.bpost(f"{p}.mlp.fc")
+        self.bpre(f"{p}.ln2", self.mem(T * d, 4))
+        self.free(f"{p}:attn_add")
+        self.bpost(f"{p}.ln2")
+        self.ready(f"{p}.ln2.weight", f"{p}.ln2.bias")
+        self.bpre(f"{p}.attn.proj", self.mm(d, d, backward=True))
+        self.ready(f"{p}.attn.proj.bias", f"{p}.attn.proj.weight")
+        self.bpost(f"{p}.attn.proj", c.seconds(8 * b * s * s * d, 8 * T * d * it + 2 * scores_bytes))
+        self.free(f"{p}:qkv", f"{p}:context")
+        if sh.attention == "math":
+            self.free(f"{p}:scores", f"{p}:softmax")
+        self.bpre(f"{p}.attn.qkv", self.mm(d, 3 * d, backward=True))
+        self.free(f"{p}:ln1")
+        self.ready(f"{p}.attn.qkv.bias", f"{p}.attn.qkv.weight")
+        self.bpost(f"{p}.attn.qkv")
+        self.bpre(f"{p}.ln1", self.mem(T * d, 4))
+        if sh.checkpoint:  # the recomputed ln1 saved the checkpoint's input, which goes with the block
+            self.bpost(f"{p}.ln1")
+            self.rec.release_activation(x_in)
+        else:
+            self.free(x_in)
+            self.bpost(f"{p}.ln1")
+        self.ready(f"{p}.ln1.weight", f"{p}.ln1.bias")
+
     def run(self) -> Trace:
         sh = self.shape
-        b, s, d, f, V, a, L = sh.batch, sh.seq, sh.hidden, sh.ffn, sh.vocab, sh.heads, sh.layers
+        b, s, d, V, L = sh.batch, sh.seq, sh.hidden, sh.vocab, sh.layers
         T = b * s
-        bsd, bsf = (b, s, d), (b, s, f)
+        bsd = (b, s, d)
         rec, c = self.rec, sh.cost
-        attn_flops = 4 * b * s * s * d
-        scores_bytes = 2 * b * a * s * s * self.it if sh.attention == "math" else 0
-        attn_fwd = c.seconds(attn_flops, 4 * T * d * self.it + scores_bytes)
-        attn_bwd = c.seconds(2 * attn_flops, 8 * T * d * self.it + 2 * scores_bytes)
         logits = T * V * self.it
 
         # forward
@@ -259,53 +418,9 @@ class _Emitter:
         self.save("embed", bsd)
         x = "embed"
         for i in range(L):
-            p = f"blocks.{i}"
-            self.fpre(p)
-            self.fpre(f"{p}.ln1", self.mem(T * d, 2))
-            self.use(x)
-            self.save(f"{p}:ln1", bsd)
-            self.fpost(f"{p}.ln1")
-            self.fpre(f"{p}.attn")
-            self.fpre(f"{p}.attn.qkv", self.mm(d, 3 * d))
-            self.use(f"{p}:ln1")
-            self.save(f"{p}:qkv", (b, s, 3 * d))
-            self.fpost(f"{p}.attn.qkv", attn_fwd)
-            self.use(f"{p}:qkv")
-            if sh.attention == "math":
-                self.save(f"{p}:scores", (b, a, s, s))
-                self.save(f"{p}:softmax", (b, a, s, s))
-            self.save(f"{p}:context", bsd)
-            self.fpre(f"{p}.attn.proj", self.mm(d, d))
-            self.use(f"{p}:context")
-            rec.transient(T * d * self.it)
-            self.fpost(f"{p}.attn.proj")
-            rec.transient(T * d * self.it)
-            self.fpost(f"{p}.attn", self.mem(T * d, 3))
-            rec.transient(T * d * self.it)
-            self.use(x)
-            self.save(f"{p}:attn_add", bsd)
-            self.fpre(f"{p}.ln2", self.mem(T * d, 2))
-            self.use(f"{p}:attn_add")
-            self.save(f"{p}:ln2", bsd)
-            self.fpost(f"{p}.ln2")
-            self.fpre(f"{p}.mlp")
-            self.fpre(f"{p}.mlp.fc", self.mm(d, f))
-            self.use(f"{p}:ln2")
-            self.save(f"{p}:fc", bsf)
-            self.fpost(f"{p}.mlp.fc", self.mem(T * f, 2))
-            self.use(f"{p}:fc")
-            self.save(f"{p}:gelu", bsf)
-            self.fpre(f"{p}.mlp.proj", self.mm(f, d))
-            self.use(f"{p}:gelu")
-            rec.transient(T * d * self.it)
-            self.fpost(f"{p}.mlp.proj")
-            rec.transient(T * d * self.it)
-            self.fpost(f"{p}.mlp", self.mem(T * d, 3))
-            rec.transient(T * d * self.it)
-            self.use(f"{p}:attn_add")
-            self.save(f"{p}:mlp_add", bsd)
-            self.fpost(p)
-            x = f"{p}:mlp_add"
+            self.in_checkpoint = sh.checkpoint
+            self.block_forward(i, x)
+            x = f"blocks.{i}:mlp_add"
         self.fpre("ln_f", self.mem(T * d, 2))
         self.use(x)
         self.save("ln_f", bsd)
@@ -322,6 +437,7 @@ class _Emitter:
         rec.transient(T * V * 4 + logits)
         self.free("log_probs", "targets")
 
+        self.phase = "backward"  # forward ops from here on are recomputations
         self.bpre("head", self.mm(d, V, backward=True))
         rec.transient(logits)
         self.free("ln_f")
@@ -333,35 +449,7 @@ class _Emitter:
         self.bpost("ln_f")
         self.ready("ln_f.weight", "ln_f.bias")
         for i in reversed(range(L)):
-            p = f"blocks.{i}"
-            x_in = "embed" if i == 0 else f"blocks.{i - 1}:mlp_add"
-            self.bpre(f"{p}.mlp.proj", self.mm(f, d, backward=True))
-            self.free(f"{p}:gelu")
-            self.ready(f"{p}.mlp.proj.bias", f"{p}.mlp.proj.weight")
-            self.bpost(f"{p}.mlp.proj", self.mem(T * f, 3))
-            self.free(f"{p}:fc")
-            self.bpre(f"{p}.mlp.fc", self.mm(d, f, backward=True))
-            self.free(f"{p}:ln2")
-            self.ready(f"{p}.mlp.fc.bias", f"{p}.mlp.fc.weight")
-            self.bpost(f"{p}.mlp.fc")
-            self.bpre(f"{p}.ln2", self.mem(T * d, 4))
-            self.free(f"{p}:attn_add")
-            self.bpost(f"{p}.ln2")
-            self.ready(f"{p}.ln2.weight", f"{p}.ln2.bias")
-            self.bpre(f"{p}.attn.proj", self.mm(d, d, backward=True))
-            self.ready(f"{p}.attn.proj.bias", f"{p}.attn.proj.weight")
-            self.bpost(f"{p}.attn.proj", attn_bwd)
-            self.free(f"{p}:qkv", f"{p}:context")
-            if sh.attention == "math":
-                self.free(f"{p}:scores", f"{p}:softmax")
-            self.bpre(f"{p}.attn.qkv", self.mm(d, 3 * d, backward=True))
-            self.free(f"{p}:ln1")
-            self.ready(f"{p}.attn.qkv.bias", f"{p}.attn.qkv.weight")
-            self.bpost(f"{p}.attn.qkv")
-            self.bpre(f"{p}.ln1", self.mem(T * d, 4))
-            self.free(x_in)
-            self.bpost(f"{p}.ln1")
-            self.ready(f"{p}.ln1.weight", f"{p}.ln1.bias")
+            self.block_backward(i)
         self.bpre("wpe", self.mem(T * d + sh.positions * d, 1))
         self.free("positions")
         self.bpost("wpe")

@@ -35,6 +35,16 @@ def test_synthetic_command(tmp_path):
     assert tr.meta["source"] == "synthetic" and len(tr.layers) == 12 + 3
 
 
+def test_synthetic_command_with_checkpointing(tmp_path):
+    common = ["--model", "gpt2", "--layers", "4", "--batch", "1", "--seq", "128", "--synthetic", "--dtype", "bfloat16"]
+    assert _run(common + ["--checkpoint", "--out", str(tmp_path / "ck")]) == 0
+    assert _run(common + ["--out", str(tmp_path / "plain")]) == 0
+    ck, plain = Trace.load(tmp_path / "ck" / "trace.json"), Trace.load(tmp_path / "plain" / "trace.json")
+    assert ck.meta["config"]["checkpoint"] is True and plain.meta["config"]["checkpoint"] is False
+    assert sum(o.phase == "backward" and o.event == "forward_pre" for o in ck.ops) == 4 * 9  # recomputed
+    assert ck.peak_non_model_bytes < plain.peak_non_model_bytes
+
+
 def test_bad_arguments_exit_2(tmp_path, capsys):
     assert _run(["--model", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown preset" in capsys.readouterr().out

@@ -28,9 +28,10 @@ def _model_states(tr):
             for t in tr.tensors if t.kind != "activation"]
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("preset,overrides,dtype,batch,seq", CASES)
-def test_synthetic_matches_traced_gpt(preset, overrides, dtype, batch, seq):
-    cfg = gpt_config(preset, **overrides)
+def test_synthetic_matches_traced_gpt(preset, overrides, dtype, batch, seq, checkpoint):
+    cfg = gpt_config(preset, checkpoint_activations=checkpoint, **overrides)
     torch.manual_seed(0)
     model = GPT(cfg).to(dtype)
     traced = trace(model, gpt_step(model, batch, seq))
@@ -46,6 +47,10 @@ def test_synthetic_matches_traced_gpt(preset, overrides, dtype, batch, seq):
     # activation bytes within 10%
     a, b = traced.bytes_by_kind()["activation"], syn.bytes_by_kind()["activation"]
     assert abs(b - a) <= 0.10 * a, (a, b)
+    # checkpointed: every block's forward is recomputed in backward (15 ops; torch stops early)
+    recomputed = [o for o in syn.ops if o.phase == "backward" and o.event.startswith("forward")]
+    assert len(recomputed) == (15 * cfg.layers if checkpoint else 0)
+    assert syn.meta["config"]["checkpoint"] is checkpoint
 
 
 def test_synthetic_optimizer_states_match_a_traced_adamw():
@@ -121,7 +126,9 @@ def test_bad_synthetic_configuration_is_refused():
     with pytest.raises(ConfigError, match="positions"):
         synthetic_transformer(seq=1024, positions=512)
     with pytest.raises(ConfigError, match="checkpoint"):
-        synthetic_from_config(gpt_config("tiny", checkpoint_activations=True), batch=1)
+        synthetic_transformer(checkpoint=1)
+    with pytest.raises(ConfigError, match="checkpoint"):
+        TransformerShape(checkpoint="yes")
     with pytest.raises(ConfigError, match="flops_per_second"):
         CostModel(flops_per_second=0)
     assert TransformerShape(dtype=torch.bfloat16).dtype == "bfloat16"
@@ -153,6 +160,110 @@ def test_synthetic_invariants_and_json_round_trip(tmp_path_factory, c):
     path = tmp_path_factory.mktemp("rt") / "t.json"
     tr.save(path)
     back = type(tr).load(path)
+    assert back == tr
+    assert back.fingerprint == tr.fingerprint
+    assert back.to_dict() == tr.to_dict()
+
+
+def _recompute_window(tr, i: int) -> list:
+    """Ops from block i's first backward op (mlp.proj's backward_pre) to its first grad_ready."""
+    start = next(o.op_id for o in tr.ops if o.event == "backward_pre" and o.module == f"blocks.{i}.mlp.proj")
+    end = next(o.op_id for o in tr.ops if o.event == "grad_ready" and o.module == f"blocks.{i}.mlp.proj.bias")
+    return list(tr.ops[start:end])
+
+
+def test_checkpointed_backward_recomputes_each_block_before_its_backward():
+    L = 3
+    tr = synthetic_transformer(layers=L, hidden=64, heads=4, seq=16, batch=2, vocab=128, checkpoint=True)
+    forward_modules = [o.module for o in tr.ops if o.phase == "forward" and o.module.startswith("blocks.1")]
+    for i in range(L):
+        window = _recompute_window(tr, i)
+        recompute = window[1:]
+        assert window[0].event == "backward_pre" and all(o.phase == "backward" for o in window)
+        assert all(o.event.startswith("forward") for o in recompute) and len(recompute) == 15
+        # the block's forward again, up to mlp.proj's forward_pre, where the last saved tensor exists
+        assert [o.module.replace(f"blocks.{i}", "blocks.1") for o in recompute] == forward_modules[:15]
+        assert (recompute[-1].event, recompute[-1].module) == ("forward_pre", f"blocks.{i}.mlp.proj")
+        # its parameters are accessed in forward and again in the recomputation
+        qkv = tr.tensor(f"blocks.{i}.attn.qkv.weight")
+        fpre = [o.op_id for o in recompute if o.module == f"blocks.{i}.attn.qkv"]
+        assert set(fpre) <= set(qkv.accesses) and tr.ops[qkv.first_id].phase == "forward"
+        # the checkpoint reads the block's input at the first backward op
+        x_in = tr.tensor("embed" if i == 0 else f"blocks.{i - 1}:mlp_add")
+        assert window[0].op_id in x_in.accesses
+        # blocks run backward last-first: block i's recomputation follows block i+1's backward
+        if i + 1 < L:
+            later = tr.tensor(f"blocks.{i + 1}.ln1.weight.grad")
+            assert later.accesses[-2] < window[0].op_id  # (the last access is the optimizer step)
+    assert tr.ops[-1].non_model_bytes == 0  # everything recomputed was released
+
+
+def test_checkpointing_keeps_one_block_input_per_block_and_cuts_peak_memory():
+    b, s, d, f, L, it = 2, 128, 256, 1024, 8, 2
+    kw = dict(layers=L, hidden=d, ffn=f, heads=8, seq=s, batch=b, dtype=torch.float16, vocab=64)
+    plain, ck = synthetic_transformer(**kw), synthetic_transformer(**kw, checkpoint=True)
+    bsd, bsf = b * s * d * it, b * s * f * it
+    # forward keeps one (b, s, d) tensor per block (its output: the next block's or ln_f's input) ...
+    kept = [(t.name, t.shape, t.nbytes) for t in ck.of_kind("activation") if t.name.startswith("blocks.")]
+    assert kept == [(f"blocks.{i}:mlp_add", (b, s, d), bsd) for i in range(L)]
+    # ... instead of Table 1's 8 bsd + 2 bsf elements (flash attention)
+    assert sum(t.nbytes for t in plain.of_kind("activation") if t.name.startswith("blocks.")) == L * (8 * bsd + 2 * bsf)
+    end = next(o.op_id for o in ck.ops if o.event == "forward_post" and o.module == f"blocks.{L - 1}")
+    live = sum(t.nbytes for t in ck.of_kind("activation") if t.first_id <= end <= t.end_id)
+    assert live == (L + 1) * bsd + 8 * b * s + 8 * s  # + embed, tokens, positions (int64)
+    # peak: the block inputs plus one recomputed block (7 bsd + 2 bsf) vs every block's activations
+    expect_ck, expect_plain = (L + 7) * bsd + 2 * bsf, (8 * L + 1) * bsd + 2 * L * bsf
+    assert abs(ck.peak_non_model_bytes - expect_ck) <= 0.03 * expect_ck
+    assert abs(plain.peak_non_model_bytes - expect_plain) <= 0.03 * expect_plain
+    assert ck.peak_non_model_bytes < 0.2 * plain.peak_non_model_bytes
+    peak_op = max(ck.ops, key=lambda o: o.non_model_bytes)
+    assert (peak_op.phase, peak_op.module) == ("backward", f"blocks.{L - 1}.mlp.fc")
+    # same model states, same bytes
+    names = lambda tr: [(t.name, t.nbytes) for t in tr.tensors if t.is_model_state]  # noqa: E731
+    assert names(ck) == names(plain)
+
+
+def test_gpt3_175b_table_4_with_checkpointing():
+    # ANGEL-PTM Table 4: GPT-3 175B, 70 layers, 112 heads, hidden 14336, ffn 57344, seq 2048, batch 1, bf16
+    kw = dict(layers=70, hidden=14336, ffn=57344, heads=112, seq=2048, batch=1, dtype=torch.bfloat16, vocab=50304)
+    plain, ck = synthetic_transformer(**kw), synthetic_transformer(**kw, checkpoint=True)
+    bsd = 2048 * 14336 * 2
+    assert 60e9 < plain.peak_non_model_bytes < 70e9
+    # checkpointed: 70 block inputs (4.1 GB), one recomputed block and the loss's logits
+    assert 70 * bsd < ck.peak_non_model_bytes < 6e9
+    assert ck.peak_non_model_bytes < 0.1 * plain.peak_non_model_bytes
+    assert ck.bytes_by_kind()["param"] == plain.bytes_by_kind()["param"]
+    assert ck.ops[-1].non_model_bytes == 0 and ck.meta["config"]["checkpoint"] is True
+    # backward computes the blocks' forward again, less mlp.proj (a third of a block's FLOPs)
+    fwd = math.fsum(o.duration for o in ck.ops if o.phase == "forward")
+    bwd = math.fsum(o.duration for o in ck.ops if o.phase == "backward")
+    assert 2.5 < bwd / fwd < 2.8
+
+
+@settings(max_examples=30, deadline=None)
+@given(configs)
+def test_checkpointed_synthetic_invariants_and_json_round_trip(tmp_path_factory, c):
+    hidden = c["heads"] * c["head_dim"]
+    kw = dict(layers=c["layers"], hidden=hidden, ffn=c["ffn_mult"] * hidden, heads=c["heads"], seq=c["seq"],
+              batch=c["batch"], dtype=c["dtype"], vocab=c["vocab"], tie_embeddings=c["tie"],
+              attention=c["attention"], optimizer_model=c["optimizer"])
+    tr = synthetic_transformer(**kw, checkpoint=True)
+    plain = synthetic_transformer(**kw)
+    assert tr.meta["config"]["checkpoint"] is True
+    assert len(tr.ops) == len(plain.ops) + 15 * c["layers"]
+    assert [(t.name, t.nbytes) for t in tr.tensors if t.is_model_state] == \
+           [(t.name, t.nbytes) for t in plain.tensors if t.is_model_state]
+    for t in tr.tensors:
+        assert t.accesses and list(t.accesses) == sorted(set(t.accesses))
+        if t.kind == "param":  # used in forward and in backward (blocks: twice in backward)
+            assert tr.ops[t.first_id].phase == "forward" and tr.ops[t.end_id].phase != "forward"
+    blocks = [t.name for t in tr.of_kind("activation") if t.name.startswith("blocks.")]
+    assert blocks == [f"blocks.{i}:mlp_add" for i in range(c["layers"])]
+    assert tr.ops[-1].non_model_bytes == 0
+    assert tr.peak_non_model_bytes <= plain.peak_non_model_bytes
+    path = tmp_path_factory.mktemp("rt") / "t.json"
+    tr.save(path)
+    back = type(tr).load(path)  # load validates the trace again
     assert back == tr
     assert back.fingerprint == tr.fingerprint
     assert back.to_dict() == tr.to_dict()
