@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import pagemem
 
 from conftest import random_tensor, same_bytes
 

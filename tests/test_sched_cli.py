@@ -1,6 +1,5 @@
 """``pagemem plan`` end to end, and the memory plot."""
 
-import json
 
 import pytest
 

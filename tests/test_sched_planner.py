@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import pagemem
 from pagemem.models import GPT, gpt_config
-from pagemem.sched import InfeasiblePlan, Plan, Target, Task, plan, validate
+from pagemem.sched import InfeasiblePlan, Plan, Task, plan, validate
 from pagemem.tracer import synthetic_transformer, trace
 
 PAGE = 4096

@@ -117,7 +117,7 @@ class Plan:
                 f"{t} {format_bytes(self.predicted_peak.get(t, 0))} / {format_bytes(self.budgets[t])}"
                 for t in TIERS if self.budgets[t] or self.predicted_peak.get(t)),
             f"  smallest gpu budget that works: {format_bytes(self.min_gpu_bytes)}",
-            f"  layers cached on gpu (params, grads, optimizer states): "
+            "  layers cached on gpu (params, grads, optimizer states): "
             + (", ".join(self.layout.layers[i].name for i in self.cached_layers) if self.cached_layers else "none"),
         ]
         return "\n".join(lines)

@@ -14,7 +14,7 @@ from pagemem.tiers.arena import HostBuffer
 from pagemem.tiers.base import PageDone, Tier
 from pagemem.tiers.checksum import NAME as CHECKSUM_NAME
 from pagemem.tiers.checksum import page_checksum
-from pagemem.tiers.io.base import EngineUnavailable, IOEngine, make_engine
+from pagemem.tiers.io.base import EngineUnavailable, make_engine
 from pagemem.units import format_bytes
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
