@@ -27,15 +27,15 @@ Every transfer moves whole pages, as ``Plan.bytes_moved`` counts them. ``release
 
 **When a task starts.** When (1) it is issued: the compute stream has *reached* its trigger op
 (the previous op finished and the op's memory is reserved, see below) -- or, for ``release``,
-the trigger op has finished; (2) what it depends on has finished; (3) its stream is free and it
-is next in the stream's order; (4) the memory it allocates is free. Dependencies, within an
-iteration: ``all_gather`` after its page's ``move_to_gpu``; an op after every move and
-all-gather of the layers whose parameters it accesses; ``reduce_scatter`` after the layer's last
-gradient access (it is issued after it); a gradient ``offload`` after its page's
+the trigger op has finished; (2) the memory it allocates has been granted (below); (3) what it
+depends on has finished; (4) its stream is free and it is next in the stream's order.
+Dependencies, within an iteration: ``all_gather`` after its page's ``move_to_gpu``; an op after
+every move and all-gather of the layers whose parameters it accesses; ``reduce_scatter`` after
+the layer's last gradient access (it is issued after it); a gradient ``offload`` after its page's
 ``reduce_scatter`` (W > 1); ``update`` after all of the layer's offloads (or reduce-scatters, on
 the gpu) and its ``move_to_cpu``; the write-back after the update; a ``release`` after every task
 that allocated or used what it frees (moves, all-gathers, reduce-scatters, offloads, the update,
-the write-back) since that was last released. A second fetch of the same pages waits for their
+the write-back) since that was last released; a second fetch of the same pages after their
 release. Across iterations (synchronous updates): iteration k+1's ``move_to_gpu`` and
 ``all_gather`` of a layer's pages, and its ops that use a layer cached on the gpu, wait for
 iteration k's ``update`` of that layer; its ``move_to_cpu`` waits for iteration k's write-back.
@@ -45,23 +45,28 @@ budgets, starting from the state at rest (parameter shards on cpu, optimizer sta
 tier, cached layers on gpu). Allocations are those of ``pagemem.sched.tasks``: ``move_to_gpu``
 +1 page, ``all_gather`` +(W-1) pages, the gradient-producing ``compute`` its gradient buffer,
 ``reduce_scatter`` +1 page, gradient ``offload`` +1 cpu page, ``move_to_cpu`` the optimizer
-pages on cpu; a ``release`` frees what those allocated. When the compute stream reaches op t it
-*reserves* op t's memory: its non-model bytes (replacing op t-1's) and any gradient buffer its
-``compute`` task allocates. A task (or a reservation) that does not fit waits until enough is
-freed; requests are granted first come, first served per tier in queue order (a later request
-never overtakes one that waits), which is how the planner counted them. A state where nothing can
-ever move again raises :class:`SimulationDeadlock` naming what each stream waits for.
+pages on cpu; a ``release`` frees what those allocated once everything that touched it is done.
+When the compute stream reaches op t it *reserves* op t's memory: its non-model bytes (replacing
+op t-1's) and any gradient buffer its ``compute`` task allocates. A task's memory is taken when
+it is issued, not when its stream gets to it (a runtime reserves the destination pages, then
+queues the copy), and each tier grants requests strictly in queue order: a request that does not
+fit waits until releases make room, and every later request on that tier waits behind it. That
+is the order the planner and the validator count memory in, so a plan the validator accepts
+cannot deadlock here; a stuck queue (a broken plan) raises :class:`SimulationDeadlock` naming
+what each stream and tier waits for.
 
 **What is reported.** Iterations are simulated until the last two take the same time (at least
-``iterations``, at most ``max_iterations``; ``steady`` says which), plus one more to time the last:
-iteration k lasts from the start of its first op that uses parameters (the op that synchronous
-updates hold back) to the start of the same op in iteration k+1 (its period in steady state). For the last iteration: ``iteration_time``; ``busy`` (seconds of work
-per stream that belong to it: the sum of its tasks' durations); ``gpu_idle_fraction`` = 1 -
-compute busy / iteration time; ``stalls``: the compute stream's idle time split by cause, found
-by walking back from each op that waited along the chain of what it waited for (a move, which
-waited for an update, which waited for an SSD read ...) and charging each stretch to the stream
-running it. ``peak``: the highest gpu and cpu bytes held at any moment of the run. ``events``
-and ``memory`` (every change of gpu and cpu bytes) feed :meth:`SimResult.to_chrome`.
+``iterations``, at most ``max_iterations``; ``steady`` says which), plus one more to time the
+last. Iteration k lasts from the start of its first op that uses parameters (the op synchronous
+updates hold back) to the start of the same op in iteration k+1: its period, in steady state.
+For the last iteration: ``iteration_time``; ``busy`` (seconds of work per stream that belong to
+it: the sum of its tasks' durations); ``gpu_idle_fraction`` = 1 - compute busy / iteration time;
+``stalls``: the compute stream's idle time split by cause, found by walking back from each op
+that waited along the chain of what it waited for (a move, which waited for an update, which
+waited for an SSD read ...) and charging each stretch to the stream running it (``memory`` where
+the chain is lost in a wait for memory). ``peak``: the highest gpu and cpu bytes held at any
+moment of the run. ``events`` and ``memory`` (every change of gpu and cpu bytes) feed
+:meth:`SimResult.to_chrome`.
 """
 
 from __future__ import annotations
@@ -144,12 +149,13 @@ class SimResult:
 
     @property
     def gpu_idle_fraction(self) -> float:
-        """1 - compute busy / iteration time."""
-        return 1.0 - self.busy["compute"] / self.iteration_time
+        """1 - compute busy / iteration time (0 for an iteration that takes no time)."""
+        return 1.0 - self.busy["compute"] / self.iteration_time if self.iteration_time > 0 else 0.0
 
     def utilization(self) -> dict[str, float]:
         """Busy seconds per stream over the iteration time."""
-        return {s: b / self.iteration_time for s, b in self.busy.items()}
+        t = self.iteration_time
+        return {s: b / t if t > 0 else 0.0 for s, b in self.busy.items()}
 
     def summary(self) -> str:
         util = self.utilization()
@@ -197,15 +203,16 @@ class _Node:
     stream: str | None
     duration: float
     alloc: dict[str, int]
-    """Bytes per tier taken when it starts (a reservation's gpu entry may be negative)."""
+    """Bytes per tier granted once it is issued, in queue order; a reservation's negative gpu
+    entry (less non-model memory than the op before) is given back when it starts."""
     free: dict[str, int]
     """Bytes per tier a release gives back."""
     deps: list[tuple[int, int]]
-    """``(node, iteration offset)``: 0 for this iteration, -1 for the previous one. The first is
-    the node whose finishing issues this one (``issue``), if any."""
+    """``(node, iteration offset)``: 0 for this iteration, -1 for the previous one."""
     export: bool
     iteration_start: bool = False
     issue: tuple[int, int] | None = None
+    """The dependency whose finishing issues it (None: issued at the start)."""
 
 
 class _Builder:
@@ -228,9 +235,10 @@ class _Builder:
         self.writeback_of: dict[int, int] = {}
         self.cross: list[tuple[int, str, int]] = []  # (node, "update" | "writeback", layer)
 
-    def add(self, node: _Node) -> int:
-        if node.deps:
-            node.issue = node.deps[0]
+    def add(self, node: _Node, issued_by: tuple[int, int] | None = None) -> int:
+        if issued_by is not None:
+            node.issue = issued_by
+            node.deps.insert(0, issued_by)
         self.nodes.append(node)
         return len(self.nodes) - 1
 
@@ -277,8 +285,8 @@ class _Builder:
             for L in grads:
                 gpu += self.grad_buffer(L)
             label = "end of iteration" if t == n else f"op {t}"
-            reached = [(prev_run, 0)] if prev_run is not None else []  # op n of the last iteration: below
-            reserve = self.add(_Node(f"reserve {label}", "compute", 0.0, {"gpu": gpu}, {}, reached, False))
+            reached = (prev_run, 0) if prev_run is not None else None  # op 0: after op n of the last iteration
+            reserve = self.add(_Node(f"reserve {label}", "compute", 0.0, {"gpu": gpu}, {}, [], False), reached)
             if prev_run is None:
                 first_reserve = reserve
             for L in grads:
@@ -324,14 +332,14 @@ class _Builder:
         if op == "compute":
             return  # a marker: its gradient buffer is in the reservation
         if op == "move_to_gpu":
-            i = self.add(_Node(f"move_to_gpu {tg}", "h2d", pb / hw.h2d_bytes_per_s, {"gpu": pb}, {}, [issue], True))
+            i = self.add(_Node(f"move_to_gpu {tg}", "h2d", pb / hw.h2d_bytes_per_s, {"gpu": pb}, {}, [], True), issue)
             self.after_release(i, "param_gpu", L)
             self.cross.append((i, "update", L))
             self.hold("param_gpu", L, i, pb)
             self.move_of[(L, j)] = i
         elif op == "all_gather":
             i = self.add(_Node(f"all_gather {tg}", "network", (W - 1) * pb / hw.network_bytes_per_s,
-                               {"gpu": (W - 1) * pb}, {}, [issue], True))
+                               {"gpu": (W - 1) * pb}, {}, [], True), issue)
             if (L, j) in self.move_of:
                 self.nodes[i].deps.append((self.move_of[(L, j)], 0))
             self.after_release(i, "gathered", L)
@@ -339,13 +347,13 @@ class _Builder:
             self.hold("gathered", L, i, (W - 1) * pb)
         elif op == "reduce_scatter":
             i = self.add(_Node(f"reduce_scatter {tg}", "network", (W - 1) * pb / hw.network_bytes_per_s,
-                               {"gpu": pb}, {}, [issue], True))
+                               {"gpu": pb}, {}, [], True), issue)
             self.use("fullgrad", L, i)
             self.hold("grad_gpu", L, i, pb)
             self.rs_of[(L, j)] = i
         elif op == "offload" and tg.kind == "grad":
             i = self.add(_Node(f"offload {tg}", "d2h", pb / hw.d2h_bytes_per_s, {task.tier or "cpu": pb}, {},
-                               [issue], True))
+                               [], True), issue)
             if (L, j) in self.rs_of:
                 self.nodes[i].deps.append((self.rs_of[(L, j)], 0))
             else:  # W = 1: the gradient pages came from the compute that allocated them
@@ -354,7 +362,7 @@ class _Builder:
             self.hold("grad_cpu", L, i, pb)
         elif op == "offload" and tg.kind == "optim":
             nbytes = lay.optim_pages * pb
-            i = self.add(_Node(f"write_back {tg}", "ssd", nbytes / hw.ssd_write_per_rank(W), {}, {}, [issue], True))
+            i = self.add(_Node(f"write_back {tg}", "ssd", nbytes / hw.ssd_write_per_rank(W), {}, {}, [], True), issue)
             if L in self.update_of:
                 self.nodes[i].deps.append((self.update_of[L], 0))
             self.use("optim_cpu", L, i)
@@ -362,19 +370,19 @@ class _Builder:
         elif op == "move_to_cpu":
             nbytes = lay.optim_pages * pb
             i = self.add(_Node(f"move_to_cpu {tg}", "ssd", nbytes / hw.ssd_read_per_rank(W), {"cpu": nbytes}, {},
-                               [issue], True))
+                               [], True), issue)
             self.after_release(i, "optim_cpu", L)
             self.cross.append((i, "writeback", L))
             self.hold("optim_cpu", L, i, nbytes)
         elif op == "update":
             if task.tier == "gpu":
                 i = self.add(_Node(f"update {tg} (gpu)", "compute", lay.shard_elements / hw.gpu_adam_elements_per_s,
-                                   {}, {}, [issue], True))
+                                   {}, {}, [], True), issue)
                 self.nodes[i].deps.extend((k, 0) for k in self.touch.get(("grad_gpu", L), ()))
                 self.use("grad_gpu", L, i)
             else:
                 i = self.add(_Node(f"update {tg}", "cpu", lay.shard_elements / hw.cpu_adam_per_rank(W),
-                                   {}, {}, [issue], True))
+                                   {}, {}, [], True), issue)
                 for res in ("grad_cpu", "optim_cpu"):
                     self.nodes[i].deps.extend((k, 0) for k in self.touch.get((res, L), ()))
                     self.use(res, L, i)
@@ -400,7 +408,7 @@ class _Builder:
             res = ["optim_cpu"]
         else:
             raise ConfigError(f"plan: cannot simulate task {task}")
-        i = self.add(_Node(f"release {tg} @{tier}", None, 0.0, {}, {}, [(run, 0)], False))
+        i = self.add(_Node(f"release {tg} @{tier}", None, 0.0, {}, {}, [], False), (run, 0))
         freed = 0
         for r in res:
             key = (r, L)
