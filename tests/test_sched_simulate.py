@@ -32,7 +32,9 @@ _min_gpu: dict = {}
 
 
 def min_gpu(tr, **kw) -> int:
-    key = (tr.fingerprint, tuple(sorted(kw.items())))
+    # the fingerprint is the access order only: sizes are part of the key too
+    key = (tr.fingerprint, tuple(op.non_model_bytes for op in tr.ops), tuple(l.nbytes for l in tr.layers),
+           tuple(t.nbytes for t in tr.tensors if t.kind == "optimizer_state"), tuple(sorted(kw.items())))
     if key not in _min_gpu:
         with pytest.raises(InfeasiblePlan) as err:
             plan(tr, {"gpu": 0, "cpu": "1GiB", "nvme": "1GiB"}, page_bytes=PAGE, **kw)

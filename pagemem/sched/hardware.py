@@ -116,7 +116,7 @@ class HardwareProfile:
     def summary(self) -> str:
         g = 1e9
         return "\n".join([
-            f"hardware profile {self.name!r} ({self.ranks_per_server} ranks per server)",
+            f"hardware profile {self.name!r}, ranks per server: {self.ranks_per_server}",
             f"  per GPU: h2d {self.h2d_bytes_per_s / g:.2f} GB/s, d2h {self.d2h_bytes_per_s / g:.2f} GB/s, "
             f"network {self.network_bytes_per_s / g:.2f} GB/s, Adam {self.gpu_adam_elements_per_s / g:.2f} G el/s, "
             f"{self.flops_per_s / 1e12:.3g} TFLOP/s, memory {self.hbm_bytes_per_s / g:.1f} GB/s, "
@@ -170,8 +170,8 @@ class HardwareProfile:
         """A shipped profile by name (``"a100-server"``, ``"dev-vm"``)."""
         if name == "a100-server":
             return cls.a100_server()
-        path = os.path.join(PROFILES_DIR, f"{name}.json")
-        if not isinstance(name, str) or os.sep in name or not os.path.isfile(path):
+        path = os.path.join(PROFILES_DIR, f"{name}.json") if isinstance(name, str) else ""
+        if not path or os.sep in name or not os.path.isfile(path):
             raise ConfigError(f"profile: no built-in profile {name!r}; built-in: {cls.builtin_names()}")
         return cls.load(path)
 
