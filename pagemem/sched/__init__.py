@@ -7,13 +7,16 @@
 """
 
 from pagemem.sched.errors import InfeasiblePlan
+from pagemem.sched.hardware import HardwareProfile
 from pagemem.sched.layout import LayerLayout, Layout
 from pagemem.sched.plan import Budgets, Plan
 from pagemem.sched.planner import plan
+from pagemem.sched.simulate import SimEvent, SimResult, SimulationDeadlock, SimulationError, simulate
 from pagemem.sched.tasks import OPERATIONS, Target, Task
 from pagemem.sched.validate import ValidationReport, Violation, validate
 
 __all__ = [
     "plan", "validate", "Plan", "Budgets", "Task", "Target", "OPERATIONS", "Layout", "LayerLayout",
     "InfeasiblePlan", "ValidationReport", "Violation",
+    "simulate", "SimResult", "SimEvent", "SimulationDeadlock", "SimulationError", "HardwareProfile",
 ]

@@ -1,0 +1,237 @@
+"""What the simulator needs to know about a machine: one frozen, validated ``HardwareProfile``.
+
+One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
+
+- per GPU (each rank has its own): ``h2d_bytes_per_s`` and ``d2h_bytes_per_s`` (PCIe, one
+  direction each, both directions at once), ``network_bytes_per_s`` (all-gather /
+  reduce-scatter *bus* bandwidth: a collective over W ranks on a shard of S bytes takes
+  ``(W - 1) * S / network_bytes_per_s``), ``gpu_adam_elements_per_s`` (Adam on layers whose
+  optimizer states are cached on the GPU), ``flops_per_s`` and ``hbm_bytes_per_s`` (to build
+  synthetic traces with, :meth:`HardwareProfile.cost_model`), ``compute_scale`` (multiplies a
+  trace's op durations: 1 for a trace timed on, or synthesised for, this hardware);
+- per server, shared by the ranks on it: ``ssd_read_bytes_per_s``, ``ssd_write_bytes_per_s``
+  and ``cpu_adam_elements_per_s``. ``ranks_per_server`` ranks share a server; with
+  ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``.
+
+Profiles ship as JSON in ``pagemem/sched/profiles/`` (``HardwareProfile.builtin(name)``):
+``a100-server`` (the paper's server, from :meth:`HardwareProfile.a100_server`) and
+``dev-vm`` (measured on the development VM by ``pagemem profile``, see
+:mod:`pagemem.sched.measure`). ``facts`` holds where the numbers come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pagemem.errors import ConfigError
+from pagemem.tracer import CostModel
+
+FORMAT = "pagemem-hardware-profile"
+VERSION = 1
+PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+
+_RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
+          "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s",
+          "flops_per_s", "hbm_bytes_per_s", "compute_scale")
+
+ADAM_BYTES_PER_ELEMENT = 28
+"""Bytes a mixed-precision Adam step moves per element: read the fp16/bf16 gradient (2), read
+and write the fp32 master weight and both moments (24), write the fp16/bf16 parameter (2)."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Bandwidths and rates of one machine type (see the module docs for units and sharing)."""
+
+    name: str
+    h2d_bytes_per_s: float
+    """Host-to-device copy bandwidth per GPU."""
+    d2h_bytes_per_s: float
+    """Device-to-host copy bandwidth per GPU."""
+    network_bytes_per_s: float
+    """All-gather / reduce-scatter bus bandwidth per GPU."""
+    ssd_read_bytes_per_s: float
+    """SSD read bandwidth of one server (shared by its ranks)."""
+    ssd_write_bytes_per_s: float
+    """SSD write bandwidth of one server (shared by its ranks)."""
+    cpu_adam_elements_per_s: float
+    """Adam elements per second of one server's CPUs (shared by its ranks)."""
+    gpu_adam_elements_per_s: float
+    """Adam elements per second on one GPU (layers cached on the GPU)."""
+    flops_per_s: float
+    """Sustained matrix-multiply rate of one GPU, for synthetic traces."""
+    hbm_bytes_per_s: float
+    """Sustained device-memory bandwidth of one GPU (bytes read + written), for synthetic traces."""
+    ranks_per_server: int = 8
+    compute_scale: float = 1.0
+    """Multiplies every op duration of a trace (1: the trace was timed on this hardware)."""
+    facts: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Where the numbers come from: source, assumptions, measurement date, machine."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError(f"name: must be a non-empty string, got {self.name!r}")
+        for name in _RATES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        rps = self.ranks_per_server
+        if isinstance(rps, bool) or not isinstance(rps, int) or rps < 1:
+            raise ConfigError(f"ranks_per_server: must be an integer >= 1, got {rps!r}")
+        if not isinstance(self.facts, Mapping):
+            raise ConfigError(f"facts: must be a mapping, got {type(self.facts).__name__}")
+
+    # ------------------------------------------------------------------ per rank
+
+    def sharing(self, world_size: int) -> int:
+        """How many ranks share one server's SSD and CPUs: ``min(world_size, ranks_per_server)``."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size: must be an integer >= 1, got {world_size!r}")
+        return min(world_size, self.ranks_per_server)
+
+    def ssd_read_per_rank(self, world_size: int) -> float:
+        return self.ssd_read_bytes_per_s / self.sharing(world_size)
+
+    def ssd_write_per_rank(self, world_size: int) -> float:
+        return self.ssd_write_bytes_per_s / self.sharing(world_size)
+
+    def cpu_adam_per_rank(self, world_size: int) -> float:
+        return self.cpu_adam_elements_per_s / self.sharing(world_size)
+
+    def cost_model(self) -> CostModel:
+        """The roofline model that gives a synthetic trace this GPU's op durations."""
+        return CostModel(flops_per_second=self.flops_per_s, bytes_per_second=self.hbm_bytes_per_s)
+
+    def replace(self, **changes: Any) -> "HardwareProfile":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        g = 1e9
+        return "\n".join([
+            f"hardware profile {self.name!r}, ranks per server: {self.ranks_per_server}",
+            f"  per GPU: h2d {self.h2d_bytes_per_s / g:.2f} GB/s, d2h {self.d2h_bytes_per_s / g:.2f} GB/s, "
+            f"network {self.network_bytes_per_s / g:.2f} GB/s, Adam {self.gpu_adam_elements_per_s / g:.2f} G el/s, "
+            f"{self.flops_per_s / 1e12:.3g} TFLOP/s, memory {self.hbm_bytes_per_s / g:.1f} GB/s, "
+            f"compute scale {self.compute_scale:g}",
+            f"  per server: SSD read {self.ssd_read_bytes_per_s / g:.2f} GB/s, write "
+            f"{self.ssd_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s",
+        ])
+
+    # ------------------------------------------------------------------ serialization
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"format": FORMAT, "version": VERSION, "name": self.name}
+        d.update({k: getattr(self, k) for k in _RATES})
+        d["ranks_per_server"] = self.ranks_per_server
+        d["facts"] = dict(self.facts)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise ConfigError(f"not a pagemem hardware profile (format {data.get('format') if isinstance(data, Mapping) else None!r})")
+        if data.get("version") != VERSION:
+            raise ConfigError(f"hardware profile version {data.get('version')!r} is not supported (this pagemem reads {VERSION})")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names - {"format", "version"}
+        if unknown:
+            raise ConfigError(f"hardware profile: unknown field(s) {sorted(unknown)}")
+        missing = [n for n in ("name", *_RATES) if n not in data and n != "compute_scale"]
+        if missing:
+            raise ConfigError(f"hardware profile: missing field(s) {missing}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "HardwareProfile":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    @staticmethod
+    def builtin_names() -> list[str]:
+        """Names :meth:`builtin` accepts: ``a100-server`` and every JSON file in ``profiles/``."""
+        files = [f[:-5] for f in os.listdir(PROFILES_DIR) if f.endswith(".json")] if os.path.isdir(PROFILES_DIR) else []
+        return sorted(set(files) | {"a100-server"})
+
+    @classmethod
+    def builtin(cls, name: str) -> "HardwareProfile":
+        """A shipped profile by name (``"a100-server"``, ``"dev-vm"``)."""
+        if name == "a100-server":
+            return cls.a100_server()
+        path = os.path.join(PROFILES_DIR, f"{name}.json") if isinstance(name, str) else ""
+        if not path or os.sep in name or not os.path.isfile(path):
+            raise ConfigError(f"profile: no built-in profile {name!r}; built-in: {cls.builtin_names()}")
+        return cls.load(path)
+
+    # ------------------------------------------------------------------ the paper's server
+
+    @classmethod
+    def a100_server(cls) -> "HardwareProfile":
+        """The A100 server of ANGEL-PTM §5-6: 8 A100-40GB, PCIe 32 GB/s, GPU-GPU 200 GB/s, SSD
+        3.5 GB/s, 2 x 48-core EPYC 7K62 with 32 x 32 GB DDR4-2933.
+
+        The paper gives the bandwidths; everything else is an assumption, stated in ``facts``:
+
+        - PCIe: 32 GB/s per GPU in each direction at once (PCIe 4.0 x16). On a DGX-style board
+          two GPUs share one switch uplink, which would halve it when both copy.
+        - Network: 200 GB/s per GPU, the paper's GPU-GPU figure (§4.2); 8 ranks of one server talk
+          over NVLink-3. Across servers its 16 x 12.5 GB/s RoCE NICs give 25 GB/s per GPU.
+        - SSD: 3.5 GB/s read and write per server (the paper's one "peak" figure for both).
+        - GPU compute: 60% of the A100's 312 TFLOP/s dense bf16 peak (187 TFLOP/s), a typical
+          sustained rate for large GEMMs; HBM at 85% of 1555 GB/s.
+        - GPU Adam: memory-bound at 28 bytes per element at that HBM rate.
+        - CPU Adam: memory-bound at 28 bytes per element. Table 3 lists 4 x EPYC 7K62, but EPYC
+          Rome runs at most two sockets; 32 DIMMs fill 2 sockets x 8 channels x 2 DIMMs, so 16
+          channels of DDR4-2933 (375 GB/s peak). A fused CPU Adam is assumed to sustain 60% of
+          that: 225 GB/s / 28 B = 8.0 G elements/s for the server.
+        """
+        hbm = 0.85 * 1555e9
+        dram = 16 * 2933e6 * 8  # channels x transfers/s x 8 bytes
+        return cls(
+            name="a100-server",
+            h2d_bytes_per_s=32e9,
+            d2h_bytes_per_s=32e9,
+            network_bytes_per_s=200e9,
+            ssd_read_bytes_per_s=3.5e9,
+            ssd_write_bytes_per_s=3.5e9,
+            cpu_adam_elements_per_s=0.6 * dram / ADAM_BYTES_PER_ELEMENT,
+            gpu_adam_elements_per_s=hbm / ADAM_BYTES_PER_ELEMENT,
+            flops_per_s=0.6 * 312e12,
+            hbm_bytes_per_s=hbm,
+            ranks_per_server=8,
+            facts={
+                "source": "ANGEL-PTM (VLDB 2023) §4.2-4.3, §5, §6.1 and Table 3; assumptions below",
+                "given": {
+                    "h2d_bytes_per_s": "PCIe 32 GB/s (§4.3, §6.1)",
+                    "d2h_bytes_per_s": "PCIe 32 GB/s (§4.3, §6.1)",
+                    "network_bytes_per_s": "GPU-GPU communication 200 GB/s (§4.2; §6.1: 16 x 12.5 GB/s NICs)",
+                    "ssd_read_bytes_per_s": "SSD peak 3.5 GB/s (§4.3, §6.1)",
+                    "ssd_write_bytes_per_s": "SSD peak 3.5 GB/s (§4.3, §6.1)",
+                },
+                "assumed": {
+                    "h2d/d2h": "per GPU, both directions at once (PCIe 4.0 x16); a shared switch uplink would halve it",
+                    "network_bytes_per_s": "bus bandwidth per GPU inside the server (NVLink-3); across servers "
+                                           "16 x 12.5 GB/s NICs are 25 GB/s per GPU. The paper's '600 GB/s GPU memory "
+                                           "access' (§4.3) matches NVLink-3's per-GPU figure, not HBM (1555 GB/s)",
+                    "ssd": "one array per server, 3.5 GB/s both ways, shared by its 8 ranks",
+                    "flops_per_s": "60% of the A100's 312 TFLOP/s dense bf16 peak",
+                    "hbm_bytes_per_s": "85% of the A100-40GB's 1555 GB/s",
+                    "gpu_adam_elements_per_s": "memory-bound: hbm_bytes_per_s / 28 bytes per element",
+                    "cpu_adam_elements_per_s": "memory-bound: 60% of 16 channels x DDR4-2933 (375 GB/s) / 28 bytes "
+                                               "per element; Table 3's '4 x EPYC 7K62' read as 2 sockets (Rome is "
+                                               "at most 2P; 32 DIMMs = 2 sockets x 8 channels x 2)",
+                },
+            },
+        )

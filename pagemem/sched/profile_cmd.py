@@ -1,0 +1,45 @@
+"""``pagemem profile``: measure this machine's bandwidths and rates into a hardware profile JSON
+(see :mod:`pagemem.sched.measure`), or print a built-in profile."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", help="write the measured profile here (JSON)")
+    parser.add_argument("--name", default="measured", help="the profile's name (default: measured)")
+    parser.add_argument("--nvme-path", default=None,
+                        help="directory on the drive to measure (default: a temporary directory)")
+    parser.add_argument("--nvme-bytes", default="1GiB", help="bytes moved per SSD pass (default 1GiB)")
+    parser.add_argument("--copy-bytes", default="256MiB", help="bytes per copy measurement (default 256MiB)")
+    parser.add_argument("--adam-elements", type=int, default=16_000_000,
+                        help="elements of the Adam measurement (default 16M)")
+    parser.add_argument("--network-bytes", default="64MiB", help="bytes per rank per collective (default 64MiB)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the median is kept")
+    parser.add_argument("--show", metavar="NAME", help="print a built-in profile (a100-server, dev-vm) and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagemem.errors import PageMemError
+    from pagemem.sched.hardware import HardwareProfile
+    from pagemem.sched.measure import measure
+
+    try:
+        if args.show:
+            print(HardwareProfile.builtin(args.show).summary())
+            return 0
+        if not args.out:
+            print("pagemem profile: --out FILE is required to measure (or --show NAME)", file=sys.stderr)
+            return 2
+        profile = measure(args.nvme_path, name=args.name, nvme_bytes=args.nvme_bytes, copy_bytes=args.copy_bytes,
+                          adam_elements=args.adam_elements, network_bytes=args.network_bytes,
+                          repeats=args.repeats, log=lambda msg: print(f"  {msg}", flush=True))
+    except PageMemError as e:
+        print(f"pagemem profile: {e}", file=sys.stderr)
+        return 2
+    profile.save(args.out)
+    print(profile.summary())
+    print(f"wrote {args.out}")
+    return 0

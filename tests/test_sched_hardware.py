@@ -1,0 +1,171 @@
+"""HardwareProfile: validation, sharing a server's SSD and CPUs, JSON, cost model, the shipped
+profiles; the measurement helpers and the ``profile`` command."""
+
+import argparse
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from pagemem.errors import ConfigError
+from pagemem.sched import HardwareProfile
+from pagemem.sched import measure, profile_cmd
+from pagemem.sched.hardware import PROFILES_DIR
+from pagemem.tracer import CostModel, synthetic_transformer
+
+RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
+         "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "flops_per_s",
+         "hbm_bytes_per_s", "compute_scale")
+
+
+def base(**kw) -> HardwareProfile:
+    d = dict(name="t", h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, ssd_read_bytes_per_s=4e9,
+             ssd_write_bytes_per_s=5e9, cpu_adam_elements_per_s=6e9, gpu_adam_elements_per_s=7e9, flops_per_s=8e12,
+             hbm_bytes_per_s=9e11, ranks_per_server=8)
+    d.update(kw)
+    return HardwareProfile(**d)
+
+
+@pytest.mark.parametrize("field", RATES)
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "1e9", None])
+def test_every_rate_is_validated_by_name(field, bad):
+    with pytest.raises(ConfigError, match=field):
+        base(**{field: bad})
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
+def test_ranks_per_server_is_validated(bad):
+    with pytest.raises(ConfigError, match="ranks_per_server"):
+        base(ranks_per_server=bad)
+
+
+def test_name_and_facts_are_validated():
+    with pytest.raises(ConfigError, match="name"):
+        base(name=" ")
+    with pytest.raises(ConfigError, match="facts"):
+        base(facts=[1, 2])
+    with pytest.raises(ConfigError, match="h2d_bytes_per_s"):
+        base().replace(h2d_bytes_per_s=0)
+
+
+@pytest.mark.parametrize("world,share", [(1, 1), (2, 2), (8, 8), (16, 8), (64, 8)])
+def test_a_server_is_shared_by_its_ranks(world, share):
+    hw = base()
+    assert hw.sharing(world) == share
+    assert hw.ssd_read_per_rank(world) == pytest.approx(4e9 / share)
+    assert hw.ssd_write_per_rank(world) == pytest.approx(5e9 / share)
+    assert hw.cpu_adam_per_rank(world) == pytest.approx(6e9 / share)
+    one = base(ranks_per_server=1)
+    assert one.ssd_read_per_rank(world) == 4e9 and one.cpu_adam_per_rank(world) == 6e9
+
+
+def test_sharing_rejects_bad_world_sizes():
+    for bad in (0, -1, 1.0, True):
+        with pytest.raises(ConfigError, match="world_size"):
+            base().sharing(bad)
+
+
+def test_json_round_trip(tmp_path):
+    hw = base(compute_scale=0.5, facts={"source": "test", "nested": {"a": [1, 2]}})
+    path = tmp_path / "hw.json"
+    hw.save(path)
+    assert HardwareProfile.load(path) == hw
+    assert HardwareProfile.from_dict(json.loads(path.read_text())) == hw
+    d = hw.to_dict()
+    with pytest.raises(ConfigError, match="format"):
+        HardwareProfile.from_dict({**d, "format": "other"})
+    with pytest.raises(ConfigError, match="version"):
+        HardwareProfile.from_dict({**d, "version": 99})
+    with pytest.raises(ConfigError, match="unknown"):
+        HardwareProfile.from_dict({**d, "pcie": 1})
+    with pytest.raises(ConfigError, match="missing"):
+        HardwareProfile.from_dict({k: v for k, v in d.items() if k != "ssd_read_bytes_per_s"})
+    with pytest.raises(ConfigError, match="flops_per_s"):
+        HardwareProfile.from_dict({**d, "flops_per_s": -1})
+
+
+def test_cost_model_gives_synthetic_traces_the_profiles_durations():
+    hw = base(flops_per_s=50e12, hbm_bytes_per_s=1e12)
+    cm = hw.cost_model()
+    assert cm == CostModel(flops_per_second=50e12, bytes_per_second=1e12)
+    shape = dict(layers=1, hidden=1024, heads=8, seq=512, batch=4)
+    slow = synthetic_transformer(**shape, cost=cm)
+    fast = synthetic_transformer(**shape, cost=base(flops_per_s=100e12, hbm_bytes_per_s=2e12).cost_model())
+    for a, b in zip(slow.ops, fast.ops):
+        assert a.duration == pytest.approx(2 * b.duration, rel=1e-12, abs=1e-18)
+    qkv = next(op for op in slow.ops if op.module == "blocks.0.attn.qkv" and op.event == "forward_pre")
+    tokens = 4 * 512
+    assert qkv.duration == pytest.approx(2 * tokens * 1024 * 3072 / 50e12)  # compute-bound matmul
+
+
+def test_a100_server_carries_the_papers_numbers():
+    hw = HardwareProfile.a100_server()
+    assert (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s) == (32e9, 32e9)
+    assert hw.network_bytes_per_s == 200e9
+    assert (hw.ssd_read_bytes_per_s, hw.ssd_write_bytes_per_s) == (3.5e9, 3.5e9)
+    assert hw.ranks_per_server == 8 and hw.compute_scale == 1
+    assert hw.ssd_read_per_rank(8) == pytest.approx(3.5e9 / 8)
+    # the assumptions, as derived in the docstring
+    assert hw.cpu_adam_elements_per_s == pytest.approx(0.6 * 16 * 2933e6 * 8 / 28)
+    assert hw.gpu_adam_elements_per_s == pytest.approx(hw.hbm_bytes_per_s / 28)
+    assert set(hw.facts["given"]) >= {"h2d_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s"}
+    assert hw.facts["assumed"]
+
+
+def test_shipped_profiles():
+    assert set(HardwareProfile.builtin_names()) >= {"a100-server", "dev-vm"}
+    assert HardwareProfile.builtin("a100-server") == HardwareProfile.a100_server()
+    # the JSON next to the code is the same profile, so the two cannot drift apart
+    assert HardwareProfile.load(os.path.join(PROFILES_DIR, "a100-server.json")) == HardwareProfile.a100_server()
+    dev = HardwareProfile.builtin("dev-vm")
+    assert dev.name == "dev-vm"
+    assert {"date", "cpu", "cpus", "memory_bytes", "torch", "method", "disk"} <= set(dev.facts)
+    with pytest.raises(ConfigError, match="dev-vm"):
+        HardwareProfile.builtin("nope")
+    with pytest.raises(ConfigError):
+        HardwareProfile.builtin("../profiles/dev-vm")
+
+
+# ---------------------------------------------------------------------------------------- measuring
+
+def test_measurement_helpers_report_positive_rates(tmp_path):
+    assert measure.host_copy(1 << 20, repeats=2) > 0
+    rate, impl = measure.adam(100_000, repeats=2)
+    assert rate > 0 and impl in ("fused", "foreach")
+    assert measure.matmul_flops(repeats=1) > 0
+    assert measure.device_memory(1 << 20, repeats=2) > 0
+    read, write, info = measure.nvme(str(tmp_path), 8 << 20, repeats=1)
+    assert read > 0 and write > 0 and info["io_depth"] == measure.DEPTH
+    facts = measure.machine_facts(str(tmp_path))
+    assert facts["cpus"] == os.cpu_count() and "date" in facts and "device" in facts["disk"]
+
+
+@pytest.mark.slow
+def test_network_measurement_with_two_gloo_processes():
+    net = measure.network(1 << 20, repeats=2)
+    assert net["all_gather"] > 0 and net["reduce_scatter"] > 0
+
+
+@pytest.mark.slow
+def test_profile_command_measures_and_writes_json(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    profile_cmd.configure(parser)
+    out = tmp_path / "me.json"
+    args = parser.parse_args(["--out", str(out), "--name", "me", "--nvme-path", str(tmp_path), "--nvme-bytes", "8MiB",
+                              "--copy-bytes", "4MiB", "--adam-elements", "100000", "--network-bytes", "1MiB",
+                              "--repeats", "1"])
+    assert profile_cmd.run(args) == 0
+    hw = HardwareProfile.load(out)
+    assert hw.name == "me" and hw.ranks_per_server == (torch.cuda.device_count() or 1)
+    assert hw.facts["method"]["ssd_backend"]["io_depth"] == 8
+
+
+def test_profile_command_shows_a_builtin_and_needs_out(capsys):
+    parser = argparse.ArgumentParser()
+    profile_cmd.configure(parser)
+    assert profile_cmd.run(parser.parse_args(["--show", "a100-server"])) == 0
+    assert "a100-server" in capsys.readouterr().out
+    assert profile_cmd.run(parser.parse_args([])) == 2
+    assert profile_cmd.run(parser.parse_args(["--show", "nope"])) == 2
