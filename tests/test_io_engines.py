@@ -129,3 +129,22 @@ def test_aio_close_waits_for_requests_in_flight(direct_file):
     assert results == [PAGE] * 16
     with pytest.raises(RuntimeError):
         engine.submit(True, direct_file, 0, buf[:PAGE], results.append)
+
+
+def test_aio_close_after_a_refused_submit_does_not_hang(tmp_path):
+    """The kernel refuses a write to a read-only fd at io_submit; the reaper must not wait for it."""
+    if "aio" not in ENGINES:
+        pytest.skip("libaio unavailable")
+    import threading as th
+
+    for attempt in range(20):
+        engine = AioEngine(4)
+        ro = os.open(tmp_path / f"ro{attempt}", os.O_RDONLY | os.O_CREAT, 0o600)
+        got = th.Event()
+        engine.submit(True, ro, 0, memoryview(mmap.mmap(-1, PAGE)), lambda n: got.set())
+        assert got.wait(10)
+        closer = th.Thread(target=engine.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        os.close(ro)
+        assert not closer.is_alive(), f"close() hung on attempt {attempt}"

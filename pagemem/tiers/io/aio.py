@@ -22,6 +22,10 @@ def _load_libaio():
     return libaio
 
 
+_REAP_WAIT = 0.05
+"""Seconds the reaper blocks in io_getevents before re-checking what is in flight."""
+
+
 class AioEngine(IOEngine):
     """Submits ``io_submit`` requests directly; one reaper thread collects completions."""
 
@@ -81,7 +85,9 @@ class AioEngine(IOEngine):
                     self._cv.wait()
                 if self._inflight == 0:
                     return
-            events = self._ctx.getEvents(min_nr=1, nr=self.depth, timeout=None)
+            # bounded wait: a request the kernel refused after we counted it never completes,
+            # so the reaper must come back to re-read the count (and to notice close())
+            events = self._ctx.getEvents(min_nr=1, nr=self.depth, timeout=_REAP_WAIT)
             with self._cv:
                 self._inflight -= len(events)
                 refill = []
