@@ -1,6 +1,8 @@
 """``pagemem plan`` end to end, and the memory plot."""
 
 
+import json
+
 import pytest
 
 from pagemem.cli import main
@@ -53,3 +55,19 @@ def test_plot_draws_a_plan_that_is_over_budget_too(tmp_path):
     assert not report.ok
     path = plot_memory(report, tmp_path / "over.png", phases=[o.phase for o in tr.ops] + ["end"])
     assert open(path, "rb").read(4) == b"\x89PNG"
+
+
+def test_simulate_command_on_both_profiles(tmp_path, capsys):
+    chrome = tmp_path / "sim.json"
+    for profile in ("a100-server", "dev-vm"):
+        rc = main(["simulate", *SMALL, "--gpu", "64MiB", "--profile", profile, "--chrome", str(chrome)])
+        text = capsys.readouterr().out
+        assert rc == 0, text
+        assert "gpu idle" in text and "busy:" in text
+        events = json.loads(chrome.read_text())
+        assert events["traceEvents"]
+
+
+def test_profile_command_shows_a_builtin(capsys):
+    assert main(["profile", "--show", "a100-server"]) == 0
+    assert "32" in capsys.readouterr().out
