@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
+from pagemem.checks import check_bool, check_choice, check_int
 from pagemem.errors import ConfigError
 from pagemem.units import parse_size
 
@@ -63,15 +64,14 @@ class StoreConfig:
         object.__setattr__(self, "page_bytes", page)
         for name in ("gpu_bytes", "cpu_bytes", "nvme_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
-        _check_choice("io_engine", self.io_engine, ("auto", "aio", "threads"))
-        _check_choice("gpu_backend", self.gpu_backend, ("auto", "cuda", "host"))
-        _check_int("io_depth", self.io_depth, 1, 1024)
-        _check_int("staging_pages", self.staging_pages, 1, 4096)
-        _check_int("cuda_device", self.cuda_device, 0, 1023)
-        _check_int("copy_threads", self.copy_threads, 1, 64)
+        check_choice("io_engine", self.io_engine, ("auto", "aio", "threads"))
+        check_choice("gpu_backend", self.gpu_backend, ("auto", "cuda", "host"))
+        check_int("io_depth", self.io_depth, 1, 1024)
+        check_int("staging_pages", self.staging_pages, 1, 4096)
+        check_int("cuda_device", self.cuda_device, 0, 1023)
+        check_int("copy_threads", self.copy_threads, 1, 64)
         for name in ("direct_io", "checksums", "pin_cpu"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         paths = _normalise_paths(self.nvme_path)
         if self.nvme_bytes and not paths:
             raise ConfigError("nvme_path: required when nvme_bytes > 0 (a directory for the page files)")
@@ -98,12 +98,3 @@ def _normalise_paths(value: object) -> tuple[str, ...]:
         raise ConfigError(f"nvme_path: a directory is listed twice in {paths!r}")
     return paths
 
-
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-
-
-def _check_int(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"{name}: must be an integer in [{lo}, {hi}], got {value!r}")

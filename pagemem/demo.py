@@ -74,7 +74,7 @@ class Sweeper:
         self.evictions: list[MoveHandle] = []
 
     def _free(self, tier: str) -> int:
-        return self.store.stats()[tier].free_pages
+        return self.store.tier(tier).free_pages
 
     def _make_room_on_gpu(self, pages: int) -> None:
         while self._free("gpu") < pages:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pagemem.checks import check_int
 from pagemem.errors import ConfigError
 
 
@@ -38,9 +39,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name, lo in (("layers", 1), ("hidden", 1), ("heads", 1), ("vocab", 1), ("seq", 1), ("ffn", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ConfigError(f"{name}: must be an integer >= {lo}, got {value!r}")
+            check_int(name, getattr(self, name), lo)
         if self.hidden % self.heads:
             raise ConfigError(f"heads: must divide hidden={self.hidden}, got {self.heads}")
         if self.ffn == 0:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pagemem.checks import check_int, check_rate
 from pagemem.errors import ConfigError
 from pagemem.tracer import CostModel
 
@@ -77,14 +77,8 @@ class HardwareProfile:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError(f"name: must be a non-empty string, got {self.name!r}")
         for name in _RATES:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"{name}: must be a positive finite number, got {value!r}")
-            object.__setattr__(self, name, float(value))
-        rps = self.ranks_per_server
-        if isinstance(rps, bool) or not isinstance(rps, int) or rps < 1:
-            raise ConfigError(f"ranks_per_server: must be an integer >= 1, got {rps!r}")
+            object.__setattr__(self, name, check_rate(name, getattr(self, name)))
+        check_int("ranks_per_server", self.ranks_per_server, 1)
         if not isinstance(self.facts, Mapping):
             raise ConfigError(f"facts: must be a mapping, got {type(self.facts).__name__}")
 

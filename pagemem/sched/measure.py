@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagemem.errors import ConfigError
+from pagemem.checks import check_int
 from pagemem.sched.hardware import HardwareProfile
 from pagemem.units import parse_size
 
@@ -289,10 +289,8 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
     """Measure this machine (see the module docs); ``nvme_path`` is a directory on the drive to
     test (default: a temporary directory). Takes a minute or two."""
     say = log or (lambda _msg: None)
-    if isinstance(adam_elements, bool) or not isinstance(adam_elements, int) or adam_elements < 1:
-        raise ConfigError(f"adam_elements: must be a positive integer, got {adam_elements!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ConfigError(f"repeats: must be a positive integer, got {repeats!r}")
+    check_int("adam_elements", adam_elements, 1)
+    check_int("repeats", repeats, 1)
     nvme_n = parse_size(nvme_bytes, "nvme_bytes")
     copy_n = parse_size(copy_bytes, "copy_bytes")
     net_n = parse_size(network_bytes, "network_bytes")

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
+from pagemem.checks import check_choice, check_int
 from pagemem.errors import ConfigError
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.sched.layout import Layout
@@ -65,10 +66,8 @@ def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size:
     if not isinstance(trace, Trace):
         raise ConfigError(f"trace: expected a pagemem.tracer.Trace, got {type(trace).__name__}")
     b = Budgets.parse(budgets)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 65536:
-        raise ConfigError(f"world_size: must be an integer in [1, 65536], got {world_size!r}")
-    if optimizer_tier not in ("cpu", "nvme"):
-        raise ConfigError(f"optimizer_tier: must be 'cpu' or 'nvme', got {optimizer_tier!r}")
+    check_int("world_size", world_size, 1, 65536)
+    check_choice("optimizer_tier", optimizer_tier, ("cpu", "nvme"))
     pb = parse_size(page_bytes, "page_bytes")
     if pb <= 0 or pb % 4096:
         raise ConfigError(f"page_bytes: must be a positive multiple of 4096 bytes, got {pb}")

@@ -78,6 +78,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pagemem.checks import check_int
 from pagemem.errors import ConfigError, PageMemError
 from pagemem.sched.hardware import HardwareProfile
 from pagemem.sched.plan import Plan
@@ -253,7 +254,7 @@ class _Builder:
         self.touch.setdefault((res, layer), []).append(i)
 
     def build(self) -> list[_Node]:
-        plan, trace, W, pb = self.plan, self.trace, self.W, self.pb
+        plan, trace, W = self.plan, self.trace, self.W
         n = len(trace.ops)
         usage = Usage.from_trace(trace)
         param_at: dict[int, list[int]] = {}
@@ -437,8 +438,7 @@ def simulate(plan: Plan, trace: Trace, profile: HardwareProfile, iterations: int
     if not isinstance(profile, HardwareProfile):
         raise ConfigError(f"profile: expected a HardwareProfile, got {type(profile).__name__}")
     for name, value in (("iterations", iterations), ("max_iterations", max_iterations)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
-            raise ConfigError(f"{name}: must be an integer in [1, 1000], got {value!r}")
+        check_int(name, value, 1, 1000)
     if plan.n_ops != len(trace.ops) or not plan.holds_for(trace):
         raise ConfigError("plan: it was made for a trace with another access order")
     nodes = _Builder(plan, trace, profile).build()

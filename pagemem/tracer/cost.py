@@ -10,10 +10,9 @@ utilisation: 100 TFLOP/s of fp16 tensor-core work (about a third of its 312 TFLO
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
-from pagemem.errors import ConfigError
+from pagemem.checks import check_rate
 
 
 @dataclass(frozen=True)
@@ -27,10 +26,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("flops_per_second", "bytes_per_second"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"{name}: must be a positive finite number, got {value!r}")
+            check_rate(name, getattr(self, name))
 
     def seconds(self, flops: float = 0.0, nbytes: float = 0.0) -> float:
         """Estimated seconds of an op doing ``flops`` and moving ``nbytes``."""

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pagemem.checks import check_int
 from pagemem.errors import ConfigError
 from pagemem.models.gpt import GPTConfig
 from pagemem.tracer.builder import ParamSpec, StateSpec, build_trace
@@ -96,9 +97,7 @@ class TransformerShape:
     def __post_init__(self) -> None:
         for name, lo in (("layers", 1), ("hidden", 1), ("heads", 1), ("seq", 1), ("batch", 1),
                          ("vocab", 1), ("ffn", 0), ("positions", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ConfigError(f"{name}: must be an integer >= {lo}, got {value!r}")
+            check_int(name, getattr(self, name), lo)
         if self.hidden % self.heads:
             raise ConfigError(f"heads: must divide hidden={self.hidden}, got {self.heads}")
         if self.ffn == 0:
