@@ -7,7 +7,7 @@ pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpack
 
 from pagemem.config import StoreConfig
 from pagemem.errors import (ConfigError, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
-                            TierIOError)
+                            TierIOError, TornPage)
 from pagemem.store import MoveHandle, PagedTensor, PageStore, StoreStats
 
 __version__ = "0.1.0"
@@ -24,4 +24,5 @@ __all__ = [
     "OutOfMemory",
     "CorruptPage",
     "TierIOError",
+    "TornPage",
 ]

@@ -64,3 +64,8 @@ class TierIOError(PageMemError, OSError):
 
 class InvalidRequest(PageMemError, ValueError):
     """A call was misused: unknown tier, wrong shape or dtype, a freed tensor, a closed store."""
+
+
+class TornPage(PageMemError):
+    """A tensor's bytes were lost when an in-place disk write failed (there was no room for a
+    copy-on-write). Reads of those bytes are refused until the tensor is written again."""

@@ -185,9 +185,9 @@ class DelayedCopier:
     def __init__(self, inner, delayer: Delayer) -> None:
         self.inner, self.delayer, self.name = inner, delayer, inner.name
 
-    def copy(self, dst, src, done) -> None:
+    def copy(self, dst, src, done, after=None) -> None:
         late_done = lambda e: self.delayer.later(lambda: done(e))  # noqa: E731
-        self.delayer.later(lambda: self.inner.copy(dst, src, late_done))
+        self.delayer.later(lambda: self.inner.copy(dst, src, late_done, after=after))
 
     def close(self) -> None:
         self.inner.close()

@@ -83,3 +83,78 @@ def test_checksums_off_still_round_trips(make_store):
     t.copy_(d)
     t.move("nvme").wait()
     assert same_bytes(t.to_torch(), d)
+
+
+def _tier_io(start, slot, buf):
+    """Run one start_read / start_write and return its error (None on success)."""
+    import threading
+
+    got, finished = [], threading.Event()
+    start(slot, buf, lambda e: (got.append(e), finished.set()))
+    assert finished.wait(10)
+    return got[0]
+
+
+@pytest.mark.parametrize("kind", ["short", "eio"])
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_failed_write_leaves_a_torn_slot_that_never_reads_as_data(tmp_path, engine, kind, checksums):
+    from pagemem.tiers.arena import HostArena
+    from pagemem.tiers.io.faults import FaultyEngine
+    from pagemem.tiers.nvme import NvmeTier
+
+    tier = NvmeTier((str(tmp_path),), 4, PAGE, engine=engine, io_depth=4, direct=True, checksums=checksums)
+    arena = HostArena(2 * PAGE, pin=False)
+    try:
+        faults = tier.engine = FaultyEngine(tier.engine)
+        src, dst = arena.buffer(0, PAGE), arena.buffer(PAGE, PAGE)
+        (slot,) = tier.allocate(1)
+        old = random_tensor((PAGE,), torch.uint8, seed=1)
+        src.tensor.copy_(old)
+        assert _tier_io(tier.start_write, slot, src) is None
+        assert not tier.is_torn(slot)
+
+        src.tensor.copy_(random_tensor((PAGE,), torch.uint8, seed=2))
+        faults.fail_next("write", kind)
+        assert isinstance(_tier_io(tier.start_write, slot, src), pagemem.TierIOError)
+        assert tier.is_torn(slot)
+        dst.tensor.fill_(0xAB)
+        err = _tier_io(tier.start_read, slot, dst)
+        assert isinstance(err, pagemem.CorruptPage)
+        assert "last write to this slot failed" in str(err) and err.slot == slot
+        assert bool((dst.tensor == 0xAB).all())  # nothing partial was handed over
+
+        assert _tier_io(tier.start_write, slot, src) is None  # a good write clears the mark
+        assert not tier.is_torn(slot)
+        assert _tier_io(tier.start_read, slot, dst) is None
+        assert same_bytes(dst.tensor, src.tensor)
+
+        faults.fail_next("write", kind)
+        _tier_io(tier.start_write, slot, src)
+        tier.release([slot])  # releasing clears it too: the slot is unwritten again
+        assert not tier.is_torn(slot)
+        (again,) = tier.allocate(1)
+        assert again == slot
+        assert _tier_io(tier.start_read, slot, dst) is None and not dst.tensor.any()
+    finally:
+        tier.close()
+        arena.close()
+
+
+def test_a_write_that_never_wrote_a_slot_before_still_tears_it(tmp_path):
+    from pagemem.tiers.arena import HostArena
+    from pagemem.tiers.io.faults import FaultyEngine
+    from pagemem.tiers.nvme import NvmeTier
+
+    tier = NvmeTier((str(tmp_path),), 2, PAGE, engine="threads", io_depth=2, direct=True, checksums=True)
+    arena = HostArena(PAGE, pin=False)
+    try:
+        tier.engine = FaultyEngine(tier.engine)
+        buf = arena.buffer(0, PAGE)
+        buf.tensor.fill_(5)
+        tier.engine.fail_next("write", "short")
+        assert _tier_io(tier.start_write, 1, buf) is not None
+        # never written successfully, so it used to read back as zeros: now refused
+        assert isinstance(_tier_io(tier.start_read, 1, buf), pagemem.CorruptPage)
+    finally:
+        tier.close()
+        arena.close()

@@ -18,7 +18,7 @@ class Op:
     """An operation on a set of pages; ``start`` runs (outside the lock) once it may begin."""
 
     __slots__ = ("pages", "start", "waiting", "successors", "finished", "done", "errors",
-                 "remaining", "plan", "__weakref__")
+                 "remaining", "__weakref__")
 
     def __init__(self, pages: Iterable[Page], start: Callable[["Op"], None]) -> None:
         self.pages = tuple(pages)
@@ -29,7 +29,7 @@ class Op:
         self.done = threading.Event()
         self.errors: list[BaseException] = []
         self.remaining = 0
-        self.plan: list = []
+        """Transfers of this operation still in flight."""
 
 
 def enqueue(op: Op) -> bool:

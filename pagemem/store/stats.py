@@ -54,6 +54,18 @@ class StoreStats:
     staging_free: int
     """Pinned bounce pages, and how many are free right now."""
     cuda: bool
+    views: int = 0
+    """Views and leases served zero-copy (aliasing page memory)."""
+    view_copies: int = 0
+    """Leases that needed a merged copy because the pages were not adjacent."""
+    pinned_pages: int = 0
+    """Pages pinned right now by open leases or live views."""
+
+    @property
+    def view_copy_share(self) -> float:
+        """Share of leases and views that needed a copy (0.0 when there were none)."""
+        total = self.views + self.view_copies
+        return self.view_copies / total if total else 0.0
 
     def __getitem__(self, tier: str) -> TierStats:
         return self.tiers[tier]
@@ -75,6 +87,10 @@ class StoreStats:
             lines.append(f"{'move':<11} {'pages':>7} {'bytes':>11} {'seconds':>9} {'GB/s':>7}")
             for key, m in sorted(self.moves.items()):
                 lines.append(f"{key:<11} {m.pages:>7} {format_bytes(m.bytes):>11} {m.seconds:>9.3f} {m.gbps:>7.2f}")
+        if self.views or self.view_copies:
+            lines.append("")
+            lines.append(f"views: {self.views} zero-copy, {self.view_copies} needed a copy "
+                         f"({self.view_copy_share:.1%}); {self.pinned_pages} pages pinned now")
         return "\n".join(lines)
 
 
@@ -88,20 +104,21 @@ class TransferMeter:
     _bytes: dict[str, int] = field(default_factory=dict)
     _pages: dict[str, int] = field(default_factory=dict)
 
-    def begin(self, direction: str) -> None:
+    def begin(self, direction: str, transfers: int = 1) -> None:
         n = self._active.get(direction, 0)
         if n == 0:
             self._since[direction] = time.perf_counter()
-        self._active[direction] = n + 1
+        self._active[direction] = n + transfers
 
-    def end(self, direction: str, nbytes: int) -> None:
+    def end(self, direction: str, nbytes: int, pages: int = 1) -> None:
+        """One transfer begun with ``begin`` finished, having moved ``pages`` pages (0 if it failed)."""
         n = self._active[direction] - 1
         self._active[direction] = n
         if n == 0:
             self._busy[direction] = self._busy.get(direction, 0.0) + time.perf_counter() - self._since[direction]
         if nbytes:
             self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
-            self._pages[direction] = self._pages.get(direction, 0) + 1
+            self._pages[direction] = self._pages.get(direction, 0) + pages
 
     def snapshot(self) -> dict[str, MoveStats]:
         now = time.perf_counter()

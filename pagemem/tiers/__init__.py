@@ -11,11 +11,13 @@ from pagemem.errors import ConfigError, InvalidRequest
 from pagemem.tiers.arena import CudaArena, HostArena, HostBuffer
 from pagemem.tiers.base import TIER_NAMES, Tier
 from pagemem.tiers.copy import CudaCopyEngine, HostCopyEngine
+from pagemem.tiers.fence import Fence
 from pagemem.tiers.memory import MemoryTier
-from pagemem.tiers.nvme import NvmeTier
+from pagemem.tiers.nvme import NvmeTier, TornSlot
 from pagemem.tiers.staging import StagingPool
 
-__all__ = ["Tier", "MemoryTier", "NvmeTier", "TierSet", "HostBuffer", "StagingPool", "TIER_NAMES", "build_tiers"]
+__all__ = ["Tier", "MemoryTier", "NvmeTier", "TierSet", "HostBuffer", "StagingPool", "Fence", "TornSlot",
+           "TIER_NAMES", "build_tiers"]
 
 
 @dataclass
@@ -38,6 +40,7 @@ class TierSet:
         return iter((self.gpu, self.cpu, self.nvme))
 
     def close(self) -> None:
+        """Stop the engines (waiting for work in flight), then give back memory and files."""
         for close in reversed(self._closers):
             close()
         self._closers.clear()
@@ -53,35 +56,39 @@ def build_tiers(config: StoreConfig) -> TierSet:
         raise ConfigError(
             f"cuda_device: must be in [0, {torch.cuda.device_count() - 1}], got {config.cuda_device}")
     pb = config.page_bytes
-    closers: list = []
+    # closed in reverse: engines first (they wait for work in flight), then memory
+    memory: list = []
+    engines: list = []
     try:
         host_copier = HostCopyEngine(config.copy_threads)
-        closers.append(host_copier.close)
+        engines.append(host_copier.close)
         if use_cuda:
             device = torch.device("cuda", config.cuda_device)
             gpu_arena = CudaArena(config.pages("gpu") * pb, device)
+            memory.append(gpu_arena.close)
             cuda_copier = CudaCopyEngine(device)
-            closers.append(cuda_copier.close)
+            engines.append(cuda_copier.close)
             gpu = MemoryTier("gpu", gpu_arena, pb, cuda_copier,
                              f"cuda ({torch.cuda.get_device_name(device)})", host_addressable=False)
         else:
             why = "gpu_backend='host'" if cuda_seen else "no CUDA"
             gpu = MemoryTier("gpu", HostArena(config.pages("gpu") * pb, pin=False), pb, host_copier,
                              f"host-memory stand-in ({why})", host_addressable=False)
-        closers.append(gpu.close)
+            memory.append(gpu.close)
         pin = use_cuda and config.pin_cpu
         cpu_arena = HostArena(config.pages("cpu") * pb, pin=pin)
         cpu = MemoryTier("cpu", cpu_arena, pb, host_copier,
                          "pinned host memory" if cpu_arena.pinned else "pageable host memory",
                          host_addressable=True)
-        closers.append(cpu.close)
+        memory.append(cpu.close)
         nvme = NvmeTier(config.nvme_paths, config.pages("nvme"), pb, engine=config.io_engine,
                         io_depth=config.io_depth, direct=config.direct_io, checksums=config.checksums)
-        closers.append(nvme.close)
+        engines.append(nvme.close)
         staging = StagingPool(config.staging_pages, pb, pin=pin)
-        closers.append(staging.close)
+        memory.append(staging.close)
     except BaseException:
-        for close in reversed(closers):
+        for close in reversed(memory + engines):
             close()
         raise
+    closers = memory + engines
     return TierSet(gpu, cpu, nvme, staging, use_cuda, closers)

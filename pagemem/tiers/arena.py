@@ -29,6 +29,7 @@ class HostArena:
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = nbytes
         self.pinned = False
+        self.closed = False
         if nbytes == 0:
             self._mmap = None
             self.view = memoryview(bytearray(0))
@@ -45,13 +46,36 @@ class HostArena:
             self.pinned = _cuda_host_register(self.tensor.data_ptr(), nbytes)
 
     def buffer(self, offset: int, nbytes: int) -> HostBuffer:
+        if self.closed:
+            raise ValueError("the host arena is closed")
         return HostBuffer(self.tensor[offset:offset + nbytes], self.view[offset:offset + nbytes])
 
     def close(self) -> None:
-        """Unpin. The mapping itself goes when the last view of it does."""
+        """Give the memory back now, even while views of it remain: unpin, then drop the physical
+        pages (stale views read zeros, never another allocation's data); the address range is
+        unmapped when the last tensor over it goes (never here: torch tensors made with
+        ``torch.frombuffer`` hold the mmap object but no buffer export, so closing the mapping
+        would leave them pointing at unmapped memory). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        mm, self._mmap = self._mmap, None
+        if mm is None:
+            return
         if self.pinned:
+            _cuda_synchronize_all()  # no DMA may be in flight to memory being unpinned
             _cuda_host_unregister(self.tensor.data_ptr())
             self.pinned = False
+        dontneed = getattr(mmap, "MADV_DONTNEED", None)
+        if dontneed is not None:
+            mm.madvise(dontneed)
+        try:
+            self.view.release()
+        except BufferError:  # something holds a buffer of this very view; the GC releases it
+            pass
+        self.view = memoryview(bytearray(0))
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        del mm  # unmapped by the garbage collector once no tensor refers to it
 
 
 def _cuda_host_register(ptr: int, nbytes: int) -> bool:
@@ -72,12 +96,18 @@ def _cuda_host_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def _cuda_synchronize_all() -> None:
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(device)
+
+
 class CudaArena:
     """``nbytes`` of device memory from one allocation on ``device``."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
         self.device = device
+        self.closed = False
         free, total = torch.cuda.mem_get_info(device) if nbytes else (0, 0)
         if nbytes > free:
             raise MemoryError(
@@ -87,4 +117,13 @@ class CudaArena:
         self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def close(self) -> None:
-        pass
+        """Free the device memory now, even while views of it remain (using one then raises
+        rather than reading freed memory). Waits for the device first: kernels on any stream
+        may still use it. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        tensor, self.tensor = self.tensor, torch.empty(0, dtype=torch.uint8, device=self.device)
+        if tensor.numel():
+            torch.cuda.synchronize(self.device)
+            tensor.untyped_storage().resize_(0)  # frees the block; every view shares this storage

@@ -2,7 +2,9 @@
 
 With CUDA, host<->device copies run on two dedicated streams (one per direction) and complete
 through CUDA events, so they overlap compute on other streams. Without CUDA, copies between
-host-memory arenas run on a small thread pool (torch's copy releases the GIL).
+host-memory arenas run on a small thread pool (torch's copy releases the GIL). Either engine
+can order a copy after a fence (``after``), and drops every reference to a request once its
+callback has run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
+
+from pagemem.tiers.fence import Fence
 
 CopyDone = Callable[[BaseException | None], None]
 _log = logging.getLogger("pagemem")
@@ -34,12 +38,16 @@ class HostCopyEngine:
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagemem-copy")
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, done: CopyDone) -> None:
-        self._pool.submit(self._run, dst, src, done)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, done: CopyDone, after: Fence | None = None) -> None:
+        """Copy ``src`` into ``dst`` on a worker thread, after waiting there for ``after``."""
+        self._pool.submit(self._run, dst, src, done, after)
 
     @staticmethod
-    def _run(dst: torch.Tensor, src: torch.Tensor, done: CopyDone) -> None:
+    def _run(dst: torch.Tensor, src: torch.Tensor, done: CopyDone, after: Fence | None) -> None:
+        # the pool drops its work item (and so these arguments) as soon as this returns
         try:
+            if after is not None:
+                after.synchronize()
             dst.copy_(src)
         except Exception as exc:  # reported to the waiter, not lost on a pool thread
             _call(done, exc)
@@ -62,17 +70,23 @@ class _EventWaiter:
         self._queue.put((event, done))
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            event, done = item
-            try:
-                event.synchronize()
-            except Exception as exc:
-                _call(done, exc)
-                continue
-            _call(done, None)
+        while self._wait_one():
+            pass
+
+    def _wait_one(self) -> bool:
+        """Complete the next request; False at close. Its references go when this returns, so
+        an idle waiter keeps no callback (or whatever the callback holds) alive."""
+        item = self._queue.get()
+        if item is None:
+            return False
+        event, done = item
+        try:
+            event.synchronize()
+        except Exception as exc:
+            _call(done, exc)
+            return True
+        _call(done, None)
+        return True
 
     def close(self) -> None:
         self._queue.put(None)
@@ -80,7 +94,13 @@ class _EventWaiter:
 
 
 class CudaCopyEngine:
-    """Host<->device copies on an H2D stream and a D2H stream, completed by CUDA events."""
+    """Host<->device copies on an H2D stream and a D2H stream, completed by CUDA events.
+
+    A copy into device memory (from host or device) runs on the H2D stream, one into host memory
+    on the D2H stream. ``after`` (a ``torch.cuda.Event``) makes the copy stream wait for it, so a
+    copy of memory a compute stream is still writing starts once that write is done. Tensors are
+    never ``record_stream``-ed: the caller keeps ``dst`` and ``src`` alive until ``done``.
+    """
 
     name = "cuda streams"
 
@@ -94,10 +114,15 @@ class CudaCopyEngine:
         }
         self._lock = threading.Lock()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, done: CopyDone) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, done: CopyDone,
+             after: torch.cuda.Event | None = None) -> None:
         stream = self.h2d if dst.is_cuda else self.d2h
         try:
+            if after is not None and not isinstance(after, torch.cuda.Event):
+                raise TypeError(f"after: the CUDA copy engine needs a torch.cuda.Event, got {type(after).__name__}")
             with self._lock, torch.cuda.stream(stream):
+                if after is not None:
+                    stream.wait_event(after)
                 dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)

@@ -6,6 +6,7 @@ import torch
 
 from pagemem.tiers.arena import CudaArena, HostArena, HostBuffer
 from pagemem.tiers.base import PageDone, Tier
+from pagemem.tiers.fence import Fence
 
 
 class MemoryTier(Tier):
@@ -37,11 +38,46 @@ class MemoryTier(Tier):
             return super().host_buffer(slot)
         return self.arena.buffer(slot * self.page_bytes, self.page_bytes)  # type: ignore[union-attr]
 
-    def start_read(self, slot: int, into: HostBuffer, done: PageDone) -> None:
-        self.copier.copy(into.tensor, self.buffer(slot), done)
+    def fence(self) -> Fence | None:
+        """On CUDA, an event recorded now on the current stream of this tier's device: call it on
+        the thread that queued the kernels still reading the slot, when it frees the slot, and
+        pass it to ``release``. None for host memory (host accesses are complete on return)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
-    def start_write(self, slot: int, src: HostBuffer, done: PageDone) -> None:
-        self.copier.copy(self.buffer(slot), src.tensor, done)
+    def read_span(self, first_slot: int, count: int, into: torch.Tensor, done: PageDone,
+                  after: Fence | None = None) -> None:
+        """Copy the ``count`` adjacent slots from ``first_slot`` into the uint8 tensor ``into``
+        (host or device, ``count * page_bytes`` elements) in one copy; ``done(error)`` after.
+        ``after``: a fence (on CUDA, a ``torch.cuda.Event``) the copy waits for first. ``into``
+        must stay alive and untouched until ``done`` is called."""
+        self.copier.copy(into, self._span_for(first_slot, count, into, "into"), done, after=after)
+
+    def write_span(self, first_slot: int, count: int, src: torch.Tensor, done: PageDone,
+                   after: Fence | None = None) -> None:
+        """Copy the uint8 tensor ``src`` (host or device, ``count * page_bytes`` elements) into the
+        ``count`` adjacent slots from ``first_slot`` in one copy; ``done(error)`` after.
+        ``after`` as in ``read_span``; ``src`` must stay alive and unchanged until ``done``."""
+        self.copier.copy(self._span_for(first_slot, count, src, "src"), src, done, after=after)
+
+    def start_read(self, slot: int, into: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
+        self.read_span(slot, 1, into.tensor, done, after)
+
+    def start_write(self, slot: int, src: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
+        self.write_span(slot, 1, src.tensor, done, after)
+
+    def _span_for(self, first_slot: int, count: int, other: torch.Tensor, what: str) -> torch.Tensor:
+        if count < 1 or first_slot < 0 or first_slot + count > self.capacity:
+            raise ValueError(f"{self.name}: slots {first_slot}..{first_slot + count - 1} are not in "
+                             f"[0, {self.capacity - 1}]")
+        nbytes = count * self.page_bytes
+        if other.dtype != torch.uint8 or other.numel() != nbytes:
+            raise ValueError(f"{self.name}: {what} must be a uint8 tensor of {nbytes} elements, "
+                             f"got {other.dtype} with {other.numel()}")
+        return self.span(first_slot, count).view(other.shape)
 
     def describe(self) -> dict:
         return {"backend": self.backend, "device": str(self.device), "copies": self.copier.name}

@@ -9,11 +9,12 @@ import os
 import uuid
 import weakref
 
-from pagemem.errors import ConfigError, CorruptPage, TierIOError
+from pagemem.errors import ConfigError, CorruptPage, PageMemError, TierIOError
 from pagemem.tiers.arena import HostBuffer
 from pagemem.tiers.base import PageDone, Tier
 from pagemem.tiers.checksum import NAME as CHECKSUM_NAME
 from pagemem.tiers.checksum import page_checksum
+from pagemem.tiers.fence import Fence
 from pagemem.tiers.io.base import EngineUnavailable, make_engine
 from pagemem.units import format_bytes
 
@@ -22,6 +23,22 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 def _errname(code: int) -> str:
     return f"{errno.errorcode.get(code, 'E?')} ({os.strerror(code)})"
+
+
+class TornSlot(CorruptPage):
+    """A page whose last write failed: the bytes on disk may be partial, so they are never
+    returned. ``expected`` and ``actual`` are None (nothing was read or compared)."""
+
+    def __init__(self, tier: str, slot: int, where: str = "") -> None:
+        self.tier = tier
+        self.slot = slot
+        self.expected = None
+        self.actual = None
+        loc = f" ({where})" if where else ""
+        PageMemError.__init__(
+            self,
+            f"corrupt page in tier {tier!r} slot {slot}{loc}: the last write to this slot failed, "
+            "so its bytes on disk may be partial; the data was not returned")
 
 
 class PageFile:
@@ -126,6 +143,8 @@ class NvmeTier(Tier):
         self.checksums = checksums
         self._digest: list[int | None] = [None] * capacity
         """Checksum of what each slot holds; None for a slot never written (it reads as zeros)."""
+        self._torn = bytearray(capacity)
+        """1 for a slot whose last write failed: its bytes on disk may be partial."""
 
     @property
     def paths(self) -> list[str]:
@@ -136,25 +155,40 @@ class NvmeTier(Tier):
         n = len(self.files)
         return self.files[slot % n], (slot // n) * self.page_bytes
 
-    def release(self, slots: list[int]) -> None:
-        super().release(slots)
+    def release(self, slots: list[int], fence: Fence | None = None) -> None:
+        super().release(slots, fence)
         for s in slots:
             self._digest[s] = None
+            self._torn[s] = 0
 
-    def start_write(self, slot: int, src: HostBuffer, done: PageDone) -> None:
+    def is_torn(self, slot: int) -> bool:
+        """True when the last write to ``slot`` failed, so reading it reports CorruptPage."""
+        return bool(self._torn[slot])
+
+    def start_write(self, slot: int, src: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
+        """Write ``src`` to ``slot``. If the write fails (error or short), the slot is marked torn
+        until a later write succeeds or it is released. ``after`` is ignored: ``src`` is host memory."""
         digest = page_checksum(src.view) if self.checksums else 0
         f, offset = self.locate(slot)
 
         def complete(n: int) -> None:
             if n == self.page_bytes:
                 self._digest[slot] = digest
+                self._torn[slot] = 0
                 done(None)
             else:
+                self._torn[slot] = 1
                 done(self._error("write", slot, f, offset, n))
 
         self.engine.submit(True, f.fd, offset, src.view, complete)
 
-    def start_read(self, slot: int, into: HostBuffer, done: PageDone) -> None:
+    def start_read(self, slot: int, into: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
+        """Read ``slot`` into ``into``, verifying its checksum. A torn slot (last write failed)
+        reports TornSlot, a CorruptPage, without touching ``into``. ``after`` is ignored."""
+        if self._torn[slot]:
+            f, offset = self.locate(slot)
+            done(TornSlot("nvme", slot, f"{f.path} at offset {offset}"))
+            return
         expected = self._digest[slot]
         if expected is None:  # never written: reads as zeros without touching the disk
             into.tensor.zero_()

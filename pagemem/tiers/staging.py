@@ -21,9 +21,12 @@ class StagingPool:
         self._free = [self.arena.buffer(i * page_bytes, page_bytes) for i in range(pages)]
         self._waiters: deque[tuple[int, Callable[[list[HostBuffer]], None]]] = deque()
         self._lock = threading.Lock()
+        self._closed = False
 
     def acquire(self, count: int, then: Callable[[list[HostBuffer]], None]) -> None:
         """Call ``then(buffers)`` once ``count`` buffers are free (now, or when they are released)."""
+        if self._closed:
+            raise RuntimeError("the staging pool is closed")
         if not 1 <= count <= self.capacity:
             raise ValueError(f"can take 1..{self.capacity} staging pages at once, asked for {count}")
         with self._lock:
@@ -50,6 +53,8 @@ class StagingPool:
         """Give buffers back and serve waiters in order."""
         served = []
         with self._lock:
+            if self._closed:
+                return
             self._free.extend(bufs)
             while self._waiters and len(self._free) >= self._waiters[0][0]:
                 count, then = self._waiters.popleft()
@@ -67,4 +72,9 @@ class StagingPool:
         return len(self._free)
 
     def close(self) -> None:
+        """Give the pool's memory back now (buffers still held read zeros). Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._free.clear()
+            self._waiters.clear()
         self.arena.close()

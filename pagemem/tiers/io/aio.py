@@ -8,6 +8,7 @@ back as negative result codes, not exceptions.
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 from collections import deque
 
@@ -20,6 +21,13 @@ def _load_libaio():
     except (ImportError, OSError) as exc:
         raise EngineUnavailable(f"cannot load libaio: {exc}") from exc
     return libaio
+
+
+def _run_callback(done: Done, res: int) -> None:
+    try:
+        done(res)
+    except Exception:  # a failing callback must not stop the reaper
+        logging.getLogger("pagemem").exception("I/O completion callback failed")
 
 
 _REAP_WAIT = 0.05
@@ -76,35 +84,39 @@ class AioEngine(IOEngine):
             self._inflight -= len(refused)
             callbacks = [self._callbacks.pop(b) for b in refused]
         for done in callbacks:
-            done(-error)
+            _run_callback(done, -error)
 
     def _reap(self) -> None:
-        while True:
-            with self._cv:
-                while self._inflight == 0 and not self._closed:
-                    self._cv.wait()
-                if self._inflight == 0:
-                    return
-            # bounded wait: a request the kernel refused after we counted it never completes,
-            # so the reaper must come back to re-read the count (and to notice close())
-            events = self._ctx.getEvents(min_nr=1, nr=self.depth, timeout=_REAP_WAIT)
-            with self._cv:
-                self._inflight -= len(events)
-                refill = []
-                while self._backlog and self._inflight < self.depth:
-                    refill.append(self._backlog.popleft())
-                    self._inflight += 1
-                callbacks = [(self._callbacks.pop(block), res) for block, res, _ in events]
-                self._cv.notify_all()
-            if refill:
-                self._io_submit(refill)
-            for done, res in callbacks:
-                try:
-                    done(res)
-                except Exception:  # a failing callback must not stop the reaper
-                    import logging
+        while self._reap_once():
+            pass
 
-                    logging.getLogger("pagemem").exception("I/O completion callback failed")
+    def _reap_once(self) -> bool:
+        """Collect one batch of completions and run their callbacks; False once closed and idle.
+
+        Everything a batch references (blocks, buffers, callbacks) lives in this frame only, so
+        it is dropped when the call returns: an idle reaper keeps no callback alive.
+        """
+        with self._cv:
+            while self._inflight == 0 and not self._closed:
+                self._cv.wait()
+            if self._inflight == 0:
+                return False
+        # bounded wait: a request the kernel refused after we counted it never completes,
+        # so the reaper must come back to re-read the count (and to notice close())
+        events = self._ctx.getEvents(min_nr=1, nr=self.depth, timeout=_REAP_WAIT)
+        with self._cv:
+            self._inflight -= len(events)
+            refill = []
+            while self._backlog and self._inflight < self.depth:
+                refill.append(self._backlog.popleft())
+                self._inflight += 1
+            callbacks = [(self._callbacks.pop(block), res) for block, res, _ in events]
+            self._cv.notify_all()
+        if refill:
+            self._io_submit(refill)
+        for done, res in callbacks:
+            _run_callback(done, res)
+        return True
 
     def close(self) -> None:
         with self._cv:

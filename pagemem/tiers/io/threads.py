@@ -24,6 +24,7 @@ class ThreadEngine(IOEngine):
 
     @staticmethod
     def _run(write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
+        # the pool drops its work item (and so ``buf`` and ``done``) as soon as this returns
         try:
             n = os.pwritev(fd, [buf], offset) if write else os.preadv(fd, [buf], offset)
         except OSError as exc:

@@ -1,0 +1,152 @@
+"""Copies that keep the source, dropping a copy, leases of scattered pages, and the cost of a
+layer's move being one call (issue 8's gaps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagemem
+from pagemem.tiers.io import FaultyEngine
+
+from conftest import PAGE, random_tensor, same_bytes
+
+
+@pytest.mark.parametrize("home,extra", [("cpu", "gpu"), ("nvme", "gpu"), ("nvme", "cpu"), ("cpu", "nvme"),
+                                        ("gpu", "cpu")])
+def test_copy_keeps_the_source_and_release_drops_the_replica(store, home, extra):
+    t = store.allocate((3, PAGE // 2), torch.float32, tier=home)
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    used = {n: store.stats()[n].used_pages for n in ("gpu", "cpu", "nvme")}
+    t.copy(extra).wait()
+    assert t.tier == home and t.tiers == {home, extra}
+    assert store.stats()[extra].used_pages == used[extra] + len(t.pages)
+    assert same_bytes(t.to_torch(), data)
+    t.release(extra).wait()
+    assert t.tiers == {home}
+    assert {n: store.stats()[n].used_pages for n in ("gpu", "cpu", "nvme")} == used
+    assert same_bytes(t.to_torch(), data)
+
+
+def test_writes_update_every_copy(store):
+    t = store.allocate((PAGE,), torch.uint8, tier="nvme")
+    t.copy_(random_tensor(t.shape, t.dtype, 1))
+    t.copy("cpu").wait()
+    t.copy("gpu").wait()
+    new = random_tensor(t.shape, t.dtype, 2)
+    t.copy_(new)
+    for tier in ("gpu", "cpu"):  # drop the others one by one: each remaining copy holds the new data
+        t.release(tier).wait()
+        assert same_bytes(t.to_torch(), new)
+    assert t.tiers == {"nvme"}
+
+
+def test_moving_home_onto_a_replica_copies_nothing(store):
+    t = store.allocate((2 * PAGE,), torch.uint8, tier="cpu")
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    t.copy("gpu").wait()
+    moved = store.stats().moves.get("cpu->gpu").bytes
+    t.move("gpu").wait()
+    assert t.tier == "gpu" and t.tiers == {"gpu"}
+    assert store.stats().moves["cpu->gpu"].bytes == moved
+    assert store.stats()["cpu"].used_pages == 0
+    assert same_bytes(t.to_torch(), data)
+
+
+def test_dropping_the_home_copy_promotes_the_replica_and_the_last_copy_stays(store):
+    t = store.allocate((PAGE,), torch.uint8, tier="gpu")
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    t.copy("nvme").wait()
+    t.release("gpu").wait()
+    assert t.tier == "nvme" and t.tiers == {"nvme"}
+    with pytest.raises(pagemem.InvalidRequest, match="no other copy"):
+        t.release("nvme")
+    assert same_bytes(t.to_torch(), data)
+
+
+def test_copy_out_of_memory_changes_nothing(make_store):
+    store = make_store(gpu_bytes=2 * PAGE)
+    t = store.allocate((3 * PAGE,), torch.uint8, tier="cpu")
+    with pytest.raises(pagemem.OutOfMemory) as info:
+        t.copy("gpu")
+    assert info.value.tier == "gpu" and info.value.requested_pages == 3
+    assert t.tiers == {"cpu"} and store.stats()["gpu"].used_pages == 0
+
+
+def test_failed_copy_keeps_the_source_and_no_replica(make_store):
+    store = make_store(io_engine="threads")
+    faults = FaultyEngine(store.tier("nvme").engine)
+    store.tier("nvme").engine = faults
+    t = store.allocate((2 * PAGE,), torch.uint8, tier="cpu")
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    faults.fail_next("write", "eio")
+    with pytest.raises(pagemem.TierIOError):
+        t.copy("nvme").wait()
+    # one page failed, the other's replica landed: the tensor has no complete nvme copy
+    assert t.tier == "cpu" and "nvme" not in t.tiers
+    assert store.stats()["nvme"].used_pages == 1
+    assert same_bytes(t.to_torch(), data)
+    t.copy("nvme").wait()  # and it works once the disk does
+    assert t.tiers == {"cpu", "nvme"}
+
+
+def test_lease_of_scattered_pages_is_a_merged_copy_written_back(make_store):
+    store = make_store(gpu_bytes=6 * PAGE)
+    holes = [store.allocate((PAGE,), torch.uint8, tier="gpu") for _ in range(6)]
+    for h in holes[::2]:
+        h.free()
+    t = store.allocate((3 * PAGE,), torch.uint8, tier="gpu")  # only scattered slots are free
+    assert not t.is_viewable
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    with t.lease() as x:
+        assert same_bytes(x, data)
+        x[:10] = 0
+    expected = data.clone()
+    expected[:10] = 0
+    assert same_bytes(t.to_torch(), expected)
+    with t.lease(write=False) as x:
+        x.fill_(1)
+    assert same_bytes(t.to_torch(), expected)
+    s = store.stats()
+    assert s.view_copies == 2 and s.views == 0
+
+
+def test_zero_copy_leases_are_counted(store):
+    t = store.allocate((PAGE,), torch.uint8, tier="cpu")
+    with t.lease():
+        pass
+    v = t.view()
+    assert store.stats().views == 2 and store.stats().view_copies == 0
+    del v
+
+
+def test_a_run_of_adjacent_pages_moves_in_one_transfer(make_store):
+    """Moving a layer's pages costs one copy per run of adjacent slots, not one per page."""
+    store = make_store(gpu_bytes=16 * PAGE, cpu_bytes=16 * PAGE)
+    calls = []
+    gpu = store.tier("gpu")
+    inner = gpu.copier
+
+    class Counting:
+        name = inner.name
+
+        def copy(self, dst, src, done, after=None):
+            calls.append(dst.numel())
+            inner.copy(dst, src, done, after=after)
+
+        def close(self):
+            inner.close()
+
+    gpu.copier = Counting()
+    t = store.allocate((12 * PAGE,), torch.uint8, tier="cpu")
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    t.move("gpu").wait()
+    t.move("cpu").wait()
+    assert calls == [12 * PAGE, 12 * PAGE]
+    assert same_bytes(t.to_torch(), data)
