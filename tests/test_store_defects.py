@@ -14,7 +14,7 @@ import torch
 import pagemem
 from pagemem.tiers.io import FaultyEngine
 
-from conftest import PAGE, GatedEngine, random_tensor, same_bytes
+from conftest import PAGE, GatedEngine, aio_available, random_tensor, same_bytes
 
 
 # -- 1. a tensor holding more than half of the nvme tier's free pages can be written
@@ -130,7 +130,6 @@ def test_failed_move_with_a_queued_read_leaves_the_tensor_home(make_store):
 
 @pytest.mark.parametrize("io_engine", ["aio", "threads"])
 def test_dropped_store_is_collected_and_its_file_removed(tmp_path, io_engine):
-    from conftest import aio_available
     if io_engine == "aio" and not aio_available():
         pytest.skip("libaio not installed")
     store = pagemem.PageStore(pagemem.StoreConfig(page_bytes=PAGE, cpu_bytes=8 * PAGE, nvme_bytes=8 * PAGE,

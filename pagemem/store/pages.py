@@ -65,6 +65,8 @@ class Page:
     def future(self) -> tuple["Tier", set["Tier"]]:
         """(home tier, tiers holding a copy) once the queued intents have run."""
         home = self.tier
+        if not self.intents and not self.replicas:
+            return home, {home}
         have = {home, *self.replicas}
         for _op, kind, tier in self.intents:
             if kind == "move":
@@ -86,8 +88,11 @@ class Page:
 
     def forget(self, op: "Op") -> None:
         """Drop ``op``'s intents (it finished, successfully or not)."""
-        if self.intents:
-            self.intents = [i for i in self.intents if i[0] is not op]
+        intents = self.intents
+        if len(intents) == 1 and intents[0][0] is op:
+            self.intents = []
+        elif intents:
+            self.intents = [i for i in intents if i[0] is not op]
 
     # ------------------------------------------------------------------ torn ranges
 

@@ -153,12 +153,14 @@ class Placement:
             direction = f"{batch.src.name}->{plan.dest.name}"
             try:
                 if error is None:
-                    for page, src_slot, dst_slot in batch.pages:
-                        if plan.kind == "move":
-                            old, old_slot = page.tier, page.slot
+                    if plan.kind == "move":  # every page of a batch leaves the same source tier
+                        old_slots = []
+                        for page, src_slot, dst_slot in batch.pages:
+                            old_slots.append(page.slot)
                             page.tier, page.slot = plan.dest, dst_slot
-                            old.release([old_slot])
-                        else:
+                        batch.src.release(old_slots)
+                    else:
+                        for page, _src_slot, dst_slot in batch.pages:
                             page.replicas[plan.dest] = dst_slot
                     self.meter.end(direction, batch.run.count * self.page_bytes, batch.run.count)
                 else:

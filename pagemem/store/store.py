@@ -283,11 +283,14 @@ class PageStore:
 
     def _release_pages(self, fence, op: Op) -> None:
         with self._queue.lock:
+            by_tier: dict[Tier, list[int]] = {}
             for page in op.pages:
                 for tier, slot in page.copies().items():
-                    self._placement.give_back(tier, [slot], fence)
+                    by_tier.setdefault(tier, []).append(slot)
                 self._pages.pop(page.id, None)
                 self._ids.give(page.id)
+            for tier, slots in by_tier.items():  # one call per tier: runs go back whole
+                self._placement.give_back(tier, slots, fence)
         self._queue.complete(op)
 
     # ------------------------------------------------------------------ data (PagedTensor's calls)

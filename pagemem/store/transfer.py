@@ -35,13 +35,16 @@ class Run:
 def runs_of(pairs: list[tuple[int, int]], coalesce: bool) -> list[Run]:
     """Group ``(src_slot, dst_slot)`` pairs into runs adjacent on both sides (in the given order)."""
     out: list[Run] = []
+    start_s = start_d = count = None
     for s, d in pairs:
-        if coalesce and out:
-            last = out[-1]
-            if s == last.src_slot + last.count and d == last.dst_slot + last.count:
-                out[-1] = Run(last.src_slot, last.dst_slot, last.count + 1)
-                continue
-        out.append(Run(s, d, 1))
+        if count is not None and coalesce and s == start_s + count and d == start_d + count:
+            count += 1
+            continue
+        if count is not None:
+            out.append(Run(start_s, start_d, count))
+        start_s, start_d, count = s, d, 1
+    if count is not None:
+        out.append(Run(start_s, start_d, count))
     return out
 
 
