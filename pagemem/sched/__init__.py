@@ -4,19 +4,24 @@
 >>> p = plan(trace, budgets={"gpu": "8GiB", "cpu": "64GiB", "nvme": "1TiB"}, world_size=8,
 ...          optimizer_tier="cpu")
 >>> r = validate(p, trace, p.budgets)     # r.peak, r.violations
+>>> p.tasks[i], p.deps[i]                 # a task, and the tasks it waits for
+>>> effects(p.tasks[i], p.setting)        # what it takes, reads, writes, gives back (tasks.EFFECTS)
 """
 
+from pagemem.sched.deps import Deps, dependencies
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.sched.hardware import HardwareProfile
 from pagemem.sched.layout import LayerLayout, Layout
 from pagemem.sched.plan import Budgets, Plan
 from pagemem.sched.planner import plan
 from pagemem.sched.simulate import SimEvent, SimResult, SimulationDeadlock, SimulationError, simulate
-from pagemem.sched.tasks import OPERATIONS, Target, Task
+from pagemem.sched.holdings import Setting, TaskEffects, effects
+from pagemem.sched.tasks import EFFECTS, OPERATIONS, Effect, Target, Task
 from pagemem.sched.validate import ValidationReport, Violation, validate
 
 __all__ = [
     "plan", "validate", "Plan", "Budgets", "Task", "Target", "OPERATIONS", "Layout", "LayerLayout",
+    "EFFECTS", "Effect", "Setting", "TaskEffects", "effects", "Deps", "dependencies",
     "InfeasiblePlan", "ValidationReport", "Violation",
     "simulate", "SimResult", "SimEvent", "SimulationDeadlock", "SimulationError", "HardwareProfile",
 ]

@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from pagemem.errors import ConfigError
 from pagemem.sched.layout import LayerLayout, Layout
-from pagemem.sched.tasks import TIERS, Target, Task
+from pagemem.sched.deps import Deps, dependencies
+from pagemem.sched.holdings import Setting, cost
+from pagemem.sched.tasks import TIERS, TRANSFERS, Target, Task
 from pagemem.units import format_bytes, parse_size
 
 FORMAT = "pagemem-plan"
-VERSION = 1
+VERSION = 2
+"""Version 2 adds to each task its compute window's end, whether it produces gradients, and what
+it waits for. Version 1 plans load when given the trace they were made from."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,23 @@ class Plan:
     """The non-model bytes per op the plan was made for."""
     planning_seconds: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    _deps: tuple = field(default=(None, ()), init=False, repr=False, compare=False)
+
+    @property
+    def deps(self) -> tuple[Deps, ...]:
+        """Per task (same index as ``tasks``), the tasks it waits for: derived once from the task
+        table (``pagemem.sched.tasks``), so always those of ``tasks`` (treat ``tasks`` as
+        immutable; ``dataclasses.replace`` makes a plan with other tasks)."""
+        tasks, deps = self._deps
+        if tasks is not self.tasks or len(deps) != len(self.tasks):
+            deps = dependencies(self.tasks, self.setting)
+            self._deps = (self.tasks, deps)
+        return deps
+
+    @property
+    def setting(self) -> Setting:
+        """What the task table's symbols stand for in this plan."""
+        return Setting.of(self)
 
     @property
     def page_bytes(self) -> int:
@@ -79,20 +100,12 @@ class Plan:
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes per transfer kind: ``h2d``, ``d2h``, ``ssd_read``, ``ssd_write``, ``network``."""
-        pb, w = self.page_bytes, self.world_size
-        out = dict.fromkeys(("h2d", "d2h", "ssd_read", "ssd_write", "network"), 0)
+        out = dict.fromkeys(TRANSFERS, 0)
+        setting = self.setting
         for t in self.tasks:
-            op = t.operation
-            if op == "move_to_gpu":
-                out["h2d"] += pb
-            elif op == "all_gather" or op == "reduce_scatter":
-                out["network"] += (w - 1) * pb
-            elif op == "offload" and t.target.kind == "grad":
-                out["d2h"] += pb
-            elif op == "offload" and t.target.kind == "optim":
-                out["ssd_write"] += self.layout.layers[t.target.layer].optim_pages * pb
-            elif op == "move_to_cpu":
-                out["ssd_read"] += self.layout.layers[t.target.layer].optim_pages * pb
+            c = cost(t, setting)
+            if c is not None and c[0] in out:
+                out[c[0]] += c[1]
         return out
 
     def holds_for(self, trace) -> bool:
@@ -141,32 +154,72 @@ class Plan:
             "meta": self.meta,
             "layout": {"page_bytes": self.layout.page_bytes, "world_size": self.layout.world_size,
                        "layers": [list(_layer_fields(l)) for l in self.layout.layers]},
-            "tasks": [[t.operation, t.target.kind, t.target.layer, t.target.page, t.trigger_id, t.tier]
-                      for t in self.tasks],
+            "tasks": [[t.operation, t.target.kind, t.target.layer, t.target.page, t.trigger_id, t.tier,
+                       t.end_id, t.produces_grads, list(d.same), list(d.previous)]
+                      for t, d in zip(self.tasks, self.deps)],
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+    def from_dict(cls, data: Mapping[str, Any], trace=None) -> "Plan":
+        """A plan from :meth:`to_dict`'s form. A version 1 plan (which lacks compute window ends
+        and dependencies) needs ``trace``, the trace it was made from, to be completed."""
         if data.get("format") != FORMAT:
             raise ConfigError(f"not a pagemem plan (format {data.get('format')!r})")
-        if data.get("version") != VERSION:
-            raise ConfigError(f"plan version {data.get('version')!r} is not supported (this pagemem reads {VERSION})")
+        version = data.get("version")
+        if version not in (1, VERSION):
+            raise ConfigError(f"plan version {version!r} is not supported (this pagemem reads 1 and {VERSION})")
         lay = data["layout"]
         layout = Layout(lay["page_bytes"], lay["world_size"], tuple(LayerLayout(*f) for f in lay["layers"]))
-        tasks = [Task(op, Target(kind, layer, page), trig, tier) for op, kind, layer, page, trig, tier in data["tasks"]]
-        return cls(tasks, layout, Budgets(**data["budgets"]), data["world_size"], data["optimizer_tier"],
-                   data["n_ops"], tuple(data["cached_layers"]), data["min_gpu_bytes"],
-                   dict(data["predicted_peak"]), data["trace_fingerprint"], tuple(data["non_model"]),
-                   data["planning_seconds"], dict(data.get("meta", {})))
+        rows = data["tasks"]
+        if version == 1:
+            if trace is None:
+                raise ConfigError("plan version 1 does not say where compute windows end nor what each task "
+                                  "waits for: load it with the trace it was made from (Plan.load(path, trace=...)) "
+                                  "or plan again")
+            tasks = _complete(
+                [Task(op, Target(kind, layer, page), trig, tier) for op, kind, layer, page, trig, tier in rows], trace)
+        else:
+            tasks = [Task(r[0], Target(r[1], r[2], r[3]), r[4], r[5], r[6], bool(r[7])) for r in rows]
+        p = cls(tasks, layout, Budgets(**data["budgets"]), data["world_size"], data["optimizer_tier"],
+                data["n_ops"], tuple(data["cached_layers"]), data["min_gpu_bytes"],
+                dict(data["predicted_peak"]), data["trace_fingerprint"], tuple(data["non_model"]),
+                data["planning_seconds"], dict(data.get("meta", {})))
+        if version == 1 and trace.fingerprint != p.trace_fingerprint:
+            raise ConfigError("plan version 1: the trace given is not the one the plan was made from")
+        if version != 1:
+            stored = tuple(Deps(tuple(r[8]), tuple(r[9])) for r in rows)
+            if stored != p.deps:
+                bad = next(i for i, (a, b) in enumerate(zip(stored, p.deps)) if a != b)
+                raise ConfigError(f"plan: task {bad} ({tasks[bad]}) waits for {stored[bad]}, but the task table "
+                                  f"of this pagemem says {p.deps[bad]} (a plan written by another version?)")
+        return p
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike, trace=None) -> "Plan":
+        """Read a plan written by :meth:`save` (``trace``: see :meth:`from_dict`)."""
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            return cls.from_dict(json.load(f), trace)
+
+
+def _complete(tasks: list[Task], trace) -> list[Task]:
+    """Version 1 tasks with each compute's window end and gradient flag, from the trace."""
+    from pagemem.sched.windows import Usage
+
+    usage = Usage.from_trace(trace)
+    out = []
+    for t in tasks:
+        L = t.target.layer
+        if t.operation == "compute" and 0 <= L < len(usage.windows):
+            win = next((i for i, w in enumerate(usage.windows[L]) if w.start == t.trigger_id), None)
+            if win is not None:
+                g = usage.grads[L]
+                t = replace(t, end_id=usage.windows[L][win].end, produces_grads=g is not None and g.window == win)
+        out.append(t)
+    return out
 
 
 def _layer_fields(layer: LayerLayout) -> tuple:

@@ -20,7 +20,11 @@ Per rank, in logical time (the trace's ops, plus op ``n`` for the end of the ite
    ``offload`` of its gradient shard to CPU, the ``update``; with optimizer states on NVMe they
    are fetched to CPU as early as the CPU budget allows and written back after the update.
 
-Every "how much room is there" question is a query on a ``SegmentTimeline`` (O(log n)).
+Every "how much room is there" question is a query on a ``SegmentTimeline`` (O(log n)). How many
+pages each kind of task takes, and whether it is issued at its trigger op's start or end, come
+from the task table (``pagemem.sched.tasks``); each ``compute`` carries the end of its window and
+whether it produces the layer's gradients, and the plan derives from the same table what every
+task waits for (``Plan.deps``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from pagemem.errors import ConfigError
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.sched.layout import Layout
 from pagemem.sched.plan import Budgets, Plan
-from pagemem.sched.tasks import Target, Task
+from pagemem.sched.holdings import Setting, pages_taken
+from pagemem.sched.tasks import EFFECTS, Target, Task
 from pagemem.sched.timeline import TIMELINES
 from pagemem.sched.windows import Usage, Window
 from pagemem.tracer import Trace
@@ -90,6 +95,7 @@ class _Planner:
         self.Timeline = timeline_cls
         self.layout = Layout.from_trace(trace, world_size, page_bytes)
         self.usage = Usage.from_trace(trace)
+        self.setting = Setting(self.layout, frozenset(), optimizer_tier)
         self.n = len(trace.ops)
         self.wins: list[Window] = self.usage.all_windows()
         # lower bound of each window's move trigger: just after the layer's previous window
@@ -100,6 +106,10 @@ class _Planner:
             last_end[w.layer] = w.end
         # where each layer's gradients are reduced, offloaded and applied
         self.r = {g.layer: g.last + 1 for g in self.usage.grads if g is not None}
+
+    def taken(self, operation: str, kind: str, layer: int, tier: str = "gpu", **kw) -> int:
+        """Pages on ``tier`` one such task takes (the task table's ``takes``)."""
+        return pages_taken(operation, kind, self.setting, layer, tier=tier, **kw).get(tier, 0)
 
     # ------------------------------------------------------------------ driver
 
@@ -121,16 +131,18 @@ class _Planner:
         n, pb = self.n, self.pb
         base = [op.non_model_bytes for op in self.trace.ops] + [0]
         self.gpu = tl = self.Timeline(base)
-        for w in self.wins:
-            tl.add(w.start, w.end + 1, self.layout.gathered_pages(w.layer) * pb)
+        for w in self.wins:  # every page moved and gathered
+            per_page = self.taken("move_to_gpu", "param", w.layer) + self.taken("all_gather", "param", w.layer)
+            tl.add(w.start, w.end + 1, self.layout.layers[w.layer].param_pages * per_page * pb)
         for g in self.usage.grads:
             if g is None:
                 continue
             start = self.usage.windows[g.layer][g.window].start
             r = self.r[g.layer]
-            tl.add(start, r + 1, self.layout.grad_buffer_pages(g.layer) * pb)
-            if self.W > 1:  # the gradient shard reduce_scatter creates, offloaded during op r
-                tl.add(r, r + 1, self.layout.layers[g.layer].param_pages * pb)
+            tl.add(start, r + 1, self.taken("compute", "layer", g.layer, produces_grads=True) * pb)
+            # the gradient shard reduce_scatter creates (W > 1), offloaded during op r
+            shard = self.layout.layers[g.layer].param_pages * self.taken("reduce_scatter", "grad", g.layer)
+            tl.add(r, r + 1, shard * pb)
         self.min_gpu = tl.max(0, n + 1)
         if self.min_gpu > self.b.gpu:
             at = tl.last_above(0, n + 1, self.min_gpu - 1)
@@ -144,11 +156,12 @@ class _Planner:
     def _prefetch_add(self, run: _Run, sign: int) -> None:
         start = self.wins[run.w].start
         if run.m < start:
-            self.gpu.add(run.m, start, sign * (run.hi - run.lo) * self.pb)
+            self.gpu.add(run.m, start, sign * (run.hi - run.lo) * self.move_bytes)
 
     def _phase1(self) -> None:
         """Algorithm 1, phase 1, on runs of pages (one timeline update per run, not per page)."""
-        wins, lower, pb, budget, tl = self.wins, self.lower, self.pb, self.b.gpu, self.gpu
+        self.move_bytes = self.taken("move_to_gpu", "param", 0) * self.pb if self.layout.layers else self.pb
+        wins, lower, pb, budget, tl = self.wins, self.lower, self.move_bytes, self.b.gpu, self.gpu
         pages = [self.layout.layers[w.layer].param_pages for w in wins]
         runs: list[_Run] = []
         for i, w in enumerate(wins):
@@ -217,7 +230,7 @@ class _Planner:
 
     def _phase2(self) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
         """Advance all-gathers: per (window, run start) a list of (lo, hi, trigger)."""
-        extra = (self.W - 1) * self.pb
+        extra = self.taken("all_gather", "param", 0) * self.pb
         budget, tl = self.b.gpu, self.gpu
         out: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for run in self.runs:
@@ -296,9 +309,9 @@ class _Planner:
         order = sorted((self.r[l.index], l.index) for l in host if l.index in self.r)
         for r, layer in order:
             lay = self.layout.layers[layer]
-            tl.add(r, r + 1, lay.param_pages * pb)  # the offloaded gradient shard
-            if self.opt_tier == "nvme":
-                tl.add(r, r + 1, lay.optim_pages * pb)  # fetched no later than the update
+            tl.add(r, r + 1, lay.param_pages * self.taken("offload", "grad", layer, "cpu") * pb)  # the gradient shard
+            if self.opt_tier == "nvme":  # fetched no later than the update
+                tl.add(r, r + 1, self.taken("move_to_cpu", "optim", layer, "cpu") * pb)
         need = tl.max(0, n + 1)
         if need > self.b.cpu:
             at = tl.last_above(0, n + 1, need - 1)
@@ -310,7 +323,7 @@ class _Planner:
         fetch = {}
         if self.opt_tier == "nvme":
             for r, layer in order:  # fetch as early as the cpu budget allows, in update order
-                size = self.layout.layers[layer].optim_pages * pb
+                size = self.taken("move_to_cpu", "optim", layer, "cpu") * pb
                 idx = tl.last_above(0, r, self.b.cpu - size)
                 f = idx + 1 if idx >= 0 else 0
                 tl.add(f, r, size)
@@ -324,50 +337,56 @@ class _Planner:
         n, W = self.n, self.W
         starts: list[list[Task]] = [[] for _ in range(n + 1)]
         ends: list[list[Task]] = [[] for _ in range(n + 1)]
+
+        at_end = {key: e.issued == "end" for key, e in EFFECTS.items()}
+
+        def put(task: Task) -> None:  # the table says when in its trigger op a task is issued
+            (ends if at_end[task.operation, task.target.kind] else starts)[task.trigger_id].append(task)
+
         layers = self.layout.layers
         runs_of: dict[int, list[_Run]] = {}
         for run in self.runs:
             runs_of.setdefault(run.w, []).append(run)
+        grad_window = {(g.layer, self.usage.windows[g.layer][g.window].start)
+                       for g in self.usage.grads if g is not None}
         for wi, w in enumerate(self.wins):
             L = w.layer
             is_cached = L in cached
             for run in runs_of.get(wi, []):
                 if not is_cached:
                     for j in range(run.lo, run.hi):
-                        starts[run.m].append(Task("move_to_gpu", Target("param", L, j), run.m, "gpu"))
+                        put(Task("move_to_gpu", Target("param", L, j), run.m, "gpu"))
                 if W > 1:
                     for glo, ghi, g in gathers[(wi, run.lo)]:
                         for j in range(glo, ghi):
-                            starts[g].append(Task("all_gather", Target("param", L, j), g))
-            starts[w.start].append(Task("compute", Target("layer", L), w.start, "gpu"))
+                            put(Task("all_gather", Target("param", L, j), g))
+            put(Task("compute", Target("layer", L), w.start, "gpu", end_id=w.end,
+                     produces_grads=(L, w.start) in grad_window))
             if not is_cached or W > 1:
-                ends[w.end].append(Task("release", Target("param", L), w.end, "gpu"))
+                put(Task("release", Target("param", L), w.end, "gpu"))
         for g in self.usage.grads:
             if g is None:
                 continue
             L, r = g.layer, self.r[g.layer]
             pages = layers[L].param_pages
-            is_cached = L in cached
-            s, e = starts[r], ends[r]
             if W > 1:
                 for j in range(pages):
-                    s.append(Task("reduce_scatter", Target("grad", L, j), r))
-                e.append(Task("release", Target("fullgrad", L), r, "gpu"))
-            if is_cached:
-                s.append(Task("update", Target("layer", L), r, "gpu"))
-                e.append(Task("release", Target("grad", L), r, "gpu"))
+                    put(Task("reduce_scatter", Target("grad", L, j), r))
+                put(Task("release", Target("fullgrad", L), r, "gpu"))
+            if L in cached:
+                put(Task("update", Target("layer", L), r, "gpu"))
+                put(Task("release", Target("grad", L), r, "gpu"))
                 continue
             for j in range(pages):
-                s.append(Task("offload", Target("grad", L, j), r, "cpu"))
-            e.append(Task("release", Target("grad", L), r, "gpu"))
+                put(Task("offload", Target("grad", L, j), r, "cpu"))
+            put(Task("release", Target("grad", L), r, "gpu"))
             if self.opt_tier == "nvme":
-                f = fetch[L]
-                starts[f].append(Task("move_to_cpu", Target("optim", L), f, "cpu"))
-            s.append(Task("update", Target("layer", L), r, "cpu"))
-            e.append(Task("release", Target("grad", L), r, "cpu"))
+                put(Task("move_to_cpu", Target("optim", L), fetch[L], "cpu"))
+            put(Task("update", Target("layer", L), r, "cpu"))
+            put(Task("release", Target("grad", L), r, "cpu"))
             if self.opt_tier == "nvme":
-                s.append(Task("offload", Target("optim", L), r, "nvme"))
-                e.append(Task("release", Target("optim", L), r, "cpu"))
+                put(Task("offload", Target("optim", L), r, "nvme"))
+                put(Task("release", Target("optim", L), r, "cpu"))
         tasks: list[Task] = []
         for t in range(n + 1):
             tasks.extend(starts[t])

@@ -1,10 +1,11 @@
 """Replay a plan against its trace: memory per tier over logical time, and every violation.
 
-The replay knows nothing of how the planner works. It starts from the state at rest (parameter
-shards on cpu, optimizer states on their tier, cached layers on gpu), applies each task with the
-meaning given in ``pagemem.sched.tasks``, checks at every op that the parameters and gradients
-the trace accesses there are on the gpu, and accounts memory per tier, non-model memory
-included.
+The replay knows nothing of how the planner works. It starts from the state at rest (the home
+copies: parameter shards on cpu, optimizer states on their tier, cached layers on gpu), applies
+each task as the task table of ``pagemem.sched.tasks`` says (what it takes, needs, writes and
+gives back, on which tiers, under which conditions), checks at every op that the parameters the
+trace accesses there are on the gpu inside a compute window of the plan and that the gradients it
+writes have their buffer, and accounts memory per tier, non-model memory included.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 
 from pagemem.sched.layout import Layout
 from pagemem.sched.plan import Budgets, Plan
-from pagemem.sched.tasks import TIERS, Task
+from pagemem.sched.holdings import Key, Setting, effects, paused_gc, tier_allowed
+from pagemem.sched.tasks import OPERATIONS, TIERS, Target, Task, effect_of
 from pagemem.sched.windows import Usage
 from pagemem.tracer import Trace
 from pagemem.units import format_bytes
@@ -63,49 +65,44 @@ class ValidationReport:
 
 
 class _Replay:
+    """The state of every holding over logical time, changed only as the task table says."""
+
     def __init__(self, plan: Plan, trace: Trace, budgets: Budgets) -> None:
         self.plan, self.trace, self.budgets = plan, trace, budgets
         self.W = plan.world_size
         self.layout: Layout = plan.layout
+        self.setting = Setting.of(plan)
         self.usage = Usage.from_trace(trace)
         self.n = len(trace.ops)
         self.violations: list[Violation] = []
         self.dropped = 0
-        cached = set(plan.cached_layers)
-        lay = self.layout.layers
-        # per layer: pages on gpu, pages gathered; per page flags
-        self.home = ["gpu" if i in cached else "cpu" for i in range(len(lay))]
-        self.on_gpu = [[i in cached] * l.param_pages for i, l in enumerate(lay)]
-        self.gathered = [[False] * l.param_pages for l in lay]
-        self.n_on_gpu = [l.param_pages if i in cached else 0 for i, l in enumerate(lay)]
-        self.n_gathered = [0] * len(lay)
-        self.released = [False] * len(lay)
-        self.fullgrad = [False] * len(lay)
-        self.grad = [[set() for _ in range(l.param_pages)] for l in lay]  # tiers holding each grad page
-        self.optim_home = ["gpu" if i in cached else plan.optimizer_tier for i in range(len(lay))]
-        self.optim = [{h} for h in self.optim_home]
-        self.written_back = [True] * len(lay)
-        self.updates = [0] * len(lay)
+        self.homes = set(self.setting.at_rest())
+        self.held: set[Key] = set(self.homes)
         self.used = dict.fromkeys(TIERS, 0)  # pages
-        for l in lay:
-            self.used[self.home[l.index]] += l.param_pages
-            self.used[self.optim_home[l.index]] += l.optim_pages
-        # which layers' params / grads each op accesses; which window allocates gradients
+        for k in self.homes:
+            self.used[k.tier] += self.setting.pages(k.name, k.layer)
+        self.dirty: set[tuple[str, int]] = set()  # copies written since their home copy was
+        self.released: set[int] = set()  # layers whose parameter pages were given back once
+        self.windows: dict[int, tuple[int, frozenset[Key]]] = {}  # layer -> (end op, what it reads)
+        self.changes = [0] * len(self.layout.layers)  # per layer: holdings taken or given back so far
+        self.resident: dict[int, tuple[int, frozenset[Key]]] = {}  # layer -> (changes, reads) found held
+        self.updates = [0] * len(self.layout.layers)
+        # which layers' params / grads each op accesses, and what an access needs on the gpu
         self.param_at: dict[int, list[int]] = {}
         for ws in self.usage.windows:
             for w in ws:
                 for op in w.accesses:
                     self.param_at.setdefault(op, []).append(w.layer)
         self.grad_at: dict[int, list[int]] = {}
-        self.grad_alloc: dict[tuple[int, int], int] = {}  # (layer, window start) -> layer
         self.grad_last = {}
         for g in self.usage.grads:
             if g is None:
                 continue
             for op in g.accesses:
                 self.grad_at.setdefault(op, []).append(g.layer)
-            self.grad_alloc[(g.layer, self.usage.windows[g.layer][g.window].start)] = g.layer
             self.grad_last[g.layer] = g.last
+        self.compute_fx = [effects(Task("compute", Target("layer", L), 0, "gpu", produces_grads=True), self.setting)
+                           for L in range(len(self.layout.layers))]
 
     def bad(self, kind: str, op: int, target: object, message: str) -> None:
         if len(self.violations) < 1000:
@@ -116,160 +113,101 @@ class _Replay:
     # ------------------------------------------------------------------ tasks
 
     def apply(self, task: Task) -> None:
-        op, tg, t = task.operation, task.target, task.trigger_id
-        L = tg.layer
+        fx = effects(task, self.setting)
+        if fx is None or not fx.tier_ok:
+            self._reject(task)
+            return
+        eff, t, L, held = fx.effect, task.trigger_id, task.target.layer, self.held
+        if eff.after_grads and t <= self.grad_last.get(L, -1):
+            self.bad("bad_task", t, task.target, f"{task.operation} before the last gradient access "
+                     f"(op {self.grad_last[L]})")
+        if task.operation == "update":
+            self.updates[L] += 1
+        if eff.gates_ops:  # its reads are checked at every op of its window that uses the layer
+            self.windows[L] = (task.end_id if task.end_id is not None else t, frozenset(fx.reads))
+        elif not held.issuperset(fx.reads):
+            missing = [k for k in fx.reads if k not in held]
+            self.bad("not_resident", t, task.target, f"{task.operation} needs {_describe(missing)}, not there")
+            return
+        if fx.takes:
+            if held.isdisjoint(fx.takes):
+                held.update(fx.takes)
+                for tier, pages in fx.taken:
+                    self.used[tier] += pages
+            else:
+                dup = [k for k in fx.takes if k in held]
+                self.bad("bad_task", t, task.target, f"{task.operation} takes {_describe(dup)}, already there")
+                for k in fx.takes:
+                    if k not in dup:
+                        held.add(k)
+                        self.used[k.tier] += self.setting.pages(k.name, k.layer)
+            self.changes[L] += 1
+        for k in fx.writes:
+            if k.tier == self.setting.home(k.name, k.layer):
+                self.dirty.discard((k.name, k.layer))
+            else:
+                self.dirty.add((k.name, k.layer))
+        if fx.frees:
+            self._free(task, fx.frees)
+
+    def _reject(self, task: Task) -> None:
+        """Say why the task table has no effect for ``task`` (or not on its tier)."""
+        op, tg, t, L = task.operation, task.target, task.trigger_id, task.target.layer
+        eff = effect_of(task)
         if not 0 <= L < len(self.layout.layers):
             self.bad("bad_task", t, tg, f"{op} names layer {L}, which does not exist")
-            return
-        lay = self.layout.layers[L]
-        pages = range(lay.param_pages) if tg.page is None else [tg.page]
-        if tg.page is not None and not 0 <= tg.page < lay.param_pages:
-            self.bad("bad_task", t, tg, f"{op} names page {tg.page} of {lay.param_pages}")
-            return
-        handler = getattr(self, f"_{op}", None)
-        if handler is None:
-            self.bad("bad_task", t, tg, f"unknown operation {op!r}")
-            return
-        handler(task, L, lay, pages)
+        elif tg.page is not None and not 0 <= tg.page < self.layout.layers[L].param_pages:
+            self.bad("bad_task", t, tg, f"{op} names page {tg.page} of {self.layout.layers[L].param_pages}")
+        elif eff is None:
+            self.bad("bad_task", t, tg, f"unknown operation {op!r}" if op not in OPERATIONS
+                     else f"{op} of a {tg.kind}: no such task")
+        elif not tier_allowed(task, self.setting):
+            self.bad("bad_task", t, tg, f"{op} of a {tg.kind} on tier {task.tier}: the task table allows "
+                     f"{', '.join(str(x) for x in eff.tiers)}")
+        else:  # the row's own condition does not hold
+            self.bad("bad_task", t, tg, f"{op} with world size {self.W}")
 
-    def _move_to_gpu(self, task, L, lay, pages) -> None:
-        for j in pages:
-            if self.on_gpu[L][j]:
-                self.bad("bad_task", task.trigger_id, task.target, "moved to the gpu while already there")
-                continue
-            self.on_gpu[L][j] = True
-            self.n_on_gpu[L] += 1
-            self.used["gpu"] += 1
-
-    def _all_gather(self, task, L, lay, pages) -> None:
-        if self.W == 1:
-            self.bad("bad_task", task.trigger_id, task.target, "all_gather with world size 1")
-            return
-        for j in pages:
-            if not self.on_gpu[L][j]:
-                self.bad("not_resident", task.trigger_id, task.target, "all_gather before its page arrived on the gpu")
-                continue
-            if self.gathered[L][j]:
-                self.bad("bad_task", task.trigger_id, task.target, "gathered twice")
-                continue
-            self.gathered[L][j] = True
-            self.n_gathered[L] += 1
-            self.used["gpu"] += self.W - 1
-
-    def _compute(self, task, L, lay, pages) -> None:
-        if (L, task.trigger_id) in self.grad_alloc:
-            if self.W > 1:
-                self.fullgrad[L] = True
-                self.used["gpu"] += self.W * lay.param_pages
-            else:
-                for j in range(lay.param_pages):
-                    self.grad[L][j].add("gpu")
-                self.used["gpu"] += lay.param_pages
-
-    def _reduce_scatter(self, task, L, lay, pages) -> None:
-        t = task.trigger_id
-        if not self.fullgrad[L]:
-            self.bad("not_resident", t, task.target, "reduce_scatter without the layer's full gradients")
-            return
-        if t <= self.grad_last.get(L, -1):
-            self.bad("bad_task", t, task.target, f"reduce_scatter before the last gradient access (op {self.grad_last[L]})")
-        for j in pages:
-            if "gpu" not in self.grad[L][j]:
-                self.grad[L][j].add("gpu")
-                self.used["gpu"] += 1
-
-    def _offload(self, task, L, lay, pages) -> None:
-        t, tier = task.trigger_id, task.tier
-        if task.target.kind == "grad":
-            for j in pages:
-                if "gpu" not in self.grad[L][j]:
-                    self.bad("not_resident", t, task.target, "offload of a gradient page that is not on the gpu")
-                    continue
-                if tier not in self.grad[L][j]:
-                    self.grad[L][j].add(tier)
-                    self.used[tier] += 1
-        elif task.target.kind == "optim":
-            if "cpu" not in self.optim[L] or tier != self.optim_home[L]:
-                self.bad("bad_task", t, task.target, f"write-back to {tier} of optimizer states not held on cpu")
-                return
-            self.written_back[L] = True
-        else:
-            self.bad("bad_task", t, task.target, "offload of something that is neither grad nor optim")
-
-    def _move_to_cpu(self, task, L, lay, pages) -> None:
-        if "cpu" in self.optim[L]:
-            self.bad("bad_task", task.trigger_id, task.target, "optimizer states fetched to cpu twice")
-            return
-        self.optim[L].add("cpu")
-        self.used["cpu"] += lay.optim_pages
-
-    def _update(self, task, L, lay, pages) -> None:
-        t, tier = task.trigger_id, task.tier
-        if t <= self.grad_last.get(L, -1):
-            self.bad("bad_task", t, task.target, f"update before the last gradient access (op {self.grad_last[L]})")
-        missing = [j for j in range(lay.param_pages) if tier not in self.grad[L][j]]
-        if missing:
-            self.bad("not_resident", t, task.target, f"update on {tier} without {len(missing)} gradient page(s) there")
-        if tier not in self.optim[L]:
-            self.bad("not_resident", t, task.target, f"update on {tier} without the optimizer states there")
-        self.updates[L] += 1
-        if self.optim_home[L] != tier:
-            self.written_back[L] = False
-
-    def _release(self, task, L, lay, pages) -> None:
-        t, tier, kind = task.trigger_id, task.tier, task.target.kind
-        if kind == "param":
-            if tier != "gpu":
-                self.bad("bad_task", t, task.target, "parameters are only released from the gpu")
-                return
-            for j in pages:
-                if self.gathered[L][j]:
-                    self.gathered[L][j] = False
-                    self.n_gathered[L] -= 1
-                    self.used["gpu"] -= self.W - 1
-                if self.on_gpu[L][j] and self.home[L] != "gpu":
-                    self.on_gpu[L][j] = False
-                    self.n_on_gpu[L] -= 1
-                    self.used["gpu"] -= 1
-                    self.released[L] = True
-        elif kind == "fullgrad":
-            if not self.fullgrad[L]:
-                self.bad("bad_task", t, task.target, "release of full gradients that do not exist")
-                return
-            self.fullgrad[L] = False
-            self.used["gpu"] -= self.W * lay.param_pages
-        elif kind == "grad":
-            for j in pages:
-                if tier in self.grad[L][j]:
-                    self.grad[L][j].discard(tier)
-                    self.used[tier] -= 1
-        elif kind == "optim":
-            if tier == self.optim_home[L] or tier not in self.optim[L]:
-                self.bad("bad_task", t, task.target, f"release of optimizer states on {tier}, which is not a copy")
-                return
-            if not self.written_back[L]:
-                self.bad("lost_update", t, task.target, "optimizer states released before they were written back")
-            self.optim[L].discard(tier)
-            self.used[tier] -= lay.optim_pages
-        else:
-            self.bad("bad_task", t, task.target, f"release of a {kind}")
+    def _free(self, task: Task, keys: tuple[Key, ...]) -> None:
+        t, tg, L = task.trigger_id, task.target, task.target.layer
+        end, reads = self.windows.get(L, (-1, frozenset()))
+        if end > t and reads.intersection(keys):
+            self.bad("bad_task", t, tg, f"release inside the layer's compute window, which ends at op {end}")
+        absent = [k for k in keys if k not in self.held and k.page is None]
+        if absent:
+            self.bad("bad_task", t, tg, f"release of {_describe(absent)}, which is not there")
+        if any((k.name, L) in self.dirty and k in self.held for k in keys):
+            self.bad("lost_update", t, tg, f"{tg.kind} released before it was written back")
+        for k in keys:
+            if k in self.held:
+                self.held.discard(k)
+                self.used[k.tier] -= self.setting.pages(k.name, k.layer)
+                if k.name == "param":
+                    self.released.add(L)
+        self.changes[L] += 1
 
     # ------------------------------------------------------------------ accesses
 
     def check_op(self, t: int) -> None:
         for L in self.param_at.get(t, ()):
             lay = self.layout.layers[L]
-            ok = self.n_on_gpu[L] == lay.param_pages and (self.W == 1 or self.n_gathered[L] == lay.param_pages)
-            if not ok:
-                kind = "use_after_release" if self.released[L] else "not_resident"
+            end, reads = self.windows.get(L, (-1, frozenset()))
+            if end < t:
+                self.bad("bad_task", t, f"layer[{L}]", f"op {t} ({self.trace.ops[t].module}) uses layer {lay.name} "
+                         "outside every compute window of the plan")
+                reads = frozenset(self.compute_fx[L].reads)
+            if self.resident.get(L) == (self.changes[L], reads):
+                continue
+            if all(k in self.held for k in reads):
+                self.resident[L] = (self.changes[L], reads)
+            else:
+                kind = "use_after_release" if L in self.released else "not_resident"
                 what = "gathered " if self.W > 1 else ""
-                have = self.n_gathered[L] if self.W > 1 else self.n_on_gpu[L]
+                have = sum(all(k in self.held for k in reads if k.page == j) for j in range(lay.param_pages))
                 self.bad(kind, t, f"param[{L}]",
                          f"op {t} ({self.trace.ops[t].module}) uses layer {lay.name}: {have} of "
                          f"{lay.param_pages} pages {what}on the gpu")
         for L in self.grad_at.get(t, ()):
-            present = self.fullgrad[L] if self.W > 1 else all("gpu" in g for g in self.grad[L])
-            if not present:
+            if not all(k in self.held for k in self.compute_fx[L].takes):
                 self.bad("not_resident", t, f"grad[{L}]",
                          f"op {t} writes layer {self.layout.layers[L].name}'s gradients, which have no gpu buffer")
 
@@ -278,13 +216,32 @@ class _Replay:
         for L, lay in enumerate(self.layout.layers):
             if L in self.grad_last and self.updates[L] != 1:
                 self.bad("not_updated", n, f"layer[{L}]", f"layer {lay.name} updated {self.updates[L]} times")
-            if not self.written_back[L]:
-                self.bad("lost_update", n, f"optim[{L}]", f"layer {lay.name}'s updated optimizer states never written back")
-            extra = self.n_on_gpu[L] - (lay.param_pages if self.home[L] == "gpu" else 0)
-            if extra or self.n_gathered[L] or self.fullgrad[L] or any(self.grad[L][j] for j in range(lay.param_pages)):
-                self.bad("leak", n, f"layer[{L}]", f"layer {lay.name} still holds pages at the end of the iteration")
-            if self.optim[L] != {self.optim_home[L]}:
-                self.bad("leak", n, f"optim[{L}]", f"layer {lay.name}'s optimizer states still staged")
+        for name, L in sorted(self.dirty):
+            self.bad("lost_update", n, f"{name}[{L}]",
+                     f"layer {self.layout.layers[L].name}'s updated {name} states never written back")
+        left: dict[tuple[int, bool], list[Key]] = {}
+        for k in self.held - self.homes:
+            left.setdefault((k.layer, k.name == "optim"), []).append(k)
+        for (L, optim), keys in sorted(left.items()):
+            name = self.layout.layers[L].name
+            if optim:
+                self.bad("leak", n, f"optim[{L}]", f"layer {name}'s optimizer states still staged")
+            else:
+                self.bad("leak", n, f"layer[{L}]", f"layer {name} still holds pages at the end of the iteration: "
+                         + _describe(keys))
+
+
+def _describe(keys: list[Key]) -> str:
+    """``param[3].0..7@gpu``-style summary of some holdings."""
+    groups: dict[tuple[str, int, str], list[int | None]] = {}
+    for k in keys:
+        groups.setdefault((k.name, k.layer, k.tier), []).append(k.page)
+    parts = []
+    for (name, L, tier), pages in sorted(groups.items()):
+        ps = sorted(p for p in pages if p is not None)
+        span = "" if not ps else f".{ps[0]}" if len(ps) == 1 else f".{{{len(ps)} pages}}"
+        parts.append(f"{name}[{L}]{span}@{tier}")
+    return ", ".join(parts)
 
 
 def validate(plan: Plan, trace: Trace, budgets: "Budgets | Mapping[str, int | str] | None" = None) -> ValidationReport:
@@ -297,6 +254,12 @@ def validate(plan: Plan, trace: Trace, budgets: "Budgets | Mapping[str, int | st
         mismatch = Violation("bad_task", 0, "plan", "the plan was made for a trace with another access order; "
                              "nothing was replayed")
         return ValidationReport(dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0), [mismatch], series, non_model, b)
+    with paused_gc():
+        return _replay(plan, trace, b, n, pb, non_model, series)
+
+
+def _replay(plan: Plan, trace: Trace, b: Budgets, n: int, pb: int, non_model: np.ndarray,
+            series: dict[str, np.ndarray]) -> ValidationReport:
     rp = _Replay(plan, trace, b)
     by_trigger: list[list[Task]] = [[] for _ in range(n + 1)]
     ends: list[list[Task]] = [[] for _ in range(n + 1)]
@@ -306,11 +269,12 @@ def validate(plan: Plan, trace: Trace, budgets: "Budgets | Mapping[str, int | st
         if not 0 <= t <= n:
             rp.bad("bad_task", 0, task.target, f"trigger {t} is outside 0..{n}")
             continue
-        key = 2 * t + (1 if task.issued_at_end else 0)
+        at_end = task.issued_at_end
+        key = 2 * t + at_end
         if key < last:
             rp.bad("bad_task", t, task.target, "the queue is not ordered by trigger")
         last = max(last, key)
-        (ends if task.issued_at_end else by_trigger)[t].append(task)
+        (ends if at_end else by_trigger)[t].append(task)
     for t in range(n + 1):
         for task in by_trigger[t]:
             rp.apply(task)

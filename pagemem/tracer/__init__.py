@@ -10,7 +10,9 @@ Design, in short (details in each module):
 
 - Logical time (:mod:`~pagemem.tracer.records`): ops are numbered ``0 .. len(tr.ops) - 1`` in the
   order seen (module forward pre/post; backward pre/post of leaf modules and of modules owning
-  parameters; gradient ready; optimizer step); every id in a record is an op id. An op's
+  parameters; gradient ready; optimizer step); every id in a record is an op id. The numbering is
+  an :class:`~pagemem.tracer.clock.OpClock`'s, the hook set an executor subscribes to as well, so
+  that it fires a plan's tasks at the very op ids the trace has. An op's
   ``duration`` is the time until the next op. A tensor lists every op that accesses it, not only
   the first and last.
 - What counts as an access (:mod:`~pagemem.tracer.recorder`): a module's own parameters at every
@@ -37,6 +39,7 @@ rest of pagemem.
 """
 
 from pagemem.tracer.api import TraceOptions, trace
+from pagemem.tracer.clock import Op, OpClock
 from pagemem.tracer.compare import TraceComparison
 from pagemem.tracer.cost import CostModel
 from pagemem.tracer.errors import TraceError
@@ -47,6 +50,8 @@ from pagemem.tracer.tracedata import Trace
 __all__ = [
     "trace",
     "TraceOptions",
+    "OpClock",
+    "Op",
     "synthetic_transformer",
     "synthetic_from_config",
     "TransformerShape",

@@ -1,45 +1,32 @@
-"""Hooks that feed a :class:`~pagemem.tracer.recorder.Recorder` while an unmodified
-``nn.Module`` runs one iteration. Everything installed here is removed by :meth:`LiveSession.stop`.
+"""Feeds a :class:`~pagemem.tracer.recorder.Recorder` while an unmodified ``nn.Module`` runs one
+iteration. Everything installed here is removed by :meth:`LiveSession.stop`.
 
-What is hooked, and why:
+Ops are numbered by an :class:`~pagemem.tracer.clock.OpClock` (module forward hooks, the
+autograd nodes of each module invocation, gradient-ready hooks, optimizer step hooks: see
+:mod:`pagemem.tracer.clock`); the session listens to it and tells the recorder which op began and
+which windows opened or closed. An op ends, for the recorder, when the next one begins (one
+boundary, one timestamp), or at the end of an optimizer step. Besides the clock:
 
-- forward pre/post hooks on every module: ``forward_pre``/``forward_post`` ops, and the forward
-  window of modules owning parameters;
-- for a leaf module or one owning parameters, at ``forward_post`` the autograd nodes it created
-  (found by walking back from its outputs, stopping at nodes older than the module's start) get a pre-hook
-  (the first to fire is ``backward_pre``) and a post-hook (the last to fire is
-  ``backward_post``). The graph is not modified; the hooks die with it;
-- ``register_post_accumulate_grad_hook`` on each trainable parameter: ``grad_ready``;
 - saved-tensor hooks: a saved parameter is an access to it, anything else is an activation
   (deduplicated by storage; released when autograd frees it);
-- global optimizer step hooks: a ``step`` op for an optimizer holding this model's parameters.
+- at the end of an optimizer step, the optimizer's state tensors for this model's parameters.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from pagemem.tracer.clock import Op, OpClock, iter_tensors
 from pagemem.tracer.recorder import Recorder
+
+__all__ = ["LiveSession", "dtype_name", "iter_tensors"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors in a module output (nested tuples, lists and dicts, three levels deep)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 3 and isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from iter_tensors(x, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for x in obj.values():
-            yield from iter_tensors(x, depth + 1)
 
 
 class _Packed:
@@ -59,15 +46,6 @@ class _Packed:
             self.rec.release_activation(self.key)
 
 
-class _Invocation:
-    __slots__ = ("key", "left", "started")
-
-    def __init__(self, key: int, left: int) -> None:
-        self.key = key
-        self.left = left
-        self.started = False
-
-
 class LiveSession:
     """Installs the hooks, owns the recorder, and collects optimizer states."""
 
@@ -75,18 +53,14 @@ class LiveSession:
                  cuda_device: torch.device | None) -> None:
         self.model = model
         self.params = list(params)
-        self.param_index = {id(p): i for i, (_, p) in enumerate(self.params)}
         self.rec = Recorder(len(self.params), [p.requires_grad for _, p in self.params],
                             timed=True, cuda_device=cuda_device)
+        self.clock = OpClock(model, self.params, lock=self.rec.lock)
+        self.param_index = self.clock.param_index
         self.active = False
         self.stepped = False
         self.optimizer_names: set[str] = set()
         self.states: dict[tuple[int, str], tuple[str, tuple[int, ...], int, list[int]]] = {}
-        self._handles: list[Any] = []
-        self._starts: dict[int, list[int]] = {}
-        self._inv_counter = 1 << 40  # invocation keys, disjoint from module keys
-        self._stepping: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self._opt_params: dict[int, tuple[int, ...]] = {}
         self._param_ptr: dict[int, tuple[int, ...]] = {}
         for i, (_, p) in enumerate(self.params):
             if p.numel():
@@ -104,17 +78,8 @@ class LiveSession:
 
     # ---- install / remove ------------------------------------------------------------------
     def start(self, optimizer: torch.optim.Optimizer | None) -> None:
-        for key, (path, module) in enumerate(self.model.named_modules()):
-            owned = tuple(dict.fromkeys(
-                self.param_index[id(p)] for p in module.parameters(recurse=False) if id(p) in self.param_index))
-            backward = bool(owned) or next(module.children(), None) is None
-            self._handles.append(module.register_forward_pre_hook(self._make_pre(path, owned, key, backward)))
-            self._handles.append(module.register_forward_hook(self._make_post(path, owned, key, backward)))
-        for i, (name, p) in enumerate(self.params):
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_ready(i, name)))
-        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
-        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        self._unsubscribe = self.clock.subscribe(self._on_op)
+        self.clock.install()
         if self._cuda is not None:
             self._rescan_grads()
             self._optim_bytes = _state_bytes(optimizer) if optimizer is not None else 0
@@ -123,10 +88,9 @@ class LiveSession:
 
     def stop(self) -> None:
         self.active = False
-        while self._handles:
-            self._handles.pop().remove()
-        self._starts.clear()
-        self._stepping.clear()
+        if hasattr(self, "_unsubscribe"):
+            self._unsubscribe()
+        self.clock.remove()
 
     # ---- saved tensors ---------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
@@ -164,51 +128,41 @@ class LiveSession:
                     rec.touch_params(packed.params, grads=True)
         return packed.tensor
 
-    # ---- module hooks ----------------------------------------------------------------------
-    def _make_pre(self, path: str, owned: tuple[int, ...], key: int, backward: bool) -> Callable[..., None]:
+    # ---- ops -------------------------------------------------------------------------------
+    def _on_op(self, op_id: int, edge: str, op: Op) -> None:
+        """The clock's listener (called under ``rec.lock``, the clock's lock)."""
         rec = self.rec
-        graph_task = torch._C._current_graph_task_id
-        next_seq = torch._C._autograd._get_sequence_nr
-        starts = self._starts
-
-        def pre(module: nn.Module, args: Any) -> None:
-            if not self.active:
-                return
-            with rec.lock:
-                in_backward = graph_task() != -1
-                if self._cuda is not None and rec.n_ops == 0:
-                    self._rescan_grads()
-                rec.begin_op("forward_pre", path, "backward" if in_backward else "forward")
-                if owned:
-                    rec.forward_enter(key, owned, in_backward)
-                if backward:
-                    starts.setdefault(key, []).append(next_seq())
-
-        return pre
-
-    def _make_post(self, path: str, owned: tuple[int, ...], key: int, backward: bool) -> Callable[..., None]:
-        rec = self.rec
-        graph_task = torch._C._current_graph_task_id
-        starts = self._starts
-
-        def post(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.active:
-                return
-            with rec.lock:
-                in_backward = graph_task() != -1
-                rec.begin_op("forward_post", path, "backward" if in_backward else "forward")
-                if owned:
-                    rec.forward_exit(key)
-                if backward:
-                    stack = starts.get(key)
-                    if stack:
-                        lo = stack.pop()
-                        if torch.is_grad_enabled():
-                            self._hook_backward(path, owned, output, lo)
-                if self._track_outputs:
-                    self._output_bytes(output)
-
-        return post
+        ev = op.event
+        if edge == "end":
+            if ev == "step":  # the next op's start closes the others
+                self._step_done(op)
+            return
+        if ev in ("backward_pre", "backward_post", "grad_ready"):
+            rec.drop_recompute_windows()
+        elif ev == "step":
+            rec.close_windows()
+        if self._cuda is not None and (ev == "step" or ev == "forward_pre" and rec.n_ops == 0):
+            self._rescan_grads()
+        rec.begin_op(ev, op.name, op.phase)
+        if ev == "forward_pre":
+            if op.params:
+                rec.forward_enter(op.window, op.params, op.phase == "backward")
+        elif ev == "forward_post":
+            if op.params:
+                rec.forward_exit(op.window)
+            if self._track_outputs:
+                self._output_bytes(op.output)
+        elif ev == "backward_pre":
+            rec.backward_enter(op.window, op.params)
+        elif ev == "backward_post":
+            rec.backward_exit(op.window)
+        elif ev == "grad_ready":
+            i = op.params[0]
+            rec.touch_grad(i)
+            if self._cuda is not None:
+                self._count_grad(i, op.target.grad)
+        elif ev == "step":
+            rec.touch_params(op.params, grads=True)
 
     def _output_bytes(self, output: Any) -> None:
         live = self.rec.is_live
@@ -226,108 +180,23 @@ class LiveSession:
         if extra:
             self.rec.transient(extra)
 
-    def _hook_backward(self, path: str, owned: tuple[int, ...], output: Any, lo: int) -> None:
-        """Hook the autograd nodes this module invocation created (sequence number >= lo)."""
-        stack = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
-        seen: set[int] = set()
-        nodes = []
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
+    def _step_done(self, op: Op) -> None:
+        """An optimizer step finished: record its state tensors, end its op."""
+        opt = op.target
+        for i in op.params:
+            state = opt.state.get(self.params[i][1])
+            if not state:
                 continue
-            seen.add(id(node))
-            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < lo:
-                continue
-            nodes.append(node)
-            stack.extend(fn for fn, _ in node.next_functions)
-        if not nodes:
-            return
-        self._inv_counter += 1
-        inv = _Invocation(self._inv_counter, len(nodes))
-        rec = self.rec
-
-        def node_pre(grad_outputs: Any) -> None:
-            if self.active and not inv.started:
-                with rec.lock:
-                    inv.started = True
-                    rec.drop_recompute_windows()
-                    rec.begin_op("backward_pre", path, "backward")
-                    rec.backward_enter(inv.key, owned)
-
-        def node_post(grad_inputs: Any, grad_outputs: Any) -> None:
-            if not self.active:
-                return
-            with rec.lock:
-                inv.left -= 1
-                if inv.left == 0:
-                    rec.drop_recompute_windows()
-                    rec.begin_op("backward_post", path, "backward")
-                    rec.backward_exit(inv.key)
-
-        for node in nodes:
-            node.register_prehook(node_pre)
-            node.register_hook(node_post)
-
-    def _make_ready(self, i: int, name: str) -> Callable[[torch.Tensor], None]:
-        rec = self.rec
-
-        def ready(p: torch.Tensor) -> None:
-            if not self.active:
-                return
-            with rec.lock:
-                rec.drop_recompute_windows()
-                rec.begin_op("grad_ready", name, "backward")
-                rec.touch_grad(i)
-                if self._cuda is not None:
-                    self._count_grad(i, p.grad)
-
-        return ready
-
-    # ---- optimizer -------------------------------------------------------------------------
-    def _owned_by(self, opt: torch.optim.Optimizer) -> tuple[int, ...]:
-        cached = self._opt_params.get(id(opt))
-        if cached is None:
-            idx = (self.param_index.get(id(p)) for g in opt.param_groups for p in g["params"])
-            cached = tuple(dict.fromkeys(i for i in idx if i is not None))
-            self._opt_params[id(opt)] = cached
-        return cached
-
-    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.active:
-            return
-        owned = self._owned_by(opt)
-        if not owned:
-            return
-        rec = self.rec
-        with rec.lock:
-            rec.close_windows()
-            if self._cuda is not None:
-                self._rescan_grads()
-            op = rec.begin_op("step", "optimizer", "step")
-            rec.touch_params(owned, grads=True)
-            self._stepping[id(opt)] = (op, owned)
-
-    def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        entry = self._stepping.pop(id(opt), None)
-        if entry is None or not self.active:
-            return
-        op, owned = entry
-        rec = self.rec
-        with rec.lock:
-            for i in owned:
-                state = opt.state.get(self.params[i][1])
-                if not state:
-                    continue
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and v.dim() >= 1:
-                        rec_state = self.states.setdefault(
-                            (i, str(k)), (dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size(), []))
-                        rec_state[3].append(op)
-            if self._cuda is not None:
-                self._optim_bytes = _state_bytes(opt)
-            rec.end_op()
-            self.stepped = True
-            self.optimizer_names.add(type(opt).__name__)
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                    rec_state = self.states.setdefault(
+                        (i, str(k)), (dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size(), []))
+                    rec_state[3].append(op.op_id)
+        if self._cuda is not None:
+            self._optim_bytes = _state_bytes(opt)
+        self.rec.end_op()
+        self.stepped = True
+        self.optimizer_names.add(type(opt).__name__)
 
     # ---- CUDA memory -----------------------------------------------------------------------
     def _cuda_probe(self) -> int:

@@ -1,0 +1,279 @@
+"""The task table (``pagemem.sched.tasks``) applied to the tasks of one plan: the concrete holdings
+-- which pages of which layer, on which tier -- each task takes, reads, writes and gives back, what
+it costs, and the plan's setting (page counts, world size, home tiers) the table's symbols stand for.
+
+>>> s = Setting.of(plan)
+>>> fx = effects(plan.tasks[i], s)        # fx.takes, fx.reads, fx.writes, fx.frees: Keys
+>>> fx.pages("takes", s)                  # {"gpu": 1}
+>>> cost(plan.tasks[i], s)                # ("h2d", 4194304)
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import TYPE_CHECKING, Iterator, NamedTuple
+
+from pagemem.sched.tasks import Effect, Hold, Target, Task, effect_of
+
+if TYPE_CHECKING:
+    from pagemem.sched.layout import Layout
+
+
+class Key(NamedTuple):
+    """One concrete holding: ``name@tier`` of ``layer``, page ``page`` (None for a group)."""
+
+    name: str
+    tier: str
+    layer: int
+    page: int | None
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.layer}]" + ("" if self.page is None else f".{self.page}") + f"@{self.tier}"
+
+
+_key = tuple.__new__  # Key(...) without NamedTuple's Python-level constructor: _key(Key, (...))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the table's symbols stand for in one plan: page counts, world size, home tiers."""
+
+    layout: "Layout"
+    cached_layers: frozenset[int] = frozenset()
+    optimizer_tier: str = "cpu"
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+    key_of: list[Key] = field(default_factory=list, init=False, repr=False, compare=False, hash=False)
+    """The holding each id of ``TaskEffects.ids`` stands for (filled as tasks are looked up)."""
+
+    @classmethod
+    def of(cls, plan) -> "Setting":
+        """The setting of a ``Plan`` (anything with ``layout``, ``cached_layers``, ``optimizer_tier``)."""
+        return cls(plan.layout, frozenset(plan.cached_layers), plan.optimizer_tier)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def home(self, name: str, layer: int) -> str | None:
+        if name == "param":
+            return "gpu" if layer in self.cached_layers else "cpu"
+        if name == "optim":
+            return "gpu" if layer in self.cached_layers else self.optimizer_tier
+        return None
+
+    def pages(self, name: str, layer: int) -> int:
+        """Pages one holding of ``name`` (one page of it, for a paged holding) occupies."""
+        memo = self._memo
+        n = memo.get((name, layer))
+        if n is None:
+            lay = self.layout.layers[layer]
+            n = memo[(name, layer)] = {"param": 1, "grad": 1, "gathered": self.world_size - 1,
+                                       "fullgrad": self.layout.grad_buffer_pages(layer), "optim": lay.optim_pages}[name]
+        return n
+
+    def at_rest(self) -> Iterator[Key]:
+        """The home copies, which exist before the iteration and after it."""
+        for lay in self.layout.layers:
+            tier = self.home("param", lay.index)
+            for j in range(lay.param_pages):
+                yield Key("param", tier, lay.index, j)
+            yield Key("optim", self.home("optim", lay.index), lay.index, None)
+
+    def holds(self, cond: str, task: Task | None = None) -> bool:
+        for c in cond.split():
+            if c == "W>1" and self.world_size == 1 or c == "W=1" and self.world_size != 1:
+                return False
+            if c == "grads" and not (task is not None and task.produces_grads):
+                return False
+        return True
+
+
+class TaskEffects(NamedTuple):
+    """A row of the table applied to one task: the concrete holdings."""
+
+    effect: Effect
+    takes: tuple[Key, ...]
+    reads: tuple[Key, ...]
+    writes: tuple[Key, ...]
+    frees: tuple[Key, ...]
+    ids: tuple[tuple[int, ...], ...] = ()
+    """The same four columns as small integers, one per holding of the setting (``Setting.key_of``)."""
+    taken: tuple[tuple[str, int], ...] = ()
+    """``(tier, pages)`` of ``takes``."""
+    tier_ok: bool = True
+    """Whether the task's tier is one its row allows."""
+
+    def pages(self, which: str, setting: Setting) -> dict[str, int]:
+        """Pages per tier of ``takes`` or ``frees``."""
+        out: dict[str, int] = {}
+        for k in getattr(self, which):
+            out[k.tier] = out.get(k.tier, 0) + setting.pages(k.name, k.layer)
+        return out
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a pass over a whole queue makes many small,
+    acyclic objects (collections their count triggers would cost more than the pass)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def tier_allowed(task: Task, setting: Setting) -> bool:
+    eff = effect_of(task)
+    if eff is None:
+        return False
+    home = setting.home("optim", task.target.layer)
+    return any(task.tier == t or (t == "home" and task.tier == home) or (t == "copy" and task.tier not in (None, home))
+               for t in eff.tiers)
+
+
+def effects(task: Task, setting: Setting) -> TaskEffects | None:
+    """The concrete holdings ``task`` takes, reads, writes and gives back (None when the table has
+    no row for it, its row's ``when`` does not hold, or its layer or page does not exist). Home
+    copies are never given back. (Memoized per setting: tasks alike but for their trigger share
+    one answer, and the answers for every page of a layer are made together.)"""
+    row = _row(task, setting)
+    if row is None:
+        return None
+    page = task.target.page
+    if page is None:
+        if row.whole is None:
+            row.whole = row.make(None)
+        return row.whole
+    if not 0 <= page < row.n:
+        return None
+    if row.paged is None:
+        row.paged = row.make_pages()
+    return row.paged[page]
+
+
+def _row(task: Task, setting: Setting) -> "_Row | None":
+    tg = task.target
+    rk = (task.operation, tg.kind, tg.layer, task.tier, task.produces_grads)
+    memo = setting._memo
+    row = memo.get(rk)
+    if row is None:
+        row = memo[rk] = _Row.resolve(task, setting) or False
+    return row or None
+
+
+class _Row:
+    """A row of the table resolved for one layer, tier and gradient flag."""
+
+    __slots__ = ("effect", "n", "columns", "tier_ok", "setting", "whole", "paged")
+
+    def __init__(self, effect: Effect, n: int, columns: tuple, tier_ok: bool, setting: Setting) -> None:
+        self.effect, self.n, self.columns, self.tier_ok, self.setting = effect, n, columns, tier_ok, setting
+        self.whole: TaskEffects | None = None
+        self.paged: list[TaskEffects] | None = None
+
+    @classmethod
+    def resolve(cls, task: Task, setting: Setting) -> "_Row | None":
+        eff = effect_of(task)
+        L = task.target.layer
+        if eff is None or not 0 <= L < len(setting.layout.layers) or eff.when and not setting.holds(eff.when, task):
+            return None
+        n = setting.layout.layers[L].param_pages
+        memo = setting._memo
+        columns = []
+        for which, holds in enumerate((eff.takes, eff.reads, eff.writes, eff.frees)):
+            col = []
+            for h in holds:
+                if h.when and not setting.holds(h.when, task):
+                    continue
+                home = setting.home(h.name, L)
+                tier = task.tier if h.tier == "T" else home if h.tier == "home" else h.tier
+                if tier is None or which == 3 and tier == home:  # home copies are never given back
+                    continue
+                pk = ("keys", h.name, tier, L, h.paged)
+                if pk not in memo:
+                    keys = (tuple(_key(Key, (h.name, tier, L, j)) for j in range(n)) if h.paged
+                            else (Key(h.name, tier, L, None),))
+                    memo[pk] = (keys if h.paged else keys[0], len(setting.key_of))
+                    setting.key_of.extend(keys)
+                col.append((h.paged, *memo[pk]))
+            columns.append(tuple(col))
+        return cls(eff, n, tuple(columns), tier_allowed(task, setting), setting)
+
+    def _taken(self, takes: tuple[Key, ...]) -> tuple[tuple[str, int], ...]:
+        taken: dict[str, int] = {}
+        for k in takes:
+            taken[k.tier] = taken.get(k.tier, 0) + self.setting.pages(k.name, k.layer)
+        return tuple(taken.items())
+
+    def make(self, page: int | None) -> TaskEffects:
+        """The effects for one page (None: every page of the layer)."""
+        lists, ids = [], []
+        n = self.n
+        for col in self.columns:
+            keys: list[Key] = []
+            nums: list[int] = []
+            for paged, all_keys, base in col:
+                if not paged:
+                    keys.append(all_keys)
+                    nums.append(base)
+                elif page is None:
+                    keys.extend(all_keys)
+                    nums.extend(range(base, base + n))
+                else:
+                    keys.append(all_keys[page])
+                    nums.append(base + page)
+            lists.append(tuple(keys))
+            ids.append(tuple(nums))
+        return TaskEffects(self.effect, *lists, tuple(ids), self._taken(lists[0]), self.tier_ok)
+
+    def make_pages(self) -> list[TaskEffects]:
+        """``make(j)`` for every page j, made column by column."""
+        n, keys, ids = self.n, [], []
+        for col in self.columns:
+            keys.append(list(zip(*(ks if paged else repeat(ks, n) for paged, ks, _ in col))) if col else [()] * n)
+            ids.append(list(zip(*(range(b, b + n) if paged else repeat(b, n) for paged, _, b in col)))
+                       if col else [()] * n)
+        if not n:
+            return []
+        head = (self.effect,)
+        tail = (self._taken(keys[0][0]), self.tier_ok)
+        new = tuple.__new__
+        return [new(TaskEffects, head + cols + (idc,) + tail)
+                for cols, idc in zip(zip(*keys), zip(*ids))]
+
+
+def cost(task: Task, setting: Setting) -> tuple[str, int] | None:
+    """``(resource, amount)``: bytes of a transfer (``TRANSFERS``), or elements of an ``adam`` step."""
+    eff = effect_of(task)
+    if eff is None or eff.cost is None:
+        return None
+    resource, unit = eff.cost
+    L = task.target.layer
+    if unit == "shard":
+        return resource, setting.layout.layers[L].shard_elements
+    count = 1 if task.target.page is not None or unit == "optim" else setting.layout.layers[L].param_pages
+    return resource, count * setting.pages(unit, L) * setting.layout.page_bytes
+
+
+def pages_taken(operation: str, kind: str, setting: Setting, layer: int, *, tier: str | None = None,
+                produces_grads: bool = False) -> dict[str, int]:
+    """Pages per tier one task takes at issue (for a paged target: one page of it)."""
+    task = Task(operation, Target(kind, layer), 0, tier, produces_grads=produces_grads)  # type: ignore[arg-type]
+    eff = effect_of(task)
+    out: dict[str, int] = {}
+    if eff is None or eff.when and not setting.holds(eff.when, task):
+        return out
+    for h in eff.takes:
+        if not h.when or setting.holds(h.when, task):
+            t = tier if h.tier == "T" else setting.home(h.name, layer) if h.tier == "home" else h.tier
+            if t is not None:
+                pages = setting.pages(h.name, layer)
+                if h.paged and kind not in ("param", "grad"):  # a group target takes every page
+                    pages *= setting.layout.layers[layer].param_pages
+                out[t] = out.get(t, 0) + pages
+    return out
