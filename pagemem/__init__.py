@@ -8,7 +8,8 @@ pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpack
 from pagemem.config import StoreConfig
 from pagemem.errors import (ConfigError, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
                             TierIOError, TornPage)
-from pagemem.store import MoveHandle, PagedTensor, PageStore, StoreStats
+from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore, StoreStats
+from pagemem.engine import AdamW, Engine, EngineConfig
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,10 @@ __all__ = [
     "PageStore",
     "PagedTensor",
     "MoveHandle",
+    "Lease",
+    "Engine",
+    "EngineConfig",
+    "AdamW",
     "StoreStats",
     "InvalidRequest",
     "PageMemError",

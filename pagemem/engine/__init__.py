@@ -1,0 +1,24 @@
+"""The engine: trains an unmodified model whose states live in the page store (``engine.py``),
+the model's states in pages (``bank.py``), and the optimizer step over optimizer pages
+(``adam.py``: fused AdamW on worker threads, one torch thread each)."""
+
+from pagemem.engine.adam import (AdamW, Chunk, CpuAdam, PagedOptimizer, StepResult, clip_coefficient,
+                                 fused_step, sumsq, total_sumsq)
+from pagemem.engine.adam_threads import WorkerDied
+from pagemem.engine.config import EngineConfig
+from pagemem.engine.engine import Engine
+
+__all__ = [
+    "AdamW",
+    "Chunk",
+    "CpuAdam",
+    "Engine",
+    "EngineConfig",
+    "PagedOptimizer",
+    "StepResult",
+    "WorkerDied",
+    "clip_coefficient",
+    "fused_step",
+    "sumsq",
+    "total_sumsq",
+]

@@ -1,0 +1,70 @@
+"""EngineConfig: everything the engine is told, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagemem.checks import check_choice, check_int, check_rate
+from pagemem.config import StoreConfig
+from pagemem.engine.adam import AdamW
+from pagemem.errors import ConfigError
+
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine trains a model.
+
+    ``store``: the tier budgets. ``optimizer``: AdamW's hyperparameters (``engine.optimizer``'s
+    ``param_groups`` start from them; lr schedulers change those). ``optimizer_tier``: where the
+    fp32 master weights and Adam moments live. ``compute_dtype``: the dtype forward and backward
+    run in. ``max_grad_norm``: clip by global norm (None: no clipping). ``accumulation_steps``:
+    ``step()`` updates after this many ``backward()`` calls, their gradients summed.
+    ``loss_scale``: ``"dynamic"`` (as ``torch.amp.GradScaler``), a number (static), or None;
+    the default is ``"dynamic"`` for float16 and None otherwise. ``rank`` / ``world_size``:
+    this process's place in data parallelism (1 process for now). ``adam_threads``: CPU Adam
+    workers (default: the usable cores).
+    """
+
+    store: StoreConfig
+    optimizer: AdamW = field(default_factory=AdamW)
+    optimizer_tier: str = "cpu"
+    compute_dtype: torch.dtype = torch.float32
+    max_grad_norm: float | None = None
+    accumulation_steps: int = 1
+    loss_scale: str | float | None = "default"
+    rank: int = 0
+    world_size: int = 1
+    adam_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, StoreConfig):
+            raise ConfigError(f"store: must be a pagemem.StoreConfig, got {type(self.store).__name__}")
+        if not isinstance(self.optimizer, AdamW):
+            raise ConfigError(f"optimizer: must be a pagemem.AdamW, got {type(self.optimizer).__name__}")
+        check_choice("optimizer_tier", self.optimizer_tier, ("gpu", "cpu", "nvme"))
+        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        if self.max_grad_norm is not None:
+            object.__setattr__(self, "max_grad_norm", check_rate("max_grad_norm", self.max_grad_norm))
+        check_int("accumulation_steps", self.accumulation_steps, 1, 1 << 20)
+        scale = self.loss_scale
+        if scale == "default":
+            scale = "dynamic" if self.compute_dtype == torch.float16 else None
+        elif scale is not None and scale != "dynamic":
+            scale = check_rate("loss_scale", scale)
+        object.__setattr__(self, "loss_scale", scale)
+        check_int("world_size", self.world_size, 1, 65536)
+        check_int("rank", self.rank, 0, self.world_size - 1)
+        if self.world_size != 1:
+            raise ConfigError("world_size: data parallelism is not built yet; must be 1")
+        if self.adam_threads is not None:
+            check_int("adam_threads", self.adam_threads, 1, 1024)
+        tier_bytes = {"gpu": self.store.gpu_bytes, "cpu": self.store.cpu_bytes, "nvme": self.store.nvme_bytes}
+        if not tier_bytes[self.optimizer_tier]:
+            raise ConfigError(f"optimizer_tier: {self.optimizer_tier!r} has no bytes in store "
+                              f"({self.optimizer_tier}_bytes=0)")
+        if not self.store.cpu_bytes:
+            raise ConfigError("store.cpu_bytes: the engine keeps parameters' home copies on cpu; must be > 0")
