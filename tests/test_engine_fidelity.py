@@ -122,3 +122,78 @@ def test_evicted_parameters_keep_shape_and_dtype(tmp_path):
         engine.backward(loss_of(engine, idx, targets))
         engine.step()
         assert {n: (p.shape, p.dtype) for n, p in model.named_parameters()} == shapes
+
+
+def reference_mixed(model, steps: int, hp: dict, dtype: torch.dtype, scaled: bool = False,
+                    overflow_at: tuple[int, ...] = ()):
+    """Plain PyTorch with the engine's precision policy: the model in ``dtype``, fp32 master
+    weights stepped by fused AdamW on the gradients cast to fp32, the model refreshed from them;
+    with ``scaled``, torch's GradScaler (dynamic scale, overflow skips the step)."""
+    params = list(model.parameters())
+    master = [p.detach().float().clone().requires_grad_() for p in params]
+    names = {id(p): n for n, p in model.named_parameters()}
+    model.to(dtype)
+    opt = torch.optim.AdamW(master, fused=True, **hp)
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    skipped = 0
+    for s, (idx, targets) in enumerate(batches(steps)):
+        loss = loss_of(model, idx, targets).float()
+        if s in overflow_at:
+            loss = loss * float("inf")
+        (scaler.scale(loss) if scaler else loss).backward()
+        for m, p in zip(master, params):
+            m.grad = p.grad.float()
+            p.grad = None
+        if scaler:
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(master, params):
+                p.copy_(m.to(dtype))
+    by_name = {names[id(p)]: m.detach() for p, m in zip(params, master)}
+    out = {k: by_name[k] for k in by_name}
+    for k, v in model.state_dict(keep_vars=True).items():  # tied names point at the same master
+        if k not in out:
+            out[k] = next(m.detach() for p, m in zip(params, master) if p is v)
+    return out, skipped
+
+
+def engine_mixed(model, steps: int, hp: dict, dtype: torch.dtype, overflow_at: tuple[int, ...] = (), **cfg):
+    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_budget(model), cpu_bytes=8 * state_bytes(model))
+    config = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**hp), compute_dtype=dtype,
+                                  adam_threads=2, **cfg)
+    with pagemem.Engine(model, config) as engine:
+        for s, (idx, targets) in enumerate(batches(steps)):
+            loss = loss_of(engine, idx, targets).float()
+            if s in overflow_at:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+        return engine.state_dict(), engine.stats()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_is_bit_identical_to_the_same_policy_in_plain_pytorch(dtype):
+    model = small_gpt()
+    ref, _ = reference_mixed(copy.deepcopy(model), 20, HP, dtype)
+    got, stats = engine_mixed(model, 20, HP, dtype, loss_scale=None)
+    assert stats["evictions"] > 0
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_fp16_loss_scaling_skips_overflowing_steps_as_grad_scaler_does():
+    model = small_gpt()
+    overflow = (3, 4, 11)
+    ref, skipped = reference_mixed(copy.deepcopy(model), 15, HP, torch.float16, scaled=True, overflow_at=overflow)
+    got, stats = engine_mixed(model, 15, HP, torch.float16, overflow_at=overflow)  # "dynamic" by default
+    # the three forced overflows, and any the starting scale of 2**16 causes by itself
+    assert skipped >= 3 and stats["skipped_steps"] == skipped
+    assert stats["loss_scale"] == 65536.0 / 2 ** skipped
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
