@@ -315,6 +315,8 @@ class CpuAdam:
             max_grad_norm = check_rate("max_grad_norm", max_grad_norm)
         if grad_scale is not None:
             grad_scale = check_rate("grad_scale", grad_scale)
+        if grad_sumsq is not None and (isinstance(grad_sumsq, bool) or not isinstance(grad_sumsq, (int, float))):
+            raise ConfigError(f"grad_sumsq: must be a number, got {grad_sumsq!r}")
         work = [self._checked(c.param, c.grad, c.exp_avg, c.exp_avg_sq, step, hp, grad_scale,
                               c.max_exp_avg_sq, None) for c in chunks]  # all checked before any runs
         norm = coef = None

@@ -135,7 +135,7 @@ class Workers:
             pending = [in_flight] if in_flight is not None else []
             while True:
                 try:
-                    item = self._queue.get_nowait()
+                    raise queue.Empty
                 except queue.Empty:
                     break
                 if item is _STOP:

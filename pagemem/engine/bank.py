@@ -112,6 +112,8 @@ class ParamBank:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.fetches = 0
         self.evictions = 0
+        self.peak_gpu_pages = 0
+        """Most gpu-tier pages in use at once (sampled after every fetch, when use peaks)."""
 
     def _gpu_device(self) -> torch.device:
         return self.store.tier("gpu").device
@@ -145,6 +147,7 @@ class ParamBank:
                 layer.leases.append(lease)
                 p.data = lease.tensor
         layer.resident, layer.zombie = True, False
+        self.peak_gpu_pages = max(self.peak_gpu_pages, self.store.tier("gpu").used_pages)
         self._lru[layer.index] = None
         self._lru.move_to_end(layer.index)
         self.fetches += 1

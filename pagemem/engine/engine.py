@@ -256,7 +256,10 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Per-tier use against budget, bytes moved per direction, time per phase, paging counts."""
         s = self.store.stats()
+        gpu = s.tiers["gpu"]
         return {
+            "gpu_peak_bytes": self.bank.peak_gpu_pages * gpu.page_bytes,
+            "gpu_budget_bytes": gpu.capacity_bytes,
             "tiers": {n: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
                           "utilization": t.utilization} for n, t in s.tiers.items()},
             "moved_bytes": {k: m.bytes for k, m in s.moves.items()},
