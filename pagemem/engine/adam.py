@@ -151,13 +151,22 @@ def fused_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     after its increment). ``clip_coef`` first multiplies ``grad`` in place, as
     ``clip_grad_norm_`` does; ``grad_scale`` divides it inside the kernel and leaves ``grad``
     unscaled, as ``GradScaler`` with a fused optimizer does. Arguments are not checked here."""
-    dev = param.device
+    _kernel([Chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq)], step, hp, grad_scale, clip_coef)
+
+
+def _kernel(chunks: Sequence[Chunk], step: int, hp: AdamW, grad_scale: float | None,
+            clip_coef: float | None) -> None:
+    """:func:`fused_step` of several chunks of one device in one kernel call."""
+    dev = chunks[0].param.device
+    grads = [c.grad for c in chunks]
     with torch.no_grad():
         if clip_coef is not None and clip_coef != 1.0:
-            grad.mul_(clip_coef)
+            for g in grads:
+                g.mul_(clip_coef)
+        step_t = torch.full((), float(step), dtype=torch.float32, device=dev)
         torch._fused_adamw_(
-            [param], [grad], [exp_avg], [exp_avg_sq], [max_exp_avg_sq] if hp.amsgrad else [],
-            [torch.full((), float(step), dtype=torch.float32, device=dev)],
+            [c.param for c in chunks], grads, [c.exp_avg for c in chunks], [c.exp_avg_sq for c in chunks],
+            [c.max_exp_avg_sq for c in chunks] if hp.amsgrad else [], [step_t] * len(chunks),
             lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
             amsgrad=hp.amsgrad, maximize=False,
             grad_scale=None if grad_scale is None else torch.full((), grad_scale, dtype=torch.float32, device=dev),
@@ -263,34 +272,39 @@ class CpuAdam:
         """Queue one chunk's update (see :func:`fused_step`); bad arguments raise here at once,
         errors while it runs come out of the future."""
         hp = group if isinstance(group, AdamW) else AdamW.from_group(group)
-        return self._run(self._checked(param, grad, exp_avg, exp_avg_sq, step, hp, grad_scale,
-                                       max_exp_avg_sq, clip_coef))
+        step, grad_scale = self._check_args(step, grad_scale, clip_coef)
+        chunk = self._check_chunk(Chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq), hp)
+        return self._run([chunk], step, hp, grad_scale, clip_coef)
 
     @staticmethod
-    def _checked(param, grad, exp_avg, exp_avg_sq, step, hp, grad_scale, max_exp_avg_sq, clip_coef) -> tuple:
+    def _check_args(step: int, grad_scale: float | None, clip_coef: float | None) -> tuple[int, float | None]:
         check_int("step", step, 1)
         if grad_scale is not None:
             grad_scale = check_rate("grad_scale", grad_scale)
         if clip_coef is not None and (isinstance(clip_coef, bool) or not isinstance(clip_coef, (int, float))):
             raise ConfigError(f"clip_coef: must be a number, got {clip_coef!r}")
-        if hp.amsgrad and max_exp_avg_sq is None:
-            raise InvalidRequest("max_exp_avg_sq: required with amsgrad")
-        _check_chunk({"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
-                      "max_exp_avg_sq": max_exp_avg_sq if hp.amsgrad else None})
-        return param, grad, exp_avg, exp_avg_sq, step, hp, grad_scale, max_exp_avg_sq, clip_coef
+        return step, grad_scale
 
-    def _run(self, args: tuple) -> Future:
-        *head, max_exp_avg_sq, clip_coef = args
-        if args[0].is_cuda:
-            fut: Future = Future()
-            try:
-                fused_step(*head, max_exp_avg_sq=max_exp_avg_sq, clip_coef=clip_coef)
-            except Exception as e:
-                fut.set_exception(e)
-            else:
-                fut.set_result(None)
-            return fut
-        return self._workers.submit(fused_step, *head, max_exp_avg_sq=max_exp_avg_sq, clip_coef=clip_coef)
+    @staticmethod
+    def _check_chunk(c: Chunk, hp: AdamW) -> Chunk:
+        if hp.amsgrad and c.max_exp_avg_sq is None:
+            raise InvalidRequest("max_exp_avg_sq: required with amsgrad")
+        _check_chunk({"param": c.param, "grad": c.grad, "exp_avg": c.exp_avg, "exp_avg_sq": c.exp_avg_sq,
+                      "max_exp_avg_sq": c.max_exp_avg_sq if hp.amsgrad else None})
+        return c
+
+    def _run(self, chunks: list[Chunk], *args: Any) -> Future:
+        """One kernel call over ``chunks`` (one device): on a worker, or enqueued here for CUDA."""
+        if not chunks[0].param.is_cuda:
+            return self._workers.submit(_kernel, chunks, *args)
+        fut: Future = Future()
+        try:
+            _kernel(chunks, *args)
+        except Exception as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+        return fut
 
     def sumsq(self, grad: torch.Tensor) -> Future:
         """Queue one chunk's sum of squares (:func:`sumsq`); the future gives a 0-dim fp64 tensor."""
@@ -317,8 +331,8 @@ class CpuAdam:
             grad_scale = check_rate("grad_scale", grad_scale)
         if grad_sumsq is not None and (isinstance(grad_sumsq, bool) or not isinstance(grad_sumsq, (int, float))):
             raise ConfigError(f"grad_sumsq: must be a number, got {grad_sumsq!r}")
-        work = [self._checked(c.param, c.grad, c.exp_avg, c.exp_avg_sq, step, hp, grad_scale,
-                              c.max_exp_avg_sq, None) for c in chunks]  # all checked before any runs
+        step, _ = self._check_args(step, None, None)
+        chunks = [self._check_chunk(c, hp) for c in chunks]  # all checked before any runs
         norm = coef = None
         if max_grad_norm is not None or grad_scale is not None:
             total = grad_sumsq if grad_sumsq is not None else total_sumsq(
@@ -328,9 +342,25 @@ class CpuAdam:
                 return StepResult(False, norm)
             if max_grad_norm is not None:
                 coef = clip_coefficient(norm, max_grad_norm)
-                work = [(*args[:-1], coef) for args in work]
-        wait_all([self._run(args) for args in work])
+        wait_all([self._run(batch, step, hp, grad_scale, coef) for batch in self._batches(chunks)])
         return StepResult(True, norm, coef)
+
+    def _batches(self, chunks: list[Chunk]) -> list[list[Chunk]]:
+        """Consecutive runs of chunks of one device, one kernel call each: about 4 per worker, so
+        a worker slowed by a neighbour is balanced by the others, while Python's cost per page
+        (about 30 us for a lone page: queue, wake-up, dispatch) is paid once per run."""
+        runs: list[list[Chunk]] = []
+        for c in chunks:
+            if runs and runs[-1][-1].param.device == c.param.device:
+                runs[-1].append(c)
+            else:
+                runs.append([c])
+        want = 4 * self.threads
+        out = []
+        for run in runs:
+            k = 1 if run[0].param.is_cuda else min(len(run), max(1, want * len(run) // len(chunks)))
+            out += [run[i * len(run) // k:(i + 1) * len(run) // k] for i in range(k)]
+        return out
 
     @property
     def broken(self) -> WorkerDied | None:

@@ -135,7 +135,7 @@ class Workers:
             pending = [in_flight] if in_flight is not None else []
             while True:
                 try:
-                    raise queue.Empty
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if item is _STOP:

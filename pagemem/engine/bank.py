@@ -81,6 +81,7 @@ class ParamBank:
         self.params, layer_specs = owning_layers(model)
         if not self.params:
             raise InvalidRequest("the model has no parameters to train")
+        self.original_dtype = [p.dtype for _, p in self.params]
         self.layers: list[Layer] = []
         self.layer_of: list[int] = [0] * len(self.params)
         tails: dict[str, PagedTensor | None] = {k: None for k in ("compute", "master", "exp_avg", "exp_avg_sq")}
@@ -195,6 +196,15 @@ class ParamBank:
         for layer in self.layers:
             if layer.zombie:
                 self._drop(layer)
+
+    def set_state(self, i: int, kind: str, value: torch.Tensor) -> None:
+        """Overwrite parameter ``i``'s ``kind`` state (``master``, ``exp_avg``, ``exp_avg_sq``);
+        setting ``master`` also refreshes the compute copy (every copy of it)."""
+        layer = self.layers[self.layer_of[i]]
+        k = layer.params.index(i)
+        getattr(layer, kind)[k].copy_(value)
+        if kind == "master":
+            layer.compute[k].copy_(value.to(self.compute_dtype))
 
     # ------------------------------------------------------------------ gradients
 

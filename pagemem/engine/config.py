@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -68,3 +70,34 @@ class EngineConfig:
                               f"({self.optimizer_tier}_bytes=0)")
         if not self.store.cpu_bytes:
             raise ConfigError("store.cpu_bytes: the engine keeps parameters' home copies on cpu; must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as JSON-ready values (for checkpoints)."""
+        store = {f.name: getattr(self.store, f.name) for f in dataclasses.fields(self.store) if f.init}
+        store["nvme_path"] = list(self.store.nvme_paths) or None
+        return {
+            "store": store,
+            "optimizer": {"lr": self.optimizer.lr, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
+                          "weight_decay": self.optimizer.weight_decay, "amsgrad": self.optimizer.amsgrad},
+            "optimizer_tier": self.optimizer_tier,
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "max_grad_norm": self.max_grad_norm,
+            "accumulation_steps": self.accumulation_steps,
+            "loss_scale": self.loss_scale,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "adam_threads": self.adam_threads,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+        """The inverse of :meth:`to_dict`, validated like any construction."""
+        dtype = {str(t).removeprefix("torch."): t for t in COMPUTE_DTYPES}.get(d.get("compute_dtype"))
+        if dtype is None:
+            raise ConfigError(f"compute_dtype: must be one of float32, float16, bfloat16, got {d.get('compute_dtype')!r}")
+        opt = dict(d["optimizer"])
+        opt["betas"] = tuple(opt["betas"])
+        return cls(store=StoreConfig(**d["store"]), optimizer=AdamW(**opt), optimizer_tier=d["optimizer_tier"],
+                   compute_dtype=dtype, max_grad_norm=d["max_grad_norm"],
+                   accumulation_steps=d["accumulation_steps"], loss_scale=d["loss_scale"], rank=d["rank"],
+                   world_size=d["world_size"], adam_threads=d["adam_threads"])

@@ -85,6 +85,8 @@ class Engine:
         self._steps = [0] * len(params)
         self._has_grad: set[int] = set()
         self._micro = 0
+        self.global_step = 0
+        """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
         self._scaler = _LossScaler(config.loss_scale)
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.skipped_steps = 0
@@ -171,6 +173,7 @@ class Engine:
             self._last_taken = self._apply_adam()
         finally:
             self._micro = 0
+            self.global_step += 1
             self._has_grad.clear()
             self.bank.free_grads()
             self._phase_seconds["step"] += time.perf_counter() - t0
@@ -252,6 +255,52 @@ class Engine:
                 layer = self.bank.layers[self.bank.layer_of[i]]
                 out[key] = layer.master[layer.params.index(i)].to_torch()
         return out
+
+    def save(self, directory: str) -> str:
+        """Write the whole training state as a new checkpoint under ``directory`` and point
+        ``directory/latest`` at it once it is durable (see ``engine/checkpoint.py``). Call it
+        between updates (not in the middle of gradient accumulation). Returns its path."""
+        if self._micro:
+            raise InvalidRequest("save: gradients of an unfinished accumulation are not saved; "
+                                 "call save() after step() has updated")
+        from pagemem.engine import checkpoint
+
+        return checkpoint.save(self, directory)
+
+    @classmethod
+    def load(cls, directory: str, model: nn.Module, config: EngineConfig | None = None) -> "Engine":
+        """An engine over ``model`` resumed from the checkpoint ``directory`` names (or its
+        ``latest``): weights, optimizer states, counters, loss scale, optimizer groups, RNG.
+        ``config`` defaults to the one saved (its store paths must exist here)."""
+        from pagemem.engine import checkpoint
+
+        ckpt = checkpoint.resolve(directory)
+        manifest = checkpoint.read_manifest(ckpt)
+        engine = cls(model, config or EngineConfig.from_dict(manifest["config"]))
+        try:
+            checkpoint.load_into(engine, ckpt, manifest)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def training_state(self) -> dict[str, Any]:
+        """Counters, loss scale and optimizer groups as JSON-ready values (for checkpoints)."""
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        return {"global_step": self.global_step, "steps": list(self._steps), "skipped_steps": self.skipped_steps,
+                "loss_scale": self._scaler.scale, "good_steps": self._scaler.good_steps, "param_groups": groups}
+
+    def restore_training_state(self, state: dict[str, Any]) -> None:
+        if len(state["steps"]) != len(self._steps) or len(state["param_groups"]) != len(self.optimizer.param_groups):
+            raise InvalidRequest("the checkpoint's optimizer state does not fit this model")
+        self.global_step = state["global_step"]
+        self._steps = list(state["steps"])
+        self.skipped_steps = state["skipped_steps"]
+        self._scaler.scale = state["loss_scale"]
+        self._scaler.good_steps = state["good_steps"]
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
 
     def stats(self) -> dict[str, Any]:
         """Per-tier use against budget, bytes moved per direction, time per phase, paging counts."""

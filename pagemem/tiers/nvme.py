@@ -161,6 +161,10 @@ class NvmeTier(Tier):
             self._digest[s] = None
             self._torn[s] = 0
 
+    def digest(self, slot: int) -> int | None:
+        """The XXH3-64 checksum of what ``slot`` holds (None: never written, or checksums off)."""
+        return self._digest[slot] if self.checksums else None
+
     def is_torn(self, slot: int) -> bool:
         """True when the last write to ``slot`` failed, so reading it reports CorruptPage."""
         return bool(self._torn[slot])

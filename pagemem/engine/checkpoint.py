@@ -1,0 +1,208 @@
+"""Checkpoints: the whole training state as a directory of raw pages, a JSON manifest and checksums.
+
+Layout of ``save(root)``::
+
+    root/latest              the name of the newest durable checkpoint (replaced atomically)
+    root/step-00000042/      one checkpoint
+        manifest.json        version, counters, loss scale, optimizer groups, config, params,
+                             per-page XXH3 checksums, where each tensor lies; written last
+        master.pages         fp32 master weights, page after page as they lie in the store
+        exp_avg.pages, exp_avg_sq.pages
+        rng.bin              torch's CPU generator state (and CUDA's, when present)
+
+[Note: atomic and durable] Everything is written into ``step-N.tmp-<random>``, each file
+fsynced, the directory fsynced and renamed to ``step-N``, the root fsynced; only then does
+``latest`` move (a temporary file, fsync, rename, fsync). A crash at any moment leaves the
+previous ``latest`` and its checkpoint intact; a half-written ``.tmp`` directory is ignored and
+removed by the next save.
+
+[Note: pages copied by the kernel] An optimizer page that lives only on NVMe is copied from the
+page file into the checkpoint with ``copy_file_range`` (never read through Python); its checksum
+is the one the tier recorded when it wrote the page. Pages in memory are written from their
+buffers and checksummed on the way. Loading reads and verifies every page. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+
+from pagemem.errors import CorruptPage, InvalidRequest
+
+if TYPE_CHECKING:
+    from pagemem.engine.engine import Engine
+
+VERSION = 1
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict], list[int | None]]:
+    """Write every page holding a ``kind`` tensor into ``path``; return where each tensor lies
+    (page positions in the file, offset, bytes) and each page's checksum."""
+    store, bank = engine.store, engine.bank
+    pb = store.page_bytes
+    order: dict[int, int] = {}
+    tensors = []
+    for i in range(len(bank.params)):
+        layer = bank.layers[bank.layer_of[i]]
+        t = getattr(layer, kind)[layer.params.index(i)]
+        extents = t.extents()
+        for page_id, _lo, _hi in extents:
+            order.setdefault(page_id, len(order))
+        tensors.append({"pages": [order[p] for p, _, _ in extents], "offset": extents[0][1] if extents else 0,
+                        "nbytes": t.nbytes})
+    digests: list[int | None] = [None] * len(order)
+    nvme = store.tier("nvme")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, len(order) * pb)
+        for page_id, pos in order.items():
+            copies = store.copies(page_id)
+            memory = next((n for n in ("cpu", "gpu") if n in copies), None)
+            if memory is None:  # only on disk: the kernel copies it
+                src, offset = nvme.locate(copies["nvme"])
+                _copy_range(src.path, offset, fd, pos * pb, pb)
+                digest = nvme.digest(copies["nvme"])
+                # with the tier's checksums off there is none to carry over: read the copy back
+                digests[pos] = digest if digest is not None else xxhash.xxh3_64_intdigest(os.pread(fd, pb, pos * pb))
+                continue
+            data = store.tier(memory).buffer(copies[memory]).cpu().numpy().tobytes()
+            os.pwrite(fd, data, pos * pb)
+            digests[pos] = xxhash.xxh3_64_intdigest(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return tensors, digests
+
+
+def _copy_range(src_path: str, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> None:
+    src = os.open(src_path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < nbytes:
+            n = os.copy_file_range(src, dst_fd, nbytes - done, src_offset + done, dst_offset + done)
+            if n <= 0:
+                raise OSError(f"copy_file_range copied nothing at {done} of {nbytes} bytes")
+            done += n
+    finally:
+        os.close(src)
+
+
+def save(engine: "Engine", root: str) -> str:
+    """Write a checkpoint of ``engine`` under ``root`` (see the module docs); returns its path."""
+    engine.store.synchronize()
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):  # leftovers of a save that crashed
+        if ".tmp-" in name:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    name = f"step-{engine.global_step:08d}"
+    tmp = os.path.join(root, f"{name}.tmp-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)
+    layout = {}
+    digests = {}
+    for kind in KINDS:
+        layout[kind], digests[kind] = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"))
+    rng = torch.get_rng_state().numpy().tobytes()
+    with open(os.path.join(tmp, "rng.bin"), "wb") as f:
+        f.write(rng)
+        f.flush()
+        os.fsync(f.fileno())
+    manifest = {
+        "version": VERSION,
+        "page_bytes": engine.store.page_bytes,
+        "state": engine.training_state(),
+        "config": engine.config.to_dict(),
+        "params": [{"name": n, "shape": list(p.shape), "dtype": str(engine.bank.original_dtype[i])}
+                   for i, (n, p) in enumerate(engine.bank.params)],
+        "tensors": layout,
+        "page_digests": digests,
+        "rng": {"file": "rng.bin", "xxh3": xxhash.xxh3_64_intdigest(rng)},
+    }
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    final = os.path.join(root, name)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer = os.path.join(root, f"latest.tmp-{uuid.uuid4().hex[:8]}")
+    with open(pointer, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(pointer, os.path.join(root, "latest"))
+    _fsync_dir(root)
+    return final
+
+
+def resolve(path: str) -> str:
+    """The checkpoint directory ``path`` names: itself, or the one its ``latest`` points to."""
+    latest = os.path.join(path, "latest")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            name = f.read().strip()
+        if "/" in name or name.startswith("."):
+            raise InvalidRequest(f"{latest}: not a checkpoint name: {name!r}")
+        return os.path.join(path, name)
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        return path
+    raise InvalidRequest(f"{path}: no checkpoint here (neither 'latest' nor 'manifest.json')")
+
+
+def read_manifest(ckpt: str) -> dict[str, Any]:
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    if manifest.get("version") != VERSION:
+        raise InvalidRequest(f"{ckpt}: checkpoint version {manifest.get('version')!r}, this pagemem reads {VERSION}")
+    return manifest
+
+
+def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
+    """Overwrite ``engine``'s states with the checkpoint's, verifying every page."""
+    params = [(n, list(p.shape)) for n, p in engine.bank.params]
+    if [(p["name"], p["shape"]) for p in manifest["params"]] != params:
+        raise InvalidRequest(f"{ckpt}: the checkpoint was written for another model (parameters differ)")
+    pb = manifest["page_bytes"]
+    for kind in KINDS:
+        with open(os.path.join(ckpt, f"{kind}.pages"), "rb") as f:
+            data = f.read()
+        for pos, expected in enumerate(manifest["page_digests"][kind]):
+            actual = xxhash.xxh3_64_intdigest(data[pos * pb:(pos + 1) * pb])
+            if expected is not None and actual != expected:
+                raise CorruptPage("checkpoint", pos, expected, actual, f"{ckpt}/{kind}.pages")
+        raw = np.frombuffer(data, dtype=np.uint8)
+        for i, where in enumerate(manifest["tensors"][kind]):
+            chunks, left, lo = [], where["nbytes"], where["offset"]
+            for pos in where["pages"]:
+                take = min(pb - lo, left)
+                chunks.append(raw[pos * pb + lo:pos * pb + lo + take])
+                left -= take
+                lo = 0
+            flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
+            value = torch.from_numpy(flat.copy()).view(torch.float32).reshape(engine.bank.params[i][1].shape)
+            engine.bank.set_state(i, kind, value)
+    with open(os.path.join(ckpt, manifest["rng"]["file"]), "rb") as f:
+        rng = f.read()
+    if xxhash.xxh3_64_intdigest(rng) != manifest["rng"]["xxh3"]:
+        raise CorruptPage("checkpoint", 0, manifest["rng"]["xxh3"], xxhash.xxh3_64_intdigest(rng), f"{ckpt}/rng.bin")
+    torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+    engine.restore_training_state(manifest["state"])

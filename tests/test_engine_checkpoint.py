@@ -1,0 +1,132 @@
+"""Checkpoints: resuming continues exactly as if training had never stopped, even after the
+process is killed at a random moment (during a save included); corrupt checkpoints are refused."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import pagemem
+from pagemem.models.gpt import GPT, GPTConfig
+
+PAGE = 64 * 1024
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_resume_worker.py")
+
+
+def make(tmp_path, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(exist_ok=True)
+    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=nbytes // 2, cpu_bytes=16 * nbytes + 64 * PAGE,
+                                nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=str(nvme))
+    return model, pagemem.EngineConfig(store=store, optimizer_tier="nvme", adam_threads=1,
+                                       optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1))
+
+
+def train(engine, until: int):
+    while engine.global_step < until:
+        g = torch.Generator().manual_seed(1000 + engine.global_step)
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        engine.backward(torch.nn.functional.cross_entropy(engine(x[:, :-1]).reshape(-1, 128), x[:, 1:].reshape(-1)))
+        engine.step()
+
+
+def test_resume_in_process_is_bit_identical(tmp_path):
+    model, cfg = make(tmp_path)
+    with pagemem.Engine(model, cfg) as engine:
+        train(engine, 4)
+        path = engine.save(str(tmp_path / "ckpt"))
+        train(engine, 8)
+        expected = engine.state_dict()
+    assert os.path.basename(path) == "step-00000004"
+    fresh, _ = make(tmp_path, seed=5)  # other initial weights: everything must come from the checkpoint
+    with pagemem.Engine.load(str(tmp_path / "ckpt"), fresh) as engine:
+        assert engine.global_step == 4
+        train(engine, 8)
+        got = engine.state_dict()
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
+def test_a_corrupt_checkpoint_is_refused(tmp_path):
+    model, cfg = make(tmp_path)
+    with pagemem.Engine(model, cfg) as engine:
+        train(engine, 2)
+        path = engine.save(str(tmp_path / "ckpt"))
+    with open(os.path.join(path, "exp_avg.pages"), "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    fresh, _ = make(tmp_path)
+    with pytest.raises(pagemem.CorruptPage, match="exp_avg"):
+        pagemem.Engine.load(str(tmp_path / "ckpt"), fresh, cfg)
+
+
+def test_saving_mid_accumulation_is_refused_and_leftovers_are_ignored(tmp_path):
+    model, cfg = make(tmp_path)
+    import dataclasses
+    cfg = dataclasses.replace(cfg, accumulation_steps=2)
+    with pagemem.Engine(model, cfg) as engine:
+        x = torch.randint(0, 128, (2, 17))
+        engine.backward(torch.nn.functional.cross_entropy(engine(x[:, :-1]).reshape(-1, 128), x[:, 1:].reshape(-1)))
+        with pytest.raises(pagemem.InvalidRequest, match="accumulation"):
+            engine.save(str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt").mkdir(exist_ok=True)
+    (tmp_path / "ckpt" / "step-00000009.tmp-deadbeef").mkdir()  # a save that crashed
+    with pytest.raises(pagemem.InvalidRequest, match="no checkpoint"):
+        pagemem.Engine.load(str(tmp_path / "ckpt"), GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16)),
+                            cfg)
+
+
+def _run(tmp_path, out: str, save: bool, kill_after=None) -> subprocess.CompletedProcess | None:
+    cmd = [sys.executable, WORKER, "--ckpt", str(tmp_path / "ckpt"), "--nvme", str(tmp_path / "nvme"),
+           "--out", str(tmp_path / out), "--steps", "8"] + (["--save"] if save else [])
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    if kill_after is None:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    kind, value = kill_after
+    if kind == "during_save":  # kill right after the n-th save begins
+        seen = 0
+        for line in proc.stdout:
+            if line.startswith("saving"):
+                seen += 1
+                if seen == value[0]:
+                    time.sleep(value[1])
+                    break
+    else:
+        time.sleep(value)
+    proc.kill()
+    proc.wait(timeout=60)
+    return None
+
+
+def _weights(path) -> dict[str, np.ndarray]:
+    return {name: np.fromfile(os.path.join(path, name), dtype=np.float32) for name in sorted(os.listdir(path))}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_killed_at_a_random_moment_resumes_to_the_uninterrupted_result(tmp_path, seed):
+    rng = random.Random(seed)
+    _run(tmp_path / "a", "out", save=False) if (tmp_path / "a").mkdir() is None else None
+    expected = _weights(tmp_path / "a" / "out")
+    work = tmp_path / "b"
+    work.mkdir()
+    kills = [("during_save", (rng.randint(1, 6), rng.random() * 0.05)), ("time", 2.0 + rng.random() * 4.0)]
+    for kill in kills:
+        _run(work, "unused", save=True, kill_after=kill)
+    _run(work, "out", save=True)
+    got = _weights(work / "out")
+    assert got.keys() == expected.keys()
+    for k in expected:
+        assert np.array_equal(got[k], expected[k]), k
