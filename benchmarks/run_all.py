@@ -13,7 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main() -> int:
     import torch
 
-    runs = [["bench_allocator.py"], ["bench_tracer.py"], ["bench_planner.py"], ["bench_simulate.py"]]
+    runs = [["bench_allocator.py"], ["bench_store_ops.py"], ["bench_cpu_adam.py"], ["bench_engine.py"],
+            ["bench_tracer.py"], ["bench_planner.py"], ["bench_simulate.py"]]
     if shutil.which("fio"):
         runs.append(["bench_nvme.py"])
     else:
