@@ -232,7 +232,9 @@ class Engine:
 
     def _clip_coefficient(self, grads: list[torch.Tensor], scale: float | None) -> float:
         """``clip_grad_norm_``'s coefficient, computed as it does (a norm of per-parameter fp32
-        norms, then ``max_norm / (norm + 1e-6)`` clamped to 1), so clipping is bit-identical."""
+        norms, then ``max_norm / (norm + 1e-6)`` clamped to 1), so clipping is bit-identical to
+        plain PyTorch. [Note: fidelity over accuracy] ``CpuAdam``'s chunked norm is about 1e4
+        times more accurate on 1M-element tensors, but would not reproduce torch's updates."""
         norms = wait_all([self.adam.submit(torch.linalg.vector_norm, g, 2.0) for g in grads])
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if scale is not None:
