@@ -35,6 +35,8 @@ from pagemem.store import Lease, PagedTensor, PageStore
 
 @dataclass
 class Layer:
+    """A paging unit: consecutive modules whose parameters move to and from the gpu together."""
+
     index: int
     name: str
     params: list[int]
@@ -44,6 +46,7 @@ class Layer:
     exp_avg: list[PagedTensor]
     exp_avg_sq: list[PagedTensor]
     grad: list[PagedTensor] = field(default_factory=list)
+    """fp32 gradient sums on cpu (valid for the parameters that got a gradient this step)."""
     leases: list[Lease] = field(default_factory=list)
     resident: bool = False
     zombie: bool = False
@@ -68,6 +71,23 @@ def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], lis
     return params, layers
 
 
+def paging_units(modules: list[tuple[str, list[int]]], nbytes: list[int], cap: int) -> list[tuple[str, list[int]]]:
+    """Consecutive modules merged into paging units of at most ``cap`` bytes (a module larger
+    than ``cap`` is a unit of its own): a LayerNorm travels with its neighbours instead of taking a
+    page of its own, and a block's small layers cost one fetch."""
+    units: list[tuple[str, list[int]]] = []
+    size = 0
+    for name, idx in modules:
+        b = sum(nbytes[i] for i in idx)
+        if units and size + b <= cap:
+            units[-1][1].extend(idx)
+            size += b
+            continue
+        units.append((name, list(idx)))
+        size = b
+    return units
+
+
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
     """Shape and dtype of ``p``, one element of memory (never read by a correct schedule)."""
     one = torch.zeros((), dtype=p.dtype, device=p.device)
@@ -75,39 +95,47 @@ def _placeholder(p: torch.Tensor) -> torch.Tensor:
 
 
 class ParamBank:
-    def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype, optimizer_tier: str) -> None:
+    def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype, optimizer_tier: str,
+                 unit_bytes: int | None = None) -> None:
         self.store = store
         self.compute_dtype = compute_dtype
-        self.params, layer_specs = owning_layers(model)
+        self.params, module_specs = owning_layers(model)
         if not self.params:
             raise InvalidRequest("the model has no parameters to train")
         self.original_dtype = [p.dtype for _, p in self.params]
+        nbytes = [p.numel() * compute_dtype.itemsize for _, p in self.params]
+        cap = unit_bytes if unit_bytes is not None else store.page_bytes
+        layer_specs = paging_units(module_specs, nbytes, cap)
         self.layers: list[Layer] = []
         self.layer_of: list[int] = [0] * len(self.params)
-        tails: dict[str, PagedTensor | None] = {k: None for k in ("compute", "master", "exp_avg", "exp_avg_sq")}
+        groups: dict[str, list[list[PagedTensor]]] = {}
+        # [Note: layout] each kind is allocated for every layer before the next kind, so a kind's
+        # pages are adjacent in its tier and every state tensor can be viewed in place. Compute
+        # groups start on fresh pages (a unit is paged alone, so evicting it never drags a
+        # resident neighbour's page); states and gradients are chained (they move together)
+        for kind, dtype, tier in (("compute", compute_dtype, "cpu"), ("master", torch.float32, optimizer_tier),
+                                  ("exp_avg", torch.float32, optimizer_tier),
+                                  ("exp_avg_sq", torch.float32, optimizer_tier), ("grad", torch.float32, "cpu")):
+            tail = None
+            groups[kind] = []
+            for _name, idx in layer_specs:
+                group = store.allocate_group([(self.params[i][1].shape, dtype) for i in idx], tier=tier,
+                                             after=tail if kind != "compute" else None)
+                tail = group[-1]
+                groups[kind].append(group)
         with torch.no_grad():
             for li, (name, idx) in enumerate(layer_specs):
-                ps = [self.params[i][1] for i in idx]
                 for i in idx:
                     self.layer_of[i] = li
-                groups = {}
-                for kind, dtype, tier in (("compute", compute_dtype, "cpu"), ("master", torch.float32, optimizer_tier),
-                                          ("exp_avg", torch.float32, optimizer_tier),
-                                          ("exp_avg_sq", torch.float32, optimizer_tier)):
-                    # compute pages move per layer: fresh pages, so evicting one layer never drags
-                    # a resident neighbour's boundary page; states move together: chained
-                    after = tails[kind] if kind != "compute" else None
-                    groups[kind] = store.allocate_group([(p.shape, dtype) for p in ps], tier=tier, after=after)
-                    tails[kind] = groups[kind][-1]
-                for p, c, m, a, s in zip(ps, groups["compute"], groups["master"], groups["exp_avg"],
-                                         groups["exp_avg_sq"]):
-                    src = p.detach().to("cpu")
-                    m.copy_(src.float())
-                    c.copy_(src.to(compute_dtype))
-                    a.copy_(torch.zeros(p.shape))
-                    s.copy_(torch.zeros(p.shape))
-                self.layers.append(Layer(li, name, idx, groups["compute"], groups["master"], groups["exp_avg"],
-                                         groups["exp_avg_sq"]))
+                for k, i in enumerate(idx):
+                    src = self.params[i][1].detach().to("cpu")
+                    groups["master"][li][k].copy_(src.float())
+                    groups["compute"][li][k].copy_(src.to(compute_dtype))
+                    zeros = torch.zeros(src.shape)
+                    groups["exp_avg"][li][k].copy_(zeros)
+                    groups["exp_avg_sq"][li][k].copy_(zeros)
+                self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
+                                         groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
             for _, p in self.params:
                 p.data = _placeholder(p.data.to(dtype=compute_dtype, device=self._gpu_device()))
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -208,21 +236,13 @@ class ParamBank:
 
     # ------------------------------------------------------------------ gradients
 
-    def accumulate_grad(self, i: int, grad: torch.Tensor) -> None:
-        """Add parameter ``i``'s gradient into its fp32 gradient pages (zero at the first
-        gradient of a step)."""
+    def accumulate_grad(self, i: int, grad: torch.Tensor, first: bool) -> None:
+        """Add parameter ``i``'s gradient into its fp32 gradient pages (``first``: the first
+        gradient of this step, which replaces what the pages held)."""
         layer = self.layers[self.layer_of[i]]
-        if not layer.grad:
-            layer.grad = self.store.allocate_group([(self.params[j][1].shape, torch.float32) for j in layer.params],
-                                                   tier="cpu")
-            for g in layer.grad:
-                g.copy_(torch.zeros(g.shape))
         g = layer.grad[layer.params.index(i)]
         with g.lease("cpu") as x, torch.no_grad():
-            x.add_(grad.to(device=x.device, dtype=x.dtype))
-
-    def free_grads(self) -> None:
-        for layer in self.layers:
-            for g in layer.grad:
-                g.free()
-            layer.grad = []
+            if first:
+                x.copy_(grad)
+            else:
+                x.add_(grad.to(device=x.device, dtype=x.dtype))

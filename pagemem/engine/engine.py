@@ -75,7 +75,9 @@ class Engine:
         self.config = config
         self.store = PageStore(config.store)
         try:
-            self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier)
+            gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
+            self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
+                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 8))
             self.adam = CpuAdam(config.adam_threads)
         except BaseException:
             self.store.close()
@@ -161,7 +163,7 @@ class Engine:
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        self.bank.accumulate_grad(i, p.grad)
+        self.bank.accumulate_grad(i, p.grad, first=i not in self._has_grad)
         p.grad = None
         self._has_grad.add(i)
 
@@ -175,7 +177,6 @@ class Engine:
             self._micro = 0
             self.global_step += 1
             self._has_grad.clear()
-            self.bank.free_grads()
             self._phase_seconds["step"] += time.perf_counter() - t0
 
     def _apply_adam(self) -> bool:
@@ -190,8 +191,8 @@ class Engine:
         states = [t for li in layers for kind in ("master", "exp_avg", "exp_avg_sq")
                   for t in getattr(bank.layers[li], kind)]
         fetched = cfg.optimizer_tier == "nvme"
-        if fetched:
-            self.store.copy(states, "cpu").wait()
+        if fetched:  # whole pages in and out: each page read once and written once
+            self.store.move(states, "cpu").wait()
         where = "cpu" if cfg.optimizer_tier != "gpu" else "gpu"
         leases = []
         try:
@@ -227,7 +228,7 @@ class Engine:
             for lease in leases:
                 lease.release()
             if fetched:
-                self.store.release(states, "cpu").wait()
+                self.store.move(states, "nvme").wait()
         return True
 
     def _clip_coefficient(self, grads: list[torch.Tensor], scale: float | None) -> float:
