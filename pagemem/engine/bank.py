@@ -139,6 +139,13 @@ class ParamBank:
             for _, p in self.params:
                 p.data = _placeholder(p.data.to(dtype=compute_dtype, device=self._gpu_device()))
         self._lru: OrderedDict[int, None] = OrderedDict()
+        self._order: list[int] = []
+        """Units in the order the previous iteration asked for them (what prefetching follows)."""
+        self._seen: list[int] = []
+        self._cursor = 0
+        self._prefetched: dict[int, object] = {}
+        """Units whose gpu copy was started ahead of use: unit -> MoveHandle."""
+        self.prefetches = 0
         self.fetches = 0
         self.evictions = 0
         self.peak_gpu_pages = 0
@@ -149,14 +156,47 @@ class ParamBank:
 
     # ------------------------------------------------------------------ residency
 
+    def new_iteration(self) -> None:
+        """A forward begins: the units asked for since the last one become the order to prefetch in."""
+        if self._seen:
+            self._order, self._seen = self._seen, []
+        self._cursor = 0
+
     def ensure(self, layer_indices) -> None:
-        """Make every listed layer resident on the gpu (their parameters' ``.data`` views of it)."""
+        """Make every listed layer resident on the gpu (their parameters' ``.data`` views of it),
+        then start copying the unit the previous iteration used next, if it fits without evicting."""
         for li in layer_indices:
+            self._seen.append(li)
             layer = self.layers[li]
             if layer.resident:
                 self._lru.move_to_end(li)
-                continue
-            self._fetch(layer, keep=set(layer_indices))
+            else:
+                self._fetch(layer, keep=set(layer_indices))
+            self._prefetch_after(li)
+
+    def _prefetch_after(self, li: int) -> None:
+        """[Note: prefetch] follows the previous iteration's order of use: one unit ahead, and
+        only into free pages (a prefetch never evicts), so demand fetches stay the only ones that
+        make room. Its pages are dropped like any evictable unit's when room is needed."""
+        order = self._order
+        try:
+            pos = order.index(li, self._cursor)
+        except ValueError:
+            return
+        self._cursor = pos + 1
+        if self._cursor >= len(order):
+            return
+        nxt = self.layers[order[self._cursor]]
+        if nxt.resident or nxt.index in self._prefetched:
+            return
+        need = sum(1 for t in nxt.compute for pid in t.pages if "gpu" not in self.store.copies(pid))
+        if need > self.store.tier("gpu").free_pages:
+            return
+        try:
+            self._prefetched[nxt.index] = self.store.copy(nxt.compute, "gpu")
+        except OutOfMemory:
+            return
+        self.prefetches += 1
 
     def _fetch(self, layer: Layer, keep: set[int]) -> None:
         while True:
@@ -176,14 +216,25 @@ class ParamBank:
                 layer.leases.append(lease)
                 p.data = lease.tensor
         layer.resident, layer.zombie = True, False
+        self._prefetched.pop(layer.index, None)
         self.peak_gpu_pages = max(self.peak_gpu_pages, self.store.tier("gpu").used_pages)
         self._lru[layer.index] = None
         self._lru.move_to_end(layer.index)
         self.fetches += 1
 
     def _evict_one(self, keep: set[int]) -> bool:
-        """Evict the least recently used resident layer not in ``keep``; retry zombies first.
-        False when nothing could be given back."""
+        """Evict the least recently used resident layer not in ``keep``; drop prefetched copies
+        and retry zombies first. False when nothing could be given back."""
+        for li in list(self._prefetched):
+            if li in keep:
+                continue
+            handle = self._prefetched.pop(li)
+            try:
+                handle.wait()
+            except Exception:  # a failed prefetch leaves whatever landed; dropped below
+                pass
+            if self._drop(self.layers[li]):
+                return True
         for layer in self.layers:
             if layer.zombie and self._drop(layer):
                 return True
@@ -219,6 +270,13 @@ class ParamBank:
         return True
 
     def evict_all(self) -> None:
+        for li, handle in list(self._prefetched.items()):
+            try:
+                handle.wait()
+            except Exception:
+                pass
+            self._drop(self.layers[li])
+        self._prefetched.clear()
         for layer in self.layers:
             self.evict(layer)
         for layer in self.layers:

@@ -104,6 +104,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model's forward."""
         t0 = time.perf_counter()
+        self.bank.new_iteration()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
@@ -317,6 +318,7 @@ class Engine:
             "moved_bytes": {k: m.bytes for k, m in s.moves.items()},
             "seconds": dict(self._phase_seconds),
             "fetches": self.bank.fetches,
+            "prefetches": self.bank.prefetches,
             "evictions": self.bank.evictions,
             "view_copies": s.view_copies,
             "skipped_steps": self.skipped_steps,
