@@ -130,3 +130,25 @@ def test_killed_at_a_random_moment_resumes_to_the_uninterrupted_result(tmp_path,
     assert got.keys() == expected.keys()
     for k in expected:
         assert np.array_equal(got[k], expected[k]), k
+
+
+def test_a_model_built_on_meta_resumes_from_a_checkpoint(tmp_path):
+    model, cfg = make(tmp_path)
+    with pagemem.Engine(model, cfg) as engine:
+        train(engine, 3)
+        engine.save(str(tmp_path / "ckpt"))
+        train(engine, 6)
+        expected = engine.state_dict()
+    with torch.device("meta"):
+        empty = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
+    with pytest.raises(pagemem.InvalidRequest, match="meta"):
+        pagemem.Engine(empty, cfg)
+    with torch.device("meta"):
+        empty = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
+    with pagemem.Engine.load(str(tmp_path / "ckpt"), empty, cfg) as engine:
+        assert empty.head.weight is empty.wte.weight  # still tied
+        assert all(not p.is_meta for p in empty.parameters())
+        train(engine, 6)
+        got = engine.state_dict()
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k

@@ -52,6 +52,22 @@ class Layer:
     zombie: bool = False
 
 
+def materialize_meta(model: nn.Module, device: torch.device) -> None:
+    """Replace every parameter on the ``meta`` device by a Parameter of the same shape, dtype
+    and ``requires_grad`` on ``device`` (one element of memory), in every module that holds it
+    (tied ones stay tied). Its values come later, from a checkpoint."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                shell = torch.zeros((), dtype=p.dtype, device=device)
+                new[id(p)] = nn.Parameter(shell.expand(p.shape) if p.dim() else shell,
+                                          requires_grad=p.requires_grad)
+            module._parameters[name] = new[id(p)]
+
+
 def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, list[int]]]]:
     """The model's distinct parameters, and the layers (module name, parameter indices) owning
     them, in module order."""
@@ -88,17 +104,26 @@ def paging_units(modules: list[tuple[str, list[int]]], nbytes: list[int], cap: i
     return units
 
 
-def _placeholder(p: torch.Tensor) -> torch.Tensor:
-    """Shape and dtype of ``p``, one element of memory (never read by a correct schedule)."""
-    one = torch.zeros((), dtype=p.dtype, device=p.device)
-    return one.expand(p.shape) if p.dim() else one
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` with one element of memory (never read by a correct
+    schedule: evicted parameters keep their shape and dtype for code that reads them)."""
+    one = torch.zeros((), dtype=dtype, device=device)
+    return one.expand(shape) if len(shape) else one
 
 
 class ParamBank:
     def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype, optimizer_tier: str,
-                 unit_bytes: int | None = None) -> None:
+                 unit_bytes: int | None = None, values: bool = True) -> None:
+        """``values``: copy the parameters' values into the pages; False for a model on ``meta``
+        whose values will come from a checkpoint (the pages start as zeros)."""
         self.store = store
         self.compute_dtype = compute_dtype
+        meta = any(p.is_meta for p in model.parameters())
+        if meta and values:
+            raise InvalidRequest("the model's parameters are on 'meta' (no values): load them with "
+                                 "pagemem.Engine.load(checkpoint, model)")
+        if meta:
+            materialize_meta(model, self._gpu_device())
         self.params, module_specs = owning_layers(model)
         if not self.params:
             raise InvalidRequest("the model has no parameters to train")
@@ -128,7 +153,8 @@ class ParamBank:
                 for i in idx:
                     self.layer_of[i] = li
                 for k, i in enumerate(idx):
-                    src = self.params[i][1].detach().to("cpu")
+                    p = self.params[i][1]
+                    src = p.detach().to("cpu") if values else torch.zeros(p.shape)
                     groups["master"][li][k].copy_(src.float())
                     groups["compute"][li][k].copy_(src.to(compute_dtype))
                     zeros = torch.zeros(src.shape)
@@ -137,7 +163,7 @@ class ParamBank:
                 self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
                                          groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
             for _, p in self.params:
-                p.data = _placeholder(p.data.to(dtype=compute_dtype, device=self._gpu_device()))
+                p.data = _placeholder(p.shape, compute_dtype, self._gpu_device())
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._order: list[int] = []
         """Units in the order the previous iteration asked for them (what prefetching follows)."""
@@ -252,7 +278,7 @@ class ParamBank:
             return
         for i in layer.params:
             p = self.params[i][1]
-            p.data = _placeholder(p.data)
+            p.data = _placeholder(p.shape, p.dtype, p.device)
         for lease in layer.leases:
             lease.release()
         layer.leases.clear()

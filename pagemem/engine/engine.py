@@ -66,7 +66,7 @@ class _LossScaler:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, *, _values: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, EngineConfig):
@@ -77,7 +77,7 @@ class Engine:
         try:
             gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
             self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
-                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 8))
+                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 8), values=_values)
             self.adam = CpuAdam(config.adam_threads)
         except BaseException:
             self.store.close()
@@ -275,12 +275,15 @@ class Engine:
     def load(cls, directory: str, model: nn.Module, config: EngineConfig | None = None) -> "Engine":
         """An engine over ``model`` resumed from the checkpoint ``directory`` names (or its
         ``latest``): weights, optimizer states, counters, loss scale, optimizer groups, RNG.
-        ``config`` defaults to the one saved (its store paths must exist here)."""
+        ``config`` defaults to the one saved (its store paths must exist here). The model may be
+        built on the ``meta`` device (``with torch.device("meta"): model = ...``): its values
+        then come only from the checkpoint and host memory never holds a second copy."""
         from pagemem.engine import checkpoint
 
         ckpt = checkpoint.resolve(directory)
         manifest = checkpoint.read_manifest(ckpt)
-        engine = cls(model, config or EngineConfig.from_dict(manifest["config"]))
+        meta = any(p.is_meta for p in model.parameters())
+        engine = cls(model, config or EngineConfig.from_dict(manifest["config"]), _values=not meta)
         try:
             checkpoint.load_into(engine, ckpt, manifest)
         except BaseException:
