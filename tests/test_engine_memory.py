@@ -39,14 +39,16 @@ def test_two_hundred_iterations_leak_nothing_and_stay_under_budget(tmp_path):
             loss = torch.nn.functional.cross_entropy(engine(data[:, :-1]).reshape(-1, 128), data[:, 1:].reshape(-1))
             engine.backward(loss)
             engine.step()
-            if it in (20, 199):
+            if it in (20, 100, 199):
                 gc.collect()
                 s = engine.store.stats()
                 samples.append(({n: s[n].used_pages for n in ("gpu", "cpu", "nvme")}, threading.active_count(),
                                 _fds(), _rss()))
         stats = engine.stats()
-    (pages0, threads0, fds0, rss0), (pages1, threads1, fds1, rss1) = samples
-    assert pages1 == pages0 and threads1 == threads0 and fds1 == fds0
+    (pages0, _, _, rss0), (pages_mid, threads_mid, fds_mid, _), (pages1, threads1, fds1, rss1) = samples
+    assert pages0 == pages_mid == pages1
+    # thread pools start their threads lazily, up to their size: compare once they are warm
+    assert threads1 == threads_mid and fds1 == fds_mid
     assert rss1 - rss0 < 32 << 20, f"process memory grew by {(rss1 - rss0) >> 20} MiB over 180 iterations"
     assert stats["evictions"] > 0
     assert 0 < stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
