@@ -82,6 +82,14 @@ class Engine:
         except BaseException:
             self.store.close()
             raise
+        self.device = self.store.tier("gpu").device
+        """Where the model computes: the ``gpu`` tier's device (the host for the stand-in). Put
+        the inputs there."""
+        with torch.no_grad():  # buffers are small and used by compute: they live on the device
+            for module in model.modules():
+                for name, b in list(module._buffers.items()):
+                    if b is not None and not b.is_meta and b.device != self.device:
+                        module._buffers[name] = b.to(self.device)
         params = [p for _, p in self.bank.params]
         self.optimizer = PagedOptimizer(params, config.optimizer, step_fn=lambda _opt: self._update())
         self._steps = [0] * len(params)
