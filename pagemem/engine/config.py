@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pagemem.checks import check_choice, check_int, check_rate
+from pagemem.checks import check_bool, check_choice, check_int, check_rate
 from pagemem.config import StoreConfig
 from pagemem.engine.adam import AdamW
 from pagemem.errors import ConfigError
@@ -28,7 +28,8 @@ class EngineConfig:
     ``loss_scale``: ``"dynamic"`` (as ``torch.amp.GradScaler``), a number (static), or None;
     the default is ``"dynamic"`` for float16 and None otherwise. ``rank`` / ``world_size``:
     this process's place in data parallelism (1 process for now). ``adam_threads``: CPU Adam
-    workers (default: the usable cores).
+    workers (default: the usable cores). ``overlap_update``: update a parameter during backward
+    as soon as its gradient is final, where that changes nothing (see ``Engine``).
     """
 
     store: StoreConfig
@@ -41,6 +42,7 @@ class EngineConfig:
     rank: int = 0
     world_size: int = 1
     adam_threads: int | None = None
+    overlap_update: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -64,6 +66,7 @@ class EngineConfig:
             raise ConfigError("world_size: data parallelism is not built yet; must be 1")
         if self.adam_threads is not None:
             check_int("adam_threads", self.adam_threads, 1, 1024)
+        check_bool("overlap_update", self.overlap_update)
         tier_bytes = {"gpu": self.store.gpu_bytes, "cpu": self.store.cpu_bytes, "nvme": self.store.nvme_bytes}
         if not tier_bytes[self.optimizer_tier]:
             raise ConfigError(f"optimizer_tier: {self.optimizer_tier!r} has no bytes in store "
@@ -87,6 +90,7 @@ class EngineConfig:
             "rank": self.rank,
             "world_size": self.world_size,
             "adam_threads": self.adam_threads,
+            "overlap_update": self.overlap_update,
         }
 
     @classmethod
@@ -100,4 +104,5 @@ class EngineConfig:
         return cls(store=StoreConfig(**d["store"]), optimizer=AdamW(**opt), optimizer_tier=d["optimizer_tier"],
                    compute_dtype=dtype, max_grad_norm=d["max_grad_norm"],
                    accumulation_steps=d["accumulation_steps"], loss_scale=d["loss_scale"], rank=d["rank"],
-                   world_size=d["world_size"], adam_threads=d["adam_threads"])
+                   world_size=d["world_size"], adam_threads=d["adam_threads"],
+                   overlap_update=d.get("overlap_update", True))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagemem.engine.adam import Chunk, CpuAdam, PagedOptimizer, total_sumsq, wait_all
+from pagemem.engine.adam import AdamW, Chunk, CpuAdam, PagedOptimizer, fused_step, total_sumsq, wait_all
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.config import EngineConfig
 from pagemem.errors import ConfigError, InvalidRequest
@@ -94,12 +94,18 @@ class Engine:
         self.optimizer = PagedOptimizer(params, config.optimizer, step_fn=lambda _opt: self._update())
         self._steps = [0] * len(params)
         self._has_grad: set[int] = set()
+        self._fires_prev: dict[int, int] = {}
+        self._fires_now: dict[int, int] = {}
+        self._early: dict[int, Any] = {}
+        self._final_backward = False
         self._micro = 0
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
         self._scaler = _LossScaler(config.loss_scale)
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.skipped_steps = 0
+        self.overlapped_updates = 0
+        """Parameter updates run during backward (see the Note in ``_overlap_exact``)."""
         self._ptr: dict[int, int] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
                        for i, p in enumerate(params) if p.requires_grad]
@@ -125,8 +131,12 @@ class Engine:
             raise InvalidRequest("backward: loss must be a one-element tensor")
         t0 = time.perf_counter()
         scale = self._scaler.scale
+        self._final_backward = self._micro + 1 == self.config.accumulation_steps
+        self._fires_now = {}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             (loss * scale if scale is not None else loss).backward()
+        if self._final_backward:
+            self._fires_prev = self._fires_now
         self._micro += 1
         self._phase_seconds["backward"] += time.perf_counter() - t0
 
@@ -172,9 +182,46 @@ class Engine:
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
         if p.grad is None:
             return
+        fires = self._fires_now[i] = self._fires_now.get(i, 0) + 1
+        if i in self._early:
+            raise RuntimeError(
+                f"parameter {self.bank.params[i][0]!r} got a second gradient in this backward after it was "
+                "updated (in the previous iteration it got one): the gradient structure changed between "
+                "iterations; pass overlap_update=False to update only in step()")
         self.bank.accumulate_grad(i, p.grad, first=i not in self._has_grad)
         p.grad = None
         self._has_grad.add(i)
+        if self._final_backward and fires == 1 and self._fires_prev.get(i) == 1 and self._overlap_exact():
+            self._early[i] = self.adam.submit(self._update_one, i, self.optimizer.hyper(0))
+
+    def _overlap_exact(self) -> bool:
+        """[Note: which updates may overlap backward] A parameter's update needs only its own
+        gradient, unless clipping (the global norm) or loss scaling (an overflow anywhere skips
+        every update) is on. Its gradient is final once its hook fired as many times as in the
+        previous iteration's last backward (once: the accumulation hook fires once per backward
+        however often the parameter is used); after that no backward node reads its value. Then
+        updating it at once gives the same bits as updating it in ``step()``. Optimizer states on
+        nvme are fetched and written back whole, in ``step()``."""
+        cfg = self.config
+        return (cfg.overlap_update and cfg.max_grad_norm is None and self._scaler.scale is None
+                and cfg.optimizer_tier != "nvme")
+
+    def _update_one(self, i: int, hp: AdamW) -> None:
+        """Parameter ``i``'s AdamW update and compute-copy refresh, on a CPU worker."""
+        bank = self.bank
+        layer = bank.layers[bank.layer_of[i]]
+        k = layer.params.index(i)
+        where = "gpu" if self.config.optimizer_tier == "gpu" else "cpu"
+        leases = [t.lease("cpu" if t is layer.grad[k] else where)
+                  for t in (layer.master[k], layer.grad[k], layer.exp_avg[k], layer.exp_avg_sq[k])]
+        try:
+            master, grad, exp_avg, exp_avg_sq = (x.tensor.reshape(-1) for x in leases)
+            fused_step(master, grad, exp_avg, exp_avg_sq, self._steps[i] + 1, hp)
+            self._steps[i] += 1
+            layer.compute[k].copy_(master.view(bank.params[i][1].shape).to(self.config.compute_dtype))
+        finally:
+            for lease in leases:
+                lease.release()
 
     # ------------------------------------------------------------------ the update
 
@@ -193,9 +240,12 @@ class Engine:
         hp = self.optimizer.hyper(0)
         if len(self.optimizer.param_groups) != 1:
             raise InvalidRequest("the engine's optimizer has one param group")
-        touched = sorted(self._has_grad)
+        early, self._early = self._early, {}
+        self.overlapped_updates += len(early)
+        wait_all(list(early.values()))
+        touched = sorted(self._has_grad - set(early))
         if not touched:
-            return False
+            return bool(early)
         layers = sorted({bank.layer_of[i] for i in touched})
         states = [t for li in layers for kind in ("master", "exp_avg", "exp_avg_sq")
                   for t in getattr(bank.layers[li], kind)]
@@ -333,6 +383,7 @@ class Engine:
             "evictions": self.bank.evictions,
             "view_copies": s.view_copies,
             "skipped_steps": self.skipped_steps,
+            "overlapped_updates": self.overlapped_updates,
             "loss_scale": self._scaler.scale,
             "replans": 0,
         }
