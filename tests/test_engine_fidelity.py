@@ -60,13 +60,14 @@ def reference(model, steps: int, hp: dict, max_grad_norm=None, accumulation: int
 
 
 def through_engine(model, steps: int, hp: dict, tmp_path, optimizer_tier="cpu", max_grad_norm=None,
-                   accumulation: int = 1, budget: int | None = None):
+                   accumulation: int = 1, budget: int | None = None, overlap_update: bool | None = True):
     budget = budget or gpu_budget(model)
     store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model),
                                 nvme_bytes=8 * state_bytes(model) if optimizer_tier == "nvme" else 0,
                                 nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
     cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**hp), optimizer_tier=optimizer_tier,
-                               max_grad_norm=max_grad_norm, accumulation_steps=accumulation, adam_threads=2)
+                               max_grad_norm=max_grad_norm, accumulation_steps=accumulation, adam_threads=2,
+                               overlap_update=overlap_update)
     data = list(batches(steps * accumulation))
     with pagemem.Engine(model, cfg) as engine:
         for s in range(steps * accumulation):
@@ -83,7 +84,7 @@ HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tier):
     model = small_gpt()
     ref = reference(copy.deepcopy(model), 50, HP)
-    got, stats = through_engine(model, 50, HP, tmp_path, optimizer_tier)
+    got, stats = through_engine(model, 50, HP, tmp_path, optimizer_tier)  # updates overlap backward
     assert stats["evictions"] > 0  # the parameters really moved in and out of the gpu tier
     # updates overlap backward from the second step on (states on nvme are updated in step())
     assert (stats["overlapped_updates"] > 0) == (optimizer_tier == "cpu")
@@ -99,6 +100,15 @@ def test_clipping_and_accumulation_match_plain_pytorch(tmp_path):
     for k in ref:
         # micro-batch gradients add up in fp32 pages in autograd's order, and the global norm is
         # torch's (a norm of per-parameter fp32 norms): bit-identical
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_updates_in_step_only_match_too(tmp_path):
+    model = small_gpt()
+    ref = reference(copy.deepcopy(model), 10, HP)
+    got, stats = through_engine(model, 10, HP, tmp_path, overlap_update=False)
+    assert stats["overlapped_updates"] == 0
+    for k in ref:
         assert torch.equal(got[k], ref[k]), k
 
 

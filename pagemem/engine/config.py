@@ -29,7 +29,9 @@ class EngineConfig:
     the default is ``"dynamic"`` for float16 and None otherwise. ``rank`` / ``world_size``:
     this process's place in data parallelism (1 process for now). ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
-    as soon as its gradient is final, where that changes nothing (see ``Engine``).
+    as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
+    means on when the gpu tier is CUDA (backward runs on the GPU while the CPU updates) and off on
+    the host stand-in (CPU Adam would compete with backward for the same cores).
     """
 
     store: StoreConfig
@@ -42,7 +44,7 @@ class EngineConfig:
     rank: int = 0
     world_size: int = 1
     adam_threads: int | None = None
-    overlap_update: bool = True
+    overlap_update: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -66,7 +68,8 @@ class EngineConfig:
             raise ConfigError("world_size: data parallelism is not built yet; must be 1")
         if self.adam_threads is not None:
             check_int("adam_threads", self.adam_threads, 1, 1024)
-        check_bool("overlap_update", self.overlap_update)
+        if self.overlap_update is not None:
+            check_bool("overlap_update", self.overlap_update)
         tier_bytes = {"gpu": self.store.gpu_bytes, "cpu": self.store.cpu_bytes, "nvme": self.store.nvme_bytes}
         if not tier_bytes[self.optimizer_tier]:
             raise ConfigError(f"optimizer_tier: {self.optimizer_tier!r} has no bytes in store "
@@ -105,4 +108,4 @@ class EngineConfig:
                    compute_dtype=dtype, max_grad_norm=d["max_grad_norm"],
                    accumulation_steps=d["accumulation_steps"], loss_scale=d["loss_scale"], rank=d["rank"],
                    world_size=d["world_size"], adam_threads=d["adam_threads"],
-                   overlap_update=d.get("overlap_update", True))
+                   overlap_update=d.get("overlap_update"))

@@ -203,7 +203,8 @@ class Engine:
         updating it at once gives the same bits as updating it in ``step()``. Optimizer states on
         nvme are fetched and written back whole, in ``step()``."""
         cfg = self.config
-        return (cfg.overlap_update and cfg.max_grad_norm is None and self._scaler.scale is None
+        wanted = self.store.cuda if cfg.overlap_update is None else cfg.overlap_update
+        return (wanted and cfg.max_grad_norm is None and self._scaler.scale is None
                 and cfg.optimizer_tier != "nvme")
 
     def _update_one(self, i: int, hp: AdamW) -> None:
