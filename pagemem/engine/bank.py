@@ -182,11 +182,15 @@ class ParamBank:
 
     # ------------------------------------------------------------------ residency
 
-    def new_iteration(self) -> None:
-        """A forward begins: the units asked for since the last one become the order to prefetch in."""
+    def new_iteration(self) -> bool:
+        """A forward begins: the units asked for since the last one become the order to prefetch
+        in. True when that order differs from the one before (the access pattern changed: the
+        prefetches of the iteration that just ended missed, and the new order is learned)."""
+        changed = bool(self._order) and bool(self._seen) and self._seen != self._order
         if self._seen:
             self._order, self._seen = self._seen, []
         self._cursor = 0
+        return changed
 
     def ensure(self, layer_indices) -> None:
         """Make every listed layer resident on the gpu (their parameters' ``.data`` views of it),

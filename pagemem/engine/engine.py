@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
@@ -104,6 +105,8 @@ class Engine:
         self._scaler = _LossScaler(config.loss_scale)
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.skipped_steps = 0
+        self.replans = 0
+        """Iterations whose order of layer use differed from the previous one's."""
         self.overlapped_updates = 0
         """Parameter updates run during backward (see the Note in ``_overlap_exact``)."""
         self._ptr: dict[int, int] = {}
@@ -118,7 +121,13 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model's forward."""
         t0 = time.perf_counter()
-        self.bank.new_iteration()
+        if self.bank.new_iteration():
+            self.replans += 1
+            if self.replans == 1:
+                warnings.warn("pagemem: the order in which layers were used changed between iterations "
+                              "(data-dependent control flow?); prefetching missed and re-learned the order. "
+                              "Results are unaffected; engine.stats()['replans'] counts these.",
+                              RuntimeWarning, stacklevel=2)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
@@ -386,7 +395,7 @@ class Engine:
             "skipped_steps": self.skipped_steps,
             "overlapped_updates": self.overlapped_updates,
             "loss_scale": self._scaler.scale,
-            "replans": 0,
+            "replans": self.replans,
         }
 
     def close(self) -> None:
