@@ -5,18 +5,17 @@
 >>> engine.backward(out.loss)
 >>> engine.step()
 
-[Note: what runs today] Demand paging: the engine fetches a layer's parameters to the gpu tier at
-the op the shared op clock (``pagemem.tracer.OpClock``) numbers as that layer's forward or
-backward start, evicting the least recently used layers when the gpu tier is full; autograd's
-saved parameters are kept as references and fetched again when backward needs them. Gradients
-are summed into fp32 pages; ``step()`` runs AdamW page views on CPU workers with torch's fused
-kernel. Following a planned task queue (prefetch, overlap) is the next step; the demand path
-stays as the fallback for iterations that differ from the trace.
+[Note: what runs today] Demand paging: the engine fetches a paging unit's parameters to the gpu
+tier at the op the shared op clock (``pagemem.tracer.OpClock``) numbers as its forward or
+backward start, evicting the least recently used units when the gpu tier is full and
+prefetching the unit the previous iteration used next (``bank.py``); autograd's saved parameters
+are kept as references and fetched again when backward needs them. The update lives in
+``update.py``. Following the scheduler's task queue is the next step; the demand path stays as
+the fallback for iterations that differ from the trace.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections import OrderedDict
@@ -27,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagemem.engine.adam import AdamW, Chunk, CpuAdam, PagedOptimizer, fused_step, total_sumsq, wait_all
+from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.config import EngineConfig
+from pagemem.engine.update import Updater
 from pagemem.errors import ConfigError, InvalidRequest
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
@@ -45,27 +45,6 @@ class _SavedParam:
     offset: int
 
 
-class _LossScaler:
-    """``torch.amp.GradScaler``'s schedule: grow by 2 after 2000 good steps, halve on overflow."""
-
-    def __init__(self, scale: str | float | None) -> None:
-        self.dynamic = scale == "dynamic"
-        self.scale: float | None = 65536.0 if self.dynamic else scale  # type: ignore[assignment]
-        self.good_steps = 0
-
-    def update(self, overflow: bool) -> None:
-        if not self.dynamic:
-            return
-        if overflow:
-            self.scale *= 0.5  # type: ignore[operator]
-            self.good_steps = 0
-        else:
-            self.good_steps += 1
-            if self.good_steps == 2000:
-                self.scale *= 2.0  # type: ignore[operator]
-                self.good_steps = 0
-
-
 class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig, *, _values: bool = True) -> None:
         if not isinstance(model, nn.Module):
@@ -79,7 +58,6 @@ class Engine:
             gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
             self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
                                   unit_bytes=max(self.store.page_bytes, gpu_bytes // 8), values=_values)
-            self.adam = CpuAdam(config.adam_threads)
         except BaseException:
             self.store.close()
             raise
@@ -93,22 +71,14 @@ class Engine:
                         module._buffers[name] = b.to(self.device)
         params = [p for _, p in self.bank.params]
         self.optimizer = PagedOptimizer(params, config.optimizer, step_fn=lambda _opt: self._update())
-        self._steps = [0] * len(params)
-        self._has_grad: set[int] = set()
-        self._fires_prev: dict[int, int] = {}
-        self._fires_now: dict[int, int] = {}
-        self._early: dict[int, Any] = {}
-        self._final_backward = False
+        self.updater = Updater(self.bank, self.store, config, lambda: self.optimizer.hyper(0))
         self._micro = 0
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
-        self._scaler = _LossScaler(config.loss_scale)
+        self._last_taken = False
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self.skipped_steps = 0
         self.replans = 0
         """Iterations whose order of layer use differed from the previous one's."""
-        self.overlapped_updates = 0
-        """Parameter updates run during backward (see the Note in ``_overlap_exact``)."""
         self._ptr: dict[int, int] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
                        for i, p in enumerate(params) if p.requires_grad]
@@ -139,13 +109,11 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidRequest("backward: loss must be a one-element tensor")
         t0 = time.perf_counter()
-        scale = self._scaler.scale
-        self._final_backward = self._micro + 1 == self.config.accumulation_steps
-        self._fires_now = {}
+        scale = self.updater.scaler.scale
+        self.updater.begin_backward(final=self._micro + 1 == self.config.accumulation_steps)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             (loss * scale if scale is not None else loss).backward()
-        if self._final_backward:
-            self._fires_prev = self._fires_now
+        self.updater.end_backward()
         self._micro += 1
         self._phase_seconds["backward"] += time.perf_counter() - t0
 
@@ -191,126 +159,21 @@ class Engine:
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        fires = self._fires_now[i] = self._fires_now.get(i, 0) + 1
-        if i in self._early:
-            raise RuntimeError(
-                f"parameter {self.bank.params[i][0]!r} got a second gradient in this backward after it was "
-                "updated (in the previous iteration it got one): the gradient structure changed between "
-                "iterations; pass overlap_update=False to update only in step()")
-        self.bank.accumulate_grad(i, p.grad, first=i not in self._has_grad)
+        self.updater.grad_ready(i, p.grad)
         p.grad = None
-        self._has_grad.add(i)
-        if self._final_backward and fires == 1 and self._fires_prev.get(i) == 1 and self._overlap_exact():
-            self._early[i] = self.adam.submit(self._update_one, i, self.optimizer.hyper(0))
-
-    def _overlap_exact(self) -> bool:
-        """[Note: which updates may overlap backward] A parameter's update needs only its own
-        gradient, unless clipping (the global norm) or loss scaling (an overflow anywhere skips
-        every update) is on. Its gradient is final once its hook fired as many times as in the
-        previous iteration's last backward (once: the accumulation hook fires once per backward
-        however often the parameter is used); after that no backward node reads its value. Then
-        updating it at once gives the same bits as updating it in ``step()``. Optimizer states on
-        nvme are fetched and written back whole, in ``step()``."""
-        cfg = self.config
-        wanted = self.store.cuda if cfg.overlap_update is None else cfg.overlap_update
-        return (wanted and cfg.max_grad_norm is None and self._scaler.scale is None
-                and cfg.optimizer_tier != "nvme")
-
-    def _update_one(self, i: int, hp: AdamW) -> None:
-        """Parameter ``i``'s AdamW update and compute-copy refresh, on a CPU worker."""
-        bank = self.bank
-        layer = bank.layers[bank.layer_of[i]]
-        k = layer.params.index(i)
-        where = "gpu" if self.config.optimizer_tier == "gpu" else "cpu"
-        leases = [t.lease("cpu" if t is layer.grad[k] else where)
-                  for t in (layer.master[k], layer.grad[k], layer.exp_avg[k], layer.exp_avg_sq[k])]
-        try:
-            master, grad, exp_avg, exp_avg_sq = (x.tensor.reshape(-1) for x in leases)
-            fused_step(master, grad, exp_avg, exp_avg_sq, self._steps[i] + 1, hp)
-            self._steps[i] += 1
-            layer.compute[k].copy_(master.view(bank.params[i][1].shape).to(self.config.compute_dtype))
-        finally:
-            for lease in leases:
-                lease.release()
 
     # ------------------------------------------------------------------ the update
 
     def _update(self) -> None:
+        if len(self.optimizer.param_groups) != 1:
+            raise InvalidRequest("the engine's optimizer has one param group")
         t0 = time.perf_counter()
         try:
-            self._last_taken = self._apply_adam()
+            self._last_taken = self.updater.step()
         finally:
             self._micro = 0
             self.global_step += 1
-            self._has_grad.clear()
             self._phase_seconds["step"] += time.perf_counter() - t0
-
-    def _apply_adam(self) -> bool:
-        bank, cfg = self.bank, self.config
-        hp = self.optimizer.hyper(0)
-        if len(self.optimizer.param_groups) != 1:
-            raise InvalidRequest("the engine's optimizer has one param group")
-        early, self._early = self._early, {}
-        self.overlapped_updates += len(early)
-        wait_all(list(early.values()))
-        touched = sorted(self._has_grad - set(early))
-        if not touched:
-            return bool(early)
-        layers = sorted({bank.layer_of[i] for i in touched})
-        states = [t for li in layers for kind in ("master", "exp_avg", "exp_avg_sq")
-                  for t in getattr(bank.layers[li], kind)]
-        fetched = cfg.optimizer_tier == "nvme"
-        if fetched:  # whole pages in and out: each page read once and written once
-            self.store.move(states, "cpu").wait()
-        where = "cpu" if cfg.optimizer_tier != "gpu" else "gpu"
-        leases = []
-        try:
-            chunks = []
-            for i in touched:
-                layer = bank.layers[bank.layer_of[i]]
-                k = layer.params.index(i)
-                views = []
-                for t in (layer.master[k], layer.grad[k], layer.exp_avg[k], layer.exp_avg_sq[k]):
-                    lease = t.lease("cpu" if t is layer.grad[k] else where)
-                    leases.append(lease)
-                    views.append(lease.tensor.reshape(-1))
-                chunks.append((i, Chunk(*views)))
-            scale = self._scaler.scale
-            coef = None
-            if scale is not None:
-                total = total_sumsq(wait_all([self.adam.sumsq(c.grad) for _, c in chunks]))
-                if not math.isfinite(total):
-                    self._scaler.update(overflow=True)
-                    self.skipped_steps += 1
-                    return False
-            if cfg.max_grad_norm is not None:
-                coef = self._clip_coefficient([c.grad for _, c in chunks], scale)
-            wait_all([self.adam.step_chunk(c.param, c.grad, c.exp_avg, c.exp_avg_sq, self._steps[i] + 1, hp, scale,
-                                           clip_coef=coef) for i, c in chunks])
-            self._scaler.update(overflow=False)
-            for i, c in chunks:
-                self._steps[i] += 1
-                layer = bank.layers[bank.layer_of[i]]
-                layer.compute[layer.params.index(i)].copy_(c.param.view(self.bank.params[i][1].shape)
-                                                           .to(cfg.compute_dtype))
-        finally:
-            for lease in leases:
-                lease.release()
-            if fetched:
-                self.store.move(states, "nvme").wait()
-        return True
-
-    def _clip_coefficient(self, grads: list[torch.Tensor], scale: float | None) -> float:
-        """``clip_grad_norm_``'s coefficient, computed as it does (a norm of per-parameter fp32
-        norms, then ``max_norm / (norm + 1e-6)`` clamped to 1), so clipping is bit-identical to
-        plain PyTorch. [Note: fidelity over accuracy] ``CpuAdam``'s chunked norm is about 1e4
-        times more accurate on 1M-element tensors, but would not reproduce torch's updates."""
-        norms = wait_all([self.adam.submit(torch.linalg.vector_norm, g, 2.0) for g in grads])
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-        if scale is not None:
-            total = total / scale
-        coef = torch.clamp(self.config.max_grad_norm / (total + 1e-6), max=1.0)
-        return float(coef)
 
     # ------------------------------------------------------------------ results
 
@@ -363,17 +226,13 @@ class Engine:
         """Counters, loss scale and optimizer groups as JSON-ready values (for checkpoints)."""
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                   for g in self.optimizer.param_groups]
-        return {"global_step": self.global_step, "steps": list(self._steps), "skipped_steps": self.skipped_steps,
-                "loss_scale": self._scaler.scale, "good_steps": self._scaler.good_steps, "param_groups": groups}
+        return {"global_step": self.global_step, **self.updater.state(), "param_groups": groups}
 
     def restore_training_state(self, state: dict[str, Any]) -> None:
-        if len(state["steps"]) != len(self._steps) or len(state["param_groups"]) != len(self.optimizer.param_groups):
+        if len(state["param_groups"]) != len(self.optimizer.param_groups):
             raise InvalidRequest("the checkpoint's optimizer state does not fit this model")
+        self.updater.restore(state)
         self.global_step = state["global_step"]
-        self._steps = list(state["steps"])
-        self.skipped_steps = state["skipped_steps"]
-        self._scaler.scale = state["loss_scale"]
-        self._scaler.good_steps = state["good_steps"]
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
 
@@ -392,9 +251,9 @@ class Engine:
             "prefetches": self.bank.prefetches,
             "evictions": self.bank.evictions,
             "view_copies": s.view_copies,
-            "skipped_steps": self.skipped_steps,
-            "overlapped_updates": self.overlapped_updates,
-            "loss_scale": self._scaler.scale,
+            "skipped_steps": self.updater.skipped_steps,
+            "overlapped_updates": self.updater.overlapped_updates,
+            "loss_scale": self.updater.scaler.scale,
             "replans": self.replans,
         }
 
@@ -405,7 +264,7 @@ class Engine:
             h.remove()
         self._hooks = []
         self.clock.remove(quiet=True)
-        self.adam.close()
+        self.updater.close()
         self.bank.evict_all()
         self.store.close()
 

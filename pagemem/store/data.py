@@ -170,7 +170,7 @@ class DataPath:
             for seg in protect:
                 if id(seg) not in target:  # written in place
                     continue
-                page, _t, old = seg[0], seg[1], seg[2]
+                page, old = seg[0], seg[2]
                 new = target[id(seg)]
                 nvme.release([old])
                 if page.tier is nvme:
