@@ -110,7 +110,7 @@ def test_long_churn_keeps_the_index_small():
 
 
 def model_runs(free: set[int]) -> list[tuple[int, int]]:
-    runs, start = [], None
+    runs, start, prev = [], None, -1
     for s in sorted(free):
         if start is not None and s == prev + 1:
             prev = s

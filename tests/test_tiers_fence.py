@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagemem.tiers.arena import HostArena
-from pagemem.tiers.copy import HostCopyEngine
 from pagemem.tiers.fence import Fence, PendingSlots
 from pagemem.tiers.memory import MemoryTier
 

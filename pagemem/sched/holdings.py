@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Iterator, NamedTuple
 
-from pagemem.sched.tasks import Effect, Hold, Target, Task, effect_of
+from pagemem.sched.tasks import Effect, Target, Task, effect_of
 
 if TYPE_CHECKING:
     from pagemem.sched.layout import Layout
