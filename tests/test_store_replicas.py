@@ -150,3 +150,21 @@ def test_a_run_of_adjacent_pages_moves_in_one_transfer(make_store):
     t.move("cpu").wait()
     assert calls == [12 * PAGE, 12 * PAGE]
     assert same_bytes(t.to_torch(), data)
+
+
+def test_lease_many_pins_every_tensor_in_one_call(store):
+    ts = store.allocate_group([((PAGE,), torch.uint8), ((100,), torch.uint8), ((2 * PAGE,), torch.uint8)], tier="cpu")
+    datas = [random_tensor(t.shape, t.dtype, i) for i, t in enumerate(ts)]
+    for t, d in zip(ts, datas):
+        t.copy_(d)
+    leases = store.lease_many(ts, "cpu")
+    assert [same_bytes(lease.tensor, d) for lease, d in zip(leases, datas)] == [True] * 3
+    with pytest.raises(pagemem.InvalidRequest, match="pinned"):
+        store.move(ts[1], "gpu")
+    leases[1].tensor.fill_(7)
+    for lease in leases:
+        lease.release()
+    assert torch.all(ts[1].to_torch() == 7)
+    store.move(ts, "gpu").wait()
+    with pytest.raises(pagemem.InvalidRequest, match="PagedTensor"):
+        store.lease_many([ts[0], "x"])

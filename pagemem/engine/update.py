@@ -140,12 +140,9 @@ class Updater:
             self.store.move(states, "cpu").wait()
         leases = []
         try:
-            chunks = []
-            for i in touched:
-                layer, k = self._where(i)
-                mine = self._leases(layer, k)
-                leases += mine
-                chunks.append((i, Chunk(*(x.tensor.reshape(-1) for x in mine))))
+            leases = self._leases_of([self._where(i) for i in touched])
+            chunks = [(i, Chunk(*(x.tensor.reshape(-1) for x in leases[4 * n:4 * n + 4])))
+                      for n, i in enumerate(touched)]
             scale = self.scaler.scale
             coef = None
             if scale is not None:
@@ -188,16 +185,27 @@ class Updater:
         return layer, layer.params.index(i)
 
     def _leases(self, layer, k: int) -> list:
+        """Leases of parameter ``k`` of ``layer``'s master weights, gradient and moments."""
+        return self._leases_of([(layer, k)])
+
+    def _leases_of(self, where: list) -> list:
+        """The four leases (master, grad, exp_avg, exp_avg_sq) of each (layer, k), in order, taken
+        with one store call per tier."""
         tier = "gpu" if self.config.optimizer_tier == "gpu" else "cpu"
-        leases = []
+        states = [t for layer, k in where for t in (layer.master[k], layer.exp_avg[k], layer.exp_avg_sq[k])]
+        grads = [layer.grad[k] for layer, k in where]
+        state_leases = self.store.lease_many(states, tier)
         try:
-            for t in (layer.master[k], layer.grad[k], layer.exp_avg[k], layer.exp_avg_sq[k]):
-                leases.append(t.lease("cpu" if t is layer.grad[k] else tier))
+            grad_leases = self.store.lease_many(grads, "cpu")
         except BaseException:
-            for lease in leases:
+            for lease in state_leases:
                 lease.release()
             raise
-        return leases
+        out = []
+        for n in range(len(where)):
+            m, a, v = state_leases[3 * n:3 * n + 3]
+            out += [m, grad_leases[n], a, v]
+        return out
 
     def _refresh(self, i: int, master: torch.Tensor) -> None:
         """Write the new master weights, cast, into every copy of the compute parameter."""

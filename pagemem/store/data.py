@@ -206,33 +206,59 @@ class DataPath:
         return self._exclusive(t, body)
 
     def lease(self, t: PagedTensor, tier_name: str | None, write: bool) -> Lease:
+        want = self._memory_tier(tier_name)
+        return self._exclusive(t, lambda: self._lease_held(t, want, write))
+
+    def lease_many(self, ts: list[PagedTensor], tier_name: str | None, write: bool) -> list[Lease]:
+        """Leases of several tensors taken under one operation (one wait, one queue entry)."""
+        want = self._memory_tier(tier_name)
+        pages = {id(p): p for t in ts for p in t.page_refs}
+
+        def check() -> None:
+            for t in ts:
+                self.check(t)
+
+        def body() -> list[Lease]:
+            leases: list[Lease] = []
+            try:
+                for t in ts:
+                    leases.append(self._lease_held(t, want, write))
+            except BaseException:
+                for lease in leases:
+                    lease.release()
+                raise
+            return leases
+
+        return self.queue.exclusive(list(pages.values()), body, check)
+
+    def _memory_tier(self, tier_name: str | None) -> Tier | None:
         want = self.tiers[tier_name] if tier_name is not None else None
         if want is not None and not want.resident:
             raise InvalidRequest(f"lease: tier {tier_name!r} is not memory; lease from 'gpu' or 'cpu'")
+        return want
 
-        def body() -> Lease:
-            with self.queue.lock:
-                self.check(t)
-                _refuse_torn(t)
-                tier = self._alias_tier(t, want) if t.nbytes else (want or self.tiers[t.home])
-                if tier is not None:
-                    if t.nbytes:
-                        tensor = self._alias(t, tier, lifetime=False)
-                    else:
-                        tensor = torch.empty(t.shape, dtype=t.dtype)
-                        self._pin(t)
-                    return Lease(t, tier.name, tensor, False, write, self._end_alias, lambda: self.closed)
-                tier = self._full_copy_tier(t, want)
-                segments = [(page.copy_on(tier), lo, hi, pos) for page, lo, hi, pos in t.segments()]
-                self._pin(t)
-                self.view_copies += 1
-            merged = torch.empty(t.nbytes, dtype=torch.uint8, device=tier.device)
-            for slot, lo, hi, pos in segments:
-                merged[pos:pos + hi - lo].copy_(tier.buffer(slot)[lo:hi])
-            tensor = merged.view(t.dtype).view(t.shape)
-            return Lease(t, tier.name, tensor, True, write, self._end_copy, lambda: self.closed)
-
-        return self._exclusive(t, body)
+    def _lease_held(self, t: PagedTensor, want: Tier | None, write: bool) -> Lease:
+        """A lease of ``t``, whose pages the caller holds (an exclusive operation)."""
+        with self.queue.lock:
+            self.check(t)
+            _refuse_torn(t)
+            tier = self._alias_tier(t, want) if t.nbytes else (want or self.tiers[t.home])
+            if tier is not None:
+                if t.nbytes:
+                    tensor = self._alias(t, tier, lifetime=False)
+                else:
+                    tensor = torch.empty(t.shape, dtype=t.dtype)
+                    self._pin(t)
+                return Lease(t, tier.name, tensor, False, write, self._end_alias, lambda: self.closed)
+            tier = self._full_copy_tier(t, want)
+            segments = [(page.copy_on(tier), lo, hi, pos) for page, lo, hi, pos in t.segments()]
+            self._pin(t)
+            self.view_copies += 1
+        merged = torch.empty(t.nbytes, dtype=torch.uint8, device=tier.device)
+        for slot, lo, hi, pos in segments:
+            merged[pos:pos + hi - lo].copy_(tier.buffer(slot)[lo:hi])
+        tensor = merged.view(t.dtype).view(t.shape)
+        return Lease(t, tier.name, tensor, True, write, self._end_copy, lambda: self.closed)
 
     def _full_copy_tier(self, t: PagedTensor, want: Tier | None) -> Tier:
         order = [want] if want is not None else [self.tiers.gpu, self.tiers.cpu]

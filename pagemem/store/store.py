@@ -318,6 +318,18 @@ class PageStore:
             raise InvalidRequest(f"lease: write must be True or False, got {write!r}")
         return self._data.lease(t, tier, write)
 
+    def lease_many(self, tensors: Iterable[PagedTensor], tier: str | None = None,
+                   write: bool = True) -> list[Lease]:
+        """``lease`` of several tensors at once: one wait for the operations queued on their
+        pages instead of one per tensor (a layer's states, say)."""
+        if not isinstance(write, bool):
+            raise InvalidRequest(f"lease: write must be True or False, got {write!r}")
+        ts = _iterable(tensors, "tensors")
+        for t in ts:
+            if not isinstance(t, PagedTensor):
+                raise InvalidRequest(f"lease_many: expected PagedTensors, got {type(t).__name__}")
+        return self._data.lease_many(ts, tier, write)
+
     def tier_of(self, t: PagedTensor) -> str | None:
         """``PagedTensor.tier``: the home tier, None while in flight or split over tiers."""
         with self._queue.lock:
