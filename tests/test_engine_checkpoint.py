@@ -40,13 +40,19 @@ def train(engine, until: int):
         engine.step()
 
 
-def test_resume_in_process_is_bit_identical(tmp_path):
+def saved_midway(tmp_path, save_at: int, until: int):
+    """Train to ``save_at``, save, train on to ``until``; the checkpoint's path, the final weights
+    and the config."""
     model, cfg = make(tmp_path)
     with pagemem.Engine(model, cfg) as engine:
-        train(engine, 4)
+        train(engine, save_at)
         path = engine.save(str(tmp_path / "ckpt"))
-        train(engine, 8)
-        expected = engine.state_dict()
+        train(engine, until)
+        return path, engine.state_dict(), cfg
+
+
+def test_resume_in_process_is_bit_identical(tmp_path):
+    path, expected, _ = saved_midway(tmp_path, 4, 8)
     assert os.path.basename(path) == "step-00000004"
     fresh, _ = make(tmp_path, seed=5)  # other initial weights: everything must come from the checkpoint
     with pagemem.Engine.load(str(tmp_path / "ckpt"), fresh) as engine:
@@ -118,7 +124,8 @@ def _weights(path) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_killed_at_a_random_moment_resumes_to_the_uninterrupted_result(tmp_path, seed):
     rng = random.Random(seed)
-    _run(tmp_path / "a", "out", save=False) if (tmp_path / "a").mkdir() is None else None
+    (tmp_path / "a").mkdir()
+    _run(tmp_path / "a", "out", save=False)
     expected = _weights(tmp_path / "a" / "out")
     work = tmp_path / "b"
     work.mkdir()
@@ -133,12 +140,7 @@ def test_killed_at_a_random_moment_resumes_to_the_uninterrupted_result(tmp_path,
 
 
 def test_a_model_built_on_meta_resumes_from_a_checkpoint(tmp_path):
-    model, cfg = make(tmp_path)
-    with pagemem.Engine(model, cfg) as engine:
-        train(engine, 3)
-        engine.save(str(tmp_path / "ckpt"))
-        train(engine, 6)
-        expected = engine.state_dict()
+    _, expected, cfg = saved_midway(tmp_path, 3, 6)
     with torch.device("meta"):
         empty = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
     with pytest.raises(pagemem.InvalidRequest, match="meta"):

@@ -1,11 +1,11 @@
-"""The model's states in pages, one group per layer, and the parameters' residency on the gpu.
+"""The model's states in pages, one group per paging unit, and the parameters' residency on the gpu.
 
-Per layer (a module owning parameters directly; a tied parameter belongs to the first module
-that owns it):
+A paging unit (``Layer``) is a run of consecutive modules owning parameters (a tied parameter
+belongs to the first module that owns it), merged up to a size cap. Per unit:
 - ``compute``: the parameters in the compute dtype, home on ``cpu``; a replica on ``gpu`` while
-  the layer is resident;
+  the unit is resident;
 - ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, home on the optimizer tier;
-- ``grad``: fp32 gradient sums on ``cpu``, from the first ``backward()`` of a step to the update.
+- ``grad``: fp32 gradient sums on ``cpu`` (the first gradient of a step overwrites them).
 The optimizer states of consecutive layers are chained with ``after=`` (they share boundary
 pages: 99.9% utilization), since they move together at the update; each layer's compute group
 starts on fresh pages, so that evicting a layer never drags a resident neighbour's page (this
@@ -48,6 +48,8 @@ class Layer:
     grad: list[PagedTensor] = field(default_factory=list)
     """fp32 gradient sums on cpu (valid for the parameters that got a gradient this step)."""
     leases: list[Lease] = field(default_factory=list)
+    ptrs: list[int] = field(default_factory=list)
+    """Where the parameters' data starts while resident (for ``ParamBank.param_at``)."""
     resident: bool = False
     zombie: bool = False
 
@@ -133,6 +135,8 @@ class ParamBank:
         layer_specs = paging_units(module_specs, nbytes, cap)
         self.layers: list[Layer] = []
         self.layer_of: list[int] = [0] * len(self.params)
+        self.position: list[int] = [0] * len(self.params)
+        """Where parameter ``i`` sits in its unit's lists (see ``where``)."""
         groups: dict[str, list[list[PagedTensor]]] = {}
         # [Note: layout] each kind is allocated for every layer before the next kind, so a kind's
         # pages are adjacent in its tier and every state tensor can be viewed in place. Compute
@@ -150,9 +154,8 @@ class ParamBank:
                 groups[kind].append(group)
         with torch.no_grad():
             for li, (name, idx) in enumerate(layer_specs):
-                for i in idx:
-                    self.layer_of[i] = li
                 for k, i in enumerate(idx):
+                    self.layer_of[i], self.position[i] = li, k
                     p = self.params[i][1]
                     src = p.detach().to("cpu") if values else torch.zeros(p.shape)
                     groups["master"][li][k].copy_(src.float())
@@ -171,6 +174,7 @@ class ParamBank:
         self._cursor = 0
         self._prefetched: dict[int, object] = {}
         """Units whose gpu copy was started ahead of use: unit -> MoveHandle."""
+        self._by_ptr: dict[int, int] = {}
         self.prefetches = 0
         self.fetches = 0
         self.evictions = 0
@@ -179,6 +183,14 @@ class ParamBank:
 
     def _gpu_device(self) -> torch.device:
         return self.store.tier("gpu").device
+
+    def where(self, i: int) -> tuple[Layer, int]:
+        """Parameter ``i``'s unit and its position in the unit's lists."""
+        return self.layers[self.layer_of[i]], self.position[i]
+
+    def param_at(self, ptr: int) -> int | None:
+        """The resident parameter whose data starts at address ``ptr``, if any."""
+        return self._by_ptr.get(ptr)
 
     # ------------------------------------------------------------------ residency
 
@@ -219,10 +231,7 @@ class ParamBank:
         nxt = self.layers[order[self._cursor]]
         if nxt.resident or nxt.index in self._prefetched:
             return
-        need = sum(1 for t in nxt.compute for pid in t.pages if "gpu" not in self.store.copies(pid))
-        if need > self.store.tier("gpu").free_pages:
-            return
-        try:
+        try:  # reserves up front: no room means OutOfMemory, nothing changed
             self._prefetched[nxt.index] = self.store.copy(nxt.compute, "gpu")
         except OutOfMemory:
             return
@@ -245,6 +254,10 @@ class ParamBank:
                 lease = t.lease("gpu", write=False)
                 layer.leases.append(lease)
                 p.data = lease.tensor
+            if p.numel():
+                ptr = p.data.untyped_storage().data_ptr()
+                self._by_ptr[ptr] = i
+                layer.ptrs.append(ptr)
         layer.resident, layer.zombie = True, False
         self._prefetched.pop(layer.index, None)
         self.peak_gpu_pages = max(self.peak_gpu_pages, self.store.tier("gpu").used_pages)
@@ -256,14 +269,7 @@ class ParamBank:
         """Evict the least recently used resident layer not in ``keep``; drop prefetched copies
         and retry zombies first. False when nothing could be given back."""
         for li in list(self._prefetched):
-            if li in keep:
-                continue
-            handle = self._prefetched.pop(li)
-            try:
-                handle.wait()
-            except Exception:  # a failed prefetch leaves whatever landed; dropped below
-                pass
-            if self._drop(self.layers[li]):
+            if li not in keep and self._drop_prefetched(li):
                 return True
         for layer in self.layers:
             if layer.zombie and self._drop(layer):
@@ -286,6 +292,9 @@ class ParamBank:
         for lease in layer.leases:
             lease.release()
         layer.leases.clear()
+        for ptr in layer.ptrs:
+            self._by_ptr.pop(ptr, None)
+        layer.ptrs.clear()
         layer.resident = False
         self._lru.pop(layer.index, None)
         self.evictions += 1
@@ -299,14 +308,17 @@ class ParamBank:
         layer.zombie = False
         return True
 
+    def _drop_prefetched(self, li: int) -> bool:
+        """Wait for unit ``li``'s prefetch and drop what it brought; True if the pages went back."""
+        try:
+            self._prefetched.pop(li).wait()
+        except Exception:  # a failed prefetch leaves whatever landed; dropped all the same
+            pass
+        return self._drop(self.layers[li])
+
     def evict_all(self) -> None:
-        for li, handle in list(self._prefetched.items()):
-            try:
-                handle.wait()
-            except Exception:
-                pass
-            self._drop(self.layers[li])
-        self._prefetched.clear()
+        for li in list(self._prefetched):
+            self._drop_prefetched(li)
         for layer in self.layers:
             self.evict(layer)
         for layer in self.layers:
@@ -316,8 +328,7 @@ class ParamBank:
     def set_state(self, i: int, kind: str, value: torch.Tensor) -> None:
         """Overwrite parameter ``i``'s ``kind`` state (``master``, ``exp_avg``, ``exp_avg_sq``);
         setting ``master`` also refreshes the compute copy (every copy of it)."""
-        layer = self.layers[self.layer_of[i]]
-        k = layer.params.index(i)
+        layer, k = self.where(i)
         getattr(layer, kind)[k].copy_(value)
         if kind == "master":
             layer.compute[k].copy_(value.to(self.compute_dtype))
@@ -327,8 +338,8 @@ class ParamBank:
     def accumulate_grad(self, i: int, grad: torch.Tensor, first: bool) -> None:
         """Add parameter ``i``'s gradient into its fp32 gradient pages (``first``: the first
         gradient of this step, which replaces what the pages held)."""
-        layer = self.layers[self.layer_of[i]]
-        g = layer.grad[layer.params.index(i)]
+        layer, k = self.where(i)
+        g = layer.grad[k]
         with g.lease("cpu") as x, torch.no_grad():
             if first:
                 x.copy_(grad)

@@ -41,7 +41,14 @@ if TYPE_CHECKING:
 
 VERSION = 1
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def _write_durable(path: str, data: bytes | str) -> None:
+    """Write ``data`` to a new file at ``path`` and make it durable before returning."""
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: str) -> None:
@@ -60,8 +67,8 @@ def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict], li
     order: dict[int, int] = {}
     tensors = []
     for i in range(len(bank.params)):
-        layer = bank.layers[bank.layer_of[i]]
-        t = getattr(layer, kind)[layer.params.index(i)]
+        layer, k = bank.where(i)
+        t = getattr(layer, kind)[k]
         extents = t.extents()
         for page_id, _lo, _hi in extents:
             order.setdefault(page_id, len(order))
@@ -119,10 +126,7 @@ def save(engine: "Engine", root: str) -> str:
     for kind in KINDS:
         layout[kind], digests[kind] = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"))
     rng = torch.get_rng_state().numpy().tobytes()
-    with open(os.path.join(tmp, "rng.bin"), "wb") as f:
-        f.write(rng)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_durable(os.path.join(tmp, "rng.bin"), rng)
     manifest = {
         "version": VERSION,
         "page_bytes": engine.store.page_bytes,
@@ -134,10 +138,7 @@ def save(engine: "Engine", root: str) -> str:
         "page_digests": digests,
         "rng": {"file": "rng.bin", "xxh3": xxhash.xxh3_64_intdigest(rng)},
     }
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_durable(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
     _fsync_dir(tmp)
     final = os.path.join(root, name)
     if os.path.exists(final):
@@ -145,10 +146,7 @@ def save(engine: "Engine", root: str) -> str:
     os.rename(tmp, final)
     _fsync_dir(root)
     pointer = os.path.join(root, f"latest.tmp-{uuid.uuid4().hex[:8]}")
-    with open(pointer, "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_durable(pointer, name)
     os.rename(pointer, os.path.join(root, "latest"))
     _fsync_dir(root)
     return final

@@ -79,7 +79,6 @@ class Engine:
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.replans = 0
         """Iterations whose order of layer use differed from the previous one's."""
-        self._ptr: dict[int, int] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
                        for i, p in enumerate(params) if p.requires_grad]
         self.clock = OpClock(model, self.bank.params)
@@ -129,22 +128,14 @@ class Engine:
 
     def _on_op(self, op_id: int, edge: str, op) -> None:
         if edge == "start" and op.params and op.event in ("forward_pre", "backward_pre"):
-            self._ensure({self.bank.layer_of[i] for i in op.params})
-
-    def _ensure(self, layers) -> None:
-        self.bank.ensure(sorted(layers))
-        for li in layers:
-            for i in self.bank.layers[li].params:
-                data = self.bank.params[i][1].data
-                if data.numel():
-                    self._ptr[data.untyped_storage().data_ptr()] = i
+            self.bank.ensure(sorted({self.bank.layer_of[i] for i in op.params}))
 
     def _pack(self, t: torch.Tensor) -> Any:
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError, TypeError):
             return t
-        i = self._ptr.get(ptr)
+        i = self.bank.param_at(ptr)
         if i is None or t.dtype != self.bank.params[i][1].dtype:
             return t
         return _SavedParam(i, t.size(), t.stride(), t.storage_offset())
@@ -152,7 +143,7 @@ class Engine:
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _SavedParam):
             return saved
-        self._ensure({self.bank.layer_of[saved.index]})
+        self.bank.ensure([self.bank.layer_of[saved.index]])
         base = self.bank.params[saved.index][1].data
         return base.as_strided(saved.size, saved.stride, saved.offset)
 
@@ -187,8 +178,8 @@ class Engine:
             if i is None:
                 out[key] = value.detach().clone()
             else:
-                layer = self.bank.layers[self.bank.layer_of[i]]
-                out[key] = layer.master[layer.params.index(i)].to_torch()
+                layer, k = self.bank.where(i)
+                out[key] = layer.master[k].to_torch()
         return out
 
     def save(self, directory: str) -> str:

@@ -102,7 +102,7 @@ class Updater:
 
     def _update_one(self, i: int, hp: AdamW) -> None:
         """Parameter ``i``'s AdamW update and compute-copy refresh, on a CPU worker."""
-        layer, k = self._where(i)
+        layer, k = self.bank.where(i)
         leases = self._leases(layer, k)
         try:
             master, grad, exp_avg, exp_avg_sq = (x.tensor.reshape(-1) for x in leases)
@@ -140,7 +140,7 @@ class Updater:
             self.store.move(states, "cpu").wait()
         leases = []
         try:
-            leases = self._leases_of([self._where(i) for i in touched])
+            leases = self._leases_of([self.bank.where(i) for i in touched])
             chunks = [(i, Chunk(*(x.tensor.reshape(-1) for x in leases[4 * n:4 * n + 4])))
                       for n, i in enumerate(touched)]
             scale = self.scaler.scale
@@ -180,10 +180,6 @@ class Updater:
 
     # ------------------------------------------------------------------ helpers
 
-    def _where(self, i: int):
-        layer = self.bank.layers[self.bank.layer_of[i]]
-        return layer, layer.params.index(i)
-
     def _leases(self, layer, k: int) -> list:
         """Leases of parameter ``k`` of ``layer``'s master weights, gradient and moments."""
         return self._leases_of([(layer, k)])
@@ -209,7 +205,7 @@ class Updater:
 
     def _refresh(self, i: int, master: torch.Tensor) -> None:
         """Write the new master weights, cast, into every copy of the compute parameter."""
-        layer, k = self._where(i)
+        layer, k = self.bank.where(i)
         layer.compute[k].copy_(master.view(self.bank.params[i][1].shape).to(self.config.compute_dtype))
 
     # ------------------------------------------------------------------ state

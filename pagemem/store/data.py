@@ -19,7 +19,7 @@ import torch
 
 from pagemem.errors import InvalidRequest, TornPage
 from pagemem.store.lease import Lease
-from pagemem.store.pages import Page
+from pagemem.store.pages import Page, fastest
 from pagemem.store.queue import OpQueue
 from pagemem.store.tensor import PagedTensor
 from pagemem.store.transfer import Mover
@@ -141,11 +141,14 @@ class DataPath:
         issued_in_place: list[Page] = []
 
         def write_batch(_i: int, batch: list, bufs: list[HostBuffer]) -> None:
-            reads = [(self.mover.fetch, nvme, slot, buf) for (page, _t, slot, lo, hi, _p), buf in zip(batch, bufs)
-                     if hi - lo < pb and not nvme.is_torn(slot)]
-            for (page, _t, slot, lo, hi, _p), buf in zip(batch, bufs):
-                if hi - lo < pb and nvme.is_torn(slot):
+            reads = []  # a partial page keeps the rest of its bytes: read it first
+            for (_page, _t, slot, lo, hi, _p), buf in zip(batch, bufs):
+                if hi - lo == pb:
+                    continue
+                if nvme.is_torn(slot):
                     buf.tensor.zero_()  # the rest of a torn page is unknown: its ranges stay torn
+                else:
+                    reads.append((self.mover.fetch, nvme, slot, buf))
             self._io(reads)
             for (_page, _t, _slot, lo, hi, pos), buf in zip(batch, bufs):
                 buf.tensor[lo:hi].copy_(data[pos:pos + hi - lo])
@@ -195,9 +198,8 @@ class DataPath:
                 self.check(t)
                 tier = self._alias_tier(t, None)
                 if tier is None:
-                    where = sorted({c.name for p in t.page_refs for c in p.copies()})
                     raise InvalidRequest(
-                        f"view(): the tensor's pages are not adjacent in one memory tier (tiers {where}); "
+                        f"view(): the tensor's pages are not adjacent in one memory tier (tiers {_copy_tiers(t)}); "
                         "use to_torch() for a copy, lease() for a pinned copy, or move it to a memory tier first")
                 _refuse_torn(t)
                 alias = self._alias(t, tier, lifetime=True)
@@ -205,12 +207,8 @@ class DataPath:
 
         return self._exclusive(t, body)
 
-    def lease(self, t: PagedTensor, tier_name: str | None, write: bool) -> Lease:
-        want = self._memory_tier(tier_name)
-        return self._exclusive(t, lambda: self._lease_held(t, want, write))
-
     def lease_many(self, ts: list[PagedTensor], tier_name: str | None, write: bool) -> list[Lease]:
-        """Leases of several tensors taken under one operation (one wait, one queue entry)."""
+        """Leases of ``ts`` taken under one operation (one wait, one queue entry)."""
         want = self._memory_tier(tier_name)
         pages = {id(p): p for t in ts for p in t.page_refs}
 
@@ -260,21 +258,24 @@ class DataPath:
         tensor = merged.view(t.dtype).view(t.shape)
         return Lease(t, tier.name, tensor, True, write, self._end_copy, lambda: self.closed)
 
+    def _memory_order(self, want: Tier | None) -> list[Tier]:
+        """The memory tiers to lend from, nearest first (only ``want`` when one is asked for)."""
+        return [want] if want is not None else [self.tiers.gpu, self.tiers.cpu]
+
     def _full_copy_tier(self, t: PagedTensor, want: Tier | None) -> Tier:
-        order = [want] if want is not None else [self.tiers.gpu, self.tiers.cpu]
+        order = self._memory_order(want)
         for tier in order:
             if all(p.copy_on(tier) is not None for p in t.page_refs):
                 return tier
-        where = sorted({c.name for p in t.page_refs for c in p.copies()})
         raise InvalidRequest(f"lease: the tensor has no complete copy in {'/'.join(x.name for x in order)} "
-                             f"(its pages are on {where}); move or copy it there first")
+                             f"(its pages are on {_copy_tiers(t)}); move or copy it there first")
 
     def _alias_tier(self, t: PagedTensor, want: Tier | None) -> Tier | None:
         """The memory tier where the tensor's pages sit on adjacent slots, nearest first."""
         pages = t.page_refs
         if not pages:
             return self.tiers[t.home] if self.tiers[t.home].resident else None
-        for tier in ([want] if want is not None else [self.tiers.gpu, self.tiers.cpu]):
+        for tier in self._memory_order(want):
             first = pages[0].copy_on(tier)
             if first is not None and all(p.copy_on(tier) == first + i for i, p in enumerate(pages)):
                 return tier
@@ -318,7 +319,7 @@ class DataPath:
     def _end_copy(self, lease: Lease, tensor: torch.Tensor) -> None:
         try:
             if lease.write and not self.closed:
-                self.write(lease.source, tensor.view(lease.source.dtype))
+                self.write(lease.source, tensor)
         finally:
             self._unpin(lease.source)
 
@@ -403,12 +404,14 @@ def _own_storage(raw: torch.Tensor) -> tuple[torch.Tensor, object]:
 
 def _nearest(page: Page) -> tuple[Tier, int]:
     """The copy to read: memory before disk, gpu before cpu."""
-    best = None
-    for tier, slot in page.copies().items():
-        rank = 0 if tier.name == "gpu" else 1 if tier.name == "cpu" else 2
-        if best is None or rank < best[0]:
-            best = (rank, tier, slot)
-    return best[1], best[2]
+    copies = page.copies()
+    tier = fastest(copies)
+    return tier, copies[tier]
+
+
+def _copy_tiers(t: PagedTensor) -> list[str]:
+    """Names of the tiers holding copies of ``t``'s pages (for error messages)."""
+    return sorted({c.name for p in t.page_refs for c in p.copies()})
 
 
 def _refuse_torn(t: PagedTensor) -> None:

@@ -66,12 +66,14 @@ class Placement:
         """Check, reserve and queue one operation; the caller holds the lock and calls
         ``queue.run([op])`` when this returns an op that is ready (``op.waiting == 0``)."""
         need = []
+        touches_gpu = False
         for page in pages:
             if page.pins and kind != "copy":
                 raise InvalidRequest(
                     f"{kind} to {dest.name}: page {page.id} is pinned by an open lease or a live view "
                     f"({page.pins}); release the lease or drop the view first")
-            home, have = page.future()
+            _home, have = page.future()
+            touches_gpu = touches_gpu or self.gpu in have
             if kind == "drop":
                 if dest in have and len(have) == 1:
                     raise InvalidRequest(
@@ -81,9 +83,7 @@ class Placement:
         if len(need) > dest.free_pages:
             raise OutOfMemory(dest.name, len(need), dest.free_pages, self.page_bytes, what)
         slots = dest.allocate(len(need))
-        fence = None
-        if self.cuda and any(self.gpu in p.future()[1] for p in pages):
-            fence = self.gpu.fence()
+        fence = self.gpu.fence() if self.cuda and touches_gpu else None
         plan = PlacementPlan(kind, dest, tuple(pages), dict(zip((p.id for p in need), slots)), fence)
         op = Op(pages, partial(self._start, plan))
         for page in pages:
@@ -201,7 +201,4 @@ class Placement:
 
     def give_back(self, tier: Tier, slots: list[int], fence) -> None:
         """Return slots to ``tier``; gpu slots wait for ``fence`` (the consumers' kernels)."""
-        if tier is self.gpu and fence is not None:
-            tier.release(slots, fence=fence)
-        else:
-            tier.release(slots)
+        tier.release(slots, fence=fence if tier is self.gpu else None)

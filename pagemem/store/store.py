@@ -9,6 +9,7 @@ lifecycle: allocation, free, close.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from functools import partial
 from typing import Iterable, Sequence
@@ -235,13 +236,11 @@ class PageStore:
 
     def _place(self, kind: IntentKind, tensors, tier: str) -> MoveHandle:
         dest = self._tiers[tier]
-        tensors = [tensors] if isinstance(tensors, PagedTensor) else _iterable(tensors, "tensors")
+        tensors = _tensors(tensors, kind)
         with self._queue.lock:
             self._check_open()
             pages: dict[int, Page] = {}
             for t in tensors:
-                if not isinstance(t, PagedTensor):
-                    raise InvalidRequest(f"{kind}: expected PagedTensors, got {type(t).__name__}")
                 self._check(t)
                 for page in t.page_refs:
                     pages.setdefault(page.id, page)
@@ -314,9 +313,7 @@ class PageStore:
         """Pin ``t``'s pages and lend its memory on ``tier`` (default: gpu if it has a complete
         copy there, else cpu) until the lease is released: an alias when the pages are adjacent
         there, else a merged copy, written back at release when ``write``. See ``store/lease.py``."""
-        if not isinstance(write, bool):
-            raise InvalidRequest(f"lease: write must be True or False, got {write!r}")
-        return self._data.lease(t, tier, write)
+        return self.lease_many([t], tier, write)[0]
 
     def lease_many(self, tensors: Iterable[PagedTensor], tier: str | None = None,
                    write: bool = True) -> list[Lease]:
@@ -324,11 +321,7 @@ class PageStore:
         pages instead of one per tensor (a layer's states, say)."""
         if not isinstance(write, bool):
             raise InvalidRequest(f"lease: write must be True or False, got {write!r}")
-        ts = _iterable(tensors, "tensors")
-        for t in ts:
-            if not isinstance(t, PagedTensor):
-                raise InvalidRequest(f"lease_many: expected PagedTensors, got {type(t).__name__}")
-        return self._data.lease_many(ts, tier, write)
+        return self._data.lease_many(_tensors(tensors, "lease_many"), tier, write)
 
     def tier_of(self, t: PagedTensor) -> str | None:
         """``PagedTensor.tier``: the home tier, None while in flight or split over tiers."""
@@ -383,6 +376,15 @@ def _iterable(value, name: str) -> list:
         raise InvalidRequest(f"{name}: expected an iterable, got {type(value).__name__}") from None
 
 
+def _tensors(value, what: str) -> list[PagedTensor]:
+    """One PagedTensor or an iterable of them, as a list; InvalidRequest for anything else."""
+    tensors = [value] if isinstance(value, PagedTensor) else _iterable(value, "tensors")
+    for t in tensors:
+        if not isinstance(t, PagedTensor):
+            raise InvalidRequest(f"{what}: expected PagedTensors, got {type(t).__name__}")
+    return tensors
+
+
 def _check_spec(spec: object) -> tuple[torch.Size, torch.dtype, int]:
     try:
         shape, dtype = spec  # type: ignore[misc]
@@ -395,10 +397,9 @@ def _check_spec(spec: object) -> tuple[torch.Size, torch.dtype, int]:
         dims = tuple(shape)
     except TypeError:
         raise InvalidRequest(f"shape must be a sequence of ints, got {shape!r}") from None
-    if not all(isinstance(d, int) and not isinstance(d, bool) or
-               (hasattr(d, "__index__") and not isinstance(d, (bool, float))) for d in dims):
+    if not all(hasattr(d, "__index__") and not isinstance(d, bool) for d in dims):
         raise InvalidRequest(f"shape must hold non-negative ints, got {shape!r}")
-    dims = tuple(int(d) for d in dims)
+    dims = tuple(operator.index(d) for d in dims)
     if any(d < 0 for d in dims):
         raise InvalidRequest(f"shape must hold non-negative ints, got {shape!r}")
     nbytes = math.prod(dims) * dtype.itemsize
