@@ -168,3 +168,23 @@ def test_lease_many_pins_every_tensor_in_one_call(store):
     store.move(ts, "gpu").wait()
     with pytest.raises(pagemem.InvalidRequest, match="PagedTensor"):
         store.lease_many([ts[0], "x"])
+
+
+def test_view_of_a_named_tier_aliases_that_copy_or_refuses(make_store):
+    """The engine views the gpu replica of a parameter: when only the cpu copy is adjacent, a view
+    of 'gpu' must refuse rather than alias the cpu copy."""
+    store = make_store(gpu_bytes=6 * PAGE)
+    singles = [store.allocate((PAGE,), torch.uint8, tier="gpu") for _ in range(6)]
+    for s in singles[::2]:
+        s.free()  # the gpu tier's free slots are 0, 2, 4: none adjacent
+    t = store.allocate((2 * PAGE,), torch.uint8, tier="cpu")
+    t.copy_(random_tensor(t.shape, t.dtype, 1))
+    t.copy("gpu").wait()
+    with pytest.raises(pagemem.InvalidRequest, match="not adjacent"):
+        t.view("gpu")
+    v = t.view()  # the nearest adjacent copy: cpu
+    cpu = store.tier("cpu").span(0, store.tier("cpu").capacity)
+    assert cpu.data_ptr() <= v.data_ptr() < cpu.data_ptr() + cpu.numel()
+    del v
+    with pytest.raises(pagemem.InvalidRequest, match="not memory"):
+        t.view("nvme")

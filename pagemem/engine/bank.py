@@ -248,9 +248,9 @@ class ParamBank:
                                       f"layer {layer.name!r}: every other resident layer is in use") from None
         for i, t in zip(layer.params, layer.compute):
             p = self.params[i][1]
-            if t.is_viewable and "gpu" in t.tiers:
-                p.data = t.view()
-            else:  # scattered slots: a merged copy of the gpu pages (counted in stats().view_copies)
+            try:
+                p.data = t.view("gpu")
+            except InvalidRequest:  # scattered slots: a merged copy of the gpu pages (stats().view_copies)
                 lease = t.lease("gpu", write=False)
                 layer.leases.append(lease)
                 p.data = lease.tensor

@@ -190,13 +190,15 @@ class DataPath:
             self.check(t)
             return self._alias_tier(t, None) is not None and not any(p.intents for p in t.page_refs)
 
-    def view(self, t: PagedTensor) -> torch.Tensor:
+    def view(self, t: PagedTensor, tier_name: str | None = None) -> torch.Tensor:
+        want = self._memory_tier(tier_name)
+
         def body() -> torch.Tensor:
             if t.nbytes == 0:
                 return torch.empty(t.shape, dtype=t.dtype)
             with self.queue.lock:
                 self.check(t)
-                tier = self._alias_tier(t, None)
+                tier = self._alias_tier(t, want)
                 if tier is None:
                     raise InvalidRequest(
                         f"view(): the tensor's pages are not adjacent in one memory tier (tiers {_copy_tiers(t)}); "
@@ -232,7 +234,7 @@ class DataPath:
     def _memory_tier(self, tier_name: str | None) -> Tier | None:
         want = self.tiers[tier_name] if tier_name is not None else None
         if want is not None and not want.resident:
-            raise InvalidRequest(f"lease: tier {tier_name!r} is not memory; lease from 'gpu' or 'cpu'")
+            raise InvalidRequest(f"tier {tier_name!r} is not memory; views and leases are of 'gpu' or 'cpu'")
         return want
 
     def _lease_held(self, t: PagedTensor, want: Tier | None, write: bool) -> Lease:

@@ -302,9 +302,9 @@ class PageStore:
         """Write ``src`` into every copy of ``t`` (``PagedTensor.copy_``)."""
         self._data.write(t, src)
 
-    def view(self, t: PagedTensor) -> torch.Tensor:
+    def view(self, t: PagedTensor, tier: str | None = None) -> torch.Tensor:
         """A zero-copy view pinning ``t``'s pages for its lifetime (``PagedTensor.view``)."""
-        return self._data.view(t)
+        return self._data.view(t, tier)
 
     def viewable(self, t: PagedTensor) -> bool:
         return self._data.viewable(t)

@@ -88,11 +88,11 @@ class PagedTensor:
         ``gpu`` tier, else in host memory. Pages read from NVMe are checksum-verified."""
         return self.store.read(self)
 
-    def view(self) -> torch.Tensor:
+    def view(self, tier: str | None = None) -> torch.Tensor:
         """A zero-copy torch view of the tensor's memory; needs its pages adjacent in one memory
-        tier (see ``is_viewable``). The view *pins* the pages: while it, or any tensor derived
+        tier (see ``is_viewable``): ``tier``'s copy, or the nearest such (gpu before cpu). The view *pins* the pages: while it, or any tensor derived
         from it, is alive, the pages cannot move or be freed (see ``PageStore.lease``)."""
-        return self.store.view(self)
+        return self.store.view(self, tier)
 
     def lease(self, tier: str | None = None, write: bool = True) -> "Lease":
         """Pin the tensor in a memory tier and get its memory as a torch tensor (see
