@@ -154,3 +154,14 @@ def test_a_model_built_on_meta_resumes_from_a_checkpoint(tmp_path):
         got = engine.state_dict()
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
+
+
+def test_saving_twice_at_one_step_never_removes_the_checkpoint_latest_names(tmp_path):
+    model, cfg = make(tmp_path)
+    with pagemem.Engine(model, cfg) as engine:
+        train(engine, 2)
+        first = engine.save(str(tmp_path / "ckpt"))
+        second = engine.save(str(tmp_path / "ckpt"))
+    assert first != second and os.path.isdir(first) and os.path.isdir(second)
+    with open(tmp_path / "ckpt" / "latest") as f:
+        assert f.read() == os.path.basename(second)

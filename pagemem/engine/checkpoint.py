@@ -3,7 +3,7 @@
 Layout of ``save(root)``::
 
     root/latest              the name of the newest durable checkpoint (replaced atomically)
-    root/step-00000042/      one checkpoint
+    root/step-00000042/      one checkpoint (a second save at the same step gets a suffix)
         manifest.json        version, counters, loss scale, optimizer groups, config, params,
                              per-page XXH3 checksums, where each tensor lies; written last
         master.pages         fp32 master weights, page after page as they lie in the store
@@ -141,8 +141,9 @@ def save(engine: "Engine", root: str) -> str:
     _write_durable(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
     _fsync_dir(tmp)
     final = os.path.join(root, name)
-    if os.path.exists(final):
-        shutil.rmtree(final)
+    if os.path.exists(final):  # saved at this step before (maybe what ``latest`` names): keep it
+        name = f"{name}-{uuid.uuid4().hex[:8]}"
+        final = os.path.join(root, name)
     os.rename(tmp, final)
     _fsync_dir(root)
     pointer = os.path.join(root, f"latest.tmp-{uuid.uuid4().hex[:8]}")
