@@ -188,3 +188,29 @@ def test_view_of_a_named_tier_aliases_that_copy_or_refuses(make_store):
     del v
     with pytest.raises(pagemem.InvalidRequest, match="not memory"):
         t.view("nvme")
+
+
+def test_copy_and_release_a_run_of_pages(store):
+    """The scheduler moves a layer page by page: ``pages=`` picks a run of the tensors' pages."""
+    group = store.allocate_group([((PAGE // 4,), torch.float32), ((PAGE // 2,), torch.float32)], tier="cpu")
+    data = [random_tensor(t.shape, t.dtype, i) for i, t in enumerate(group)]
+    for t, d in zip(group, data):
+        t.copy_(d)
+    n = store.page_count(group)
+    assert n == 3
+    ids = list(dict.fromkeys(p for t in group for p in t.pages))
+    gpu0 = store.stats()["gpu"].used_pages
+    store.copy(group, "gpu", pages=range(1, 2)).wait()
+    assert [("gpu" in store.copies(i)) for i in ids] == [False, True, False]
+    assert store.stats()["gpu"].used_pages == gpu0 + 1
+    store.copy(group, "gpu").wait()  # the page already there costs nothing
+    assert store.stats()["gpu"].used_pages == gpu0 + 3
+    store.release(group, "gpu", pages=range(0, 2)).wait()
+    assert [("gpu" in store.copies(i)) for i in ids] == [False, False, True]
+    assert all(same_bytes(t.to_torch(), d) for t, d in zip(group, data))
+    for bad in (range(2, 4), range(0, 3, 2), range(-1, 1)):
+        with pytest.raises(pagemem.InvalidRequest, match="pages"):
+            store.copy(group, "gpu", pages=bad)
+    with pytest.raises(pagemem.InvalidRequest, match="range"):
+        store.copy(group, "gpu", pages=[0])
+    assert store.stats()["gpu"].used_pages == gpu0 + 1

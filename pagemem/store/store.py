@@ -224,19 +224,31 @@ class PageStore:
         """
         return self._place("move", tensors, tier)
 
-    def copy(self, tensors: PagedTensor | Iterable[PagedTensor], tier: str) -> MoveHandle:
+    def copy(self, tensors: PagedTensor | Iterable[PagedTensor], tier: str, *,
+             pages: range | None = None) -> MoveHandle:
         """Start copying the pages of ``tensors`` to ``tier``, keeping every existing copy valid
-        (a replica: what the scheduler's ``move_to_gpu`` makes). Reserves like ``move``."""
-        return self._place("copy", tensors, tier)
+        (a replica: what the scheduler's ``move_to_gpu`` makes). Reserves like ``move``; pages
+        already there cost nothing. ``pages``: only these of the tensors' distinct pages, counted
+        in order from 0 (the scheduler moves a layer page by page)."""
+        return self._place("copy", tensors, tier, pages)
 
-    def release(self, tensors: PagedTensor | Iterable[PagedTensor], tier: str) -> MoveHandle:
+    def release(self, tensors: PagedTensor | Iterable[PagedTensor], tier: str, *,
+                pages: range | None = None) -> MoveHandle:
         """Drop the copies of the pages of ``tensors`` on ``tier`` (another copy must remain;
-        dropping the home copy makes the remaining copy furthest from the GPU the home)."""
-        return self._place("drop", tensors, tier)
+        dropping the home copy makes the remaining copy furthest from the GPU the home).
+        ``pages`` as for ``copy``."""
+        return self._place("drop", tensors, tier, pages)
 
-    def _place(self, kind: IntentKind, tensors, tier: str) -> MoveHandle:
+    def page_count(self, tensors: PagedTensor | Iterable[PagedTensor]) -> int:
+        """How many distinct pages ``tensors`` occupy (what ``pages=`` ranges index)."""
+        with self._queue.lock:
+            return len({page.id for t in _tensors(tensors, "page_count") for page in t.page_refs})
+
+    def _place(self, kind: IntentKind, tensors, tier: str, select: range | None = None) -> MoveHandle:
         dest = self._tiers[tier]
         tensors = _tensors(tensors, kind)
+        if select is not None and not isinstance(select, range):
+            raise InvalidRequest(f"pages: expected a range of page positions, got {type(select).__name__}")
         with self._queue.lock:
             self._check_open()
             pages: dict[int, Page] = {}
@@ -244,8 +256,14 @@ class PageStore:
                 self._check(t)
                 for page in t.page_refs:
                     pages.setdefault(page.id, page)
+            chosen = list(pages.values())
+            if select is not None:
+                if select.step != 1 or select.start < 0 or select.stop > len(chosen):
+                    raise InvalidRequest(f"pages: {select} is not a run within the {len(chosen)} pages "
+                                         f"of these tensors")
+                chosen = chosen[select.start:select.stop]
             what = f"{'moving' if kind == 'move' else 'copying'} {len(tensors)} tensor(s)"
-            op = self._placement.issue(kind, list(pages.values()), dest, what)
+            op = self._placement.issue(kind, chosen, dest, what)
             if kind == "move":
                 for t in tensors:
                     t.home = tier
