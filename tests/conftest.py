@@ -191,3 +191,25 @@ class DelayedCopier:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def engine_gpu_budget(model, step, page_bytes: int, param_fraction: float) -> int:
+    """A gpu budget for ``pagemem.Engine`` that covers activations and the other non-model memory
+    and leaves room for ``param_fraction`` of the parameters' bytes beyond that: the smallest budget
+    the scheduler accepts for a trace of ``step()`` on a copy of ``model`` (its layers are whole
+    blocks, coarser than the engine's units, so this is an upper bound on the engine's own), plus
+    that fraction. Pages move every iteration when the fraction is small."""
+    import copy
+
+    from pagemem.sched import InfeasiblePlan, plan
+    from pagemem.tracer import trace
+
+    twin = copy.deepcopy(model)
+    tr = trace(twin, lambda: step(twin))
+    try:
+        plan(tr, {"gpu": 1, "cpu": 1 << 40}, page_bytes=page_bytes)
+        raise AssertionError("a 1-byte gpu budget cannot fit")
+    except InfeasiblePlan as exc:
+        least = exc.min_gpu_bytes
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return -(-(least + int(params * param_fraction)) // page_bytes) * page_bytes

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pagemem
+from conftest import engine_gpu_budget
 from pagemem.models.gpt import GPT, GPTConfig
 
 PAGE = 64 * 1024
@@ -40,10 +41,19 @@ def state_bytes(model) -> int:
 
 
 def gpu_budget(model) -> int:
-    """A third of the parameters' bytes (the gpu tier holds only parameter replicas today, so a
-    third of all states would hold every parameter): layers are evicted and fetched again in
-    every forward and backward."""
-    return sum(p.numel() * 4 for p in model.parameters()) // 3
+    """The gpu budget covers activations and the other non-model memory too: the least the
+    scheduler accepts for this model plus a third of its parameters' bytes (a third of all its
+    states would hold every parameter), so layers are evicted and fetched again in every forward
+    and backward."""
+    idx, targets = next(batches(1))
+    return engine_gpu_budget(model, lambda m: loss_of(m, idx, targets).backward(), PAGE, 1 / 3)
+
+
+def assert_followed_the_plan(stats, iterations: int) -> None:
+    """Every iteration after the warm-up followed the plan, which had everything staged in time."""
+    assert stats["iterations"] == {"traced": 1, "planned": iterations - 1}, stats["iterations"]
+    assert stats["misses"] == 0 and stats["replans"] == 0
+    assert 0 < stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
 
 
 def reference(model, steps: int, hp: dict, max_grad_norm=None, accumulation: int = 1):
@@ -86,6 +96,7 @@ def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tie
     ref = reference(copy.deepcopy(model), 50, HP)
     got, stats = through_engine(model, 50, HP, tmp_path, optimizer_tier)  # updates overlap backward
     assert stats["evictions"] > 0  # the parameters really moved in and out of the gpu tier
+    assert_followed_the_plan(stats, 50)
     # updates overlap backward from the second step on (states on nvme are updated in step())
     assert (stats["overlapped_updates"] > 0) == (optimizer_tier == "cpu")
     assert got.keys() == ref.keys()
@@ -96,7 +107,8 @@ def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tie
 def test_clipping_and_accumulation_match_plain_pytorch(tmp_path):
     model = small_gpt()
     ref = reference(copy.deepcopy(model), 10, HP, max_grad_norm=0.5, accumulation=4)
-    got, _ = through_engine(model, 10, HP, tmp_path, max_grad_norm=0.5, accumulation=4)
+    got, stats = through_engine(model, 10, HP, tmp_path, max_grad_norm=0.5, accumulation=4)
+    assert_followed_the_plan(stats, 40)
     for k in ref:
         # micro-batch gradients add up in fp32 pages in autograd's order, and the global norm is
         # torch's (a norm of per-parameter fp32 norms): bit-identical
@@ -115,12 +127,12 @@ def test_updates_in_step_only_match_too(tmp_path):
 def test_activation_checkpointing_matches(tmp_path):
     """A checkpointed block recomputes its forward inside backward and keeps the recomputed
     tensors, parameter views among them, until its backward is done: its parameters must be
-    resident together, so the budget holds one block (12 pages here: every layer starts on a
-    fresh page) but still far less than the model."""
+    resident together; the trace sees the recomputation and the plan keeps them."""
     model = small_gpt(checkpoint_activations=True)
     ref = reference(copy.deepcopy(model), 10, HP)
-    got, stats = through_engine(model, 10, HP, tmp_path, budget=12 * PAGE)
+    got, stats = through_engine(model, 10, HP, tmp_path)
     assert stats["evictions"] > 0
+    assert_followed_the_plan(stats, 10)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
 
@@ -195,6 +207,7 @@ def test_mixed_precision_is_bit_identical_to_the_same_policy_in_plain_pytorch(dt
     ref, _ = reference_mixed(copy.deepcopy(model), 20, HP, dtype)
     got, stats = engine_mixed(model, 20, HP, dtype, loss_scale=None)
     assert stats["evictions"] > 0
+    assert_followed_the_plan(stats, 20)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
 
@@ -229,8 +242,14 @@ def test_a_change_of_sequence_length_still_matches(tmp_path):
     store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_budget(model), cpu_bytes=8 * state_bytes(model))
     with pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP),
                                                     overlap_update=True)) as engine:
-        run(engine, engine.step, engine.backward)
+        with pytest.warns(RuntimeWarning, match="traced and planned again"):
+            run(engine, engine.step, engine.backward)
         got = engine.state_dict()
-        assert engine.stats()["overlapped_updates"] > 0
+        stats = engine.stats()
+        assert stats["overlapped_updates"] > 0
+        # each new length is traced and planned once (32, 16, 8, 24); a length seen before
+        # follows its plan
+        assert stats["iterations"] == {"traced": 4, "planned": 3} and stats["replans"] == 3
+        assert stats["misses"] == 0 and stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
     for k, v in ref_model.state_dict().items():
         assert torch.equal(got[k], v), k

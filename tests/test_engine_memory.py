@@ -10,6 +10,7 @@ import threading
 import torch
 
 import pagemem
+from conftest import engine_gpu_budget
 from pagemem.models.gpt import GPT, GPTConfig
 
 PAGE = 64 * 1024
@@ -20,6 +21,12 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _threads() -> tuple[str, ...]:
+    """Live threads by name, a pool's workers (``prefix_N``) counted once: a pool may start its
+    threads lazily (up to its fixed size) long after the first iterations."""
+    return tuple(sorted({t.name.split("_")[0] for t in threading.enumerate()}))
+
+
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -28,7 +35,14 @@ def test_two_hundred_iterations_leak_nothing_and_stay_under_budget(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=nbytes // 2, cpu_bytes=16 * nbytes + 64 * PAGE,
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 128, (2, 17), generator=g)
+
+    def loss_of(m):
+        return torch.nn.functional.cross_entropy(m(data[:, :-1]).reshape(-1, 128), data[:, 1:].reshape(-1))
+
+    budget = engine_gpu_budget(model, lambda m: loss_of(m).backward(), PAGE, 0.5)
+    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=16 * nbytes + 64 * PAGE,
                                 nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=str(tmp_path))
     cfg = pagemem.EngineConfig(store=store, optimizer_tier="nvme", adam_threads=2)
     g = torch.Generator().manual_seed(1)

@@ -1,7 +1,9 @@
-"""The model's states in pages, one group per paging unit, and the parameters' residency on the gpu.
+"""The model's states in pages, one group per paging unit.
 
 A paging unit (``Layer``) is a run of consecutive modules owning parameters (a tied parameter
-belongs to the first module that owns it), merged up to a size cap. Per unit:
+belongs to the first module that owns it), merged up to a size cap (``paging_units``); the
+warm-up trace is recorded over these units, so the scheduler's plans speak of exactly them. Per
+unit:
 - ``compute``: the parameters in the compute dtype, home on ``cpu``; a replica on ``gpu`` while
   the unit is resident;
 - ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, home on the optimizer tier;
@@ -11,26 +13,19 @@ pages: 99.9% utilization), since they move together at the update; each layer's 
 starts on fresh pages, so that evicting a layer never drags a resident neighbour's page (this
 costs the partly filled last page of each layer; ``stats()`` reports what it comes to).
 
-[Note: parameters are views over page memory]
-While a layer is resident, each of its ``nn.Parameter`` objects has ``.data`` set to a view of its
-gpu replica (``PagedTensor.view``, which pins the pages for as long as that view or anything
-derived from it lives, autograd's saved tensors included). Evicting a layer points ``.data`` at
-a placeholder with the same shape and dtype (Hugging Face code reads ``.shape``) and drops the
-replica; if a derived tensor still pins it, the replica stays (a *zombie*) until it dies and is
-dropped later, so no tensor ever aliases a slot that was given to another layer. The Parameter
-objects themselves never change, so optimizer and autograd references stay valid.
+Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``residency.py``'s job.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from pagemem.errors import InvalidRequest, OutOfMemory
-from pagemem.store import Lease, PagedTensor, PageStore
+from pagemem.errors import InvalidRequest
+from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore
+from pagemem.store.layout import TENSOR_ALIGN
 
 
 @dataclass
@@ -49,9 +44,12 @@ class Layer:
     """fp32 gradient sums on cpu (valid for the parameters that got a gradient this step)."""
     leases: list[Lease] = field(default_factory=list)
     ptrs: list[int] = field(default_factory=list)
-    """Where the parameters' data starts while resident (for ``ParamBank.param_at``)."""
+    """Where the parameters' data starts while resident (for ``Residency.param_at``)."""
     resident: bool = False
     zombie: bool = False
+    staged: list[MoveHandle] = field(default_factory=list)
+    """Copies to the gpu started by ``stage`` and not yet bound."""
+    staged_pages: int = 0
 
 
 def materialize_meta(model: nn.Module, device: torch.device) -> None:
@@ -71,11 +69,11 @@ def materialize_meta(model: nn.Module, device: torch.device) -> None:
 
 
 def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, list[int]]]]:
-    """The model's distinct parameters, and the layers (module name, parameter indices) owning
-    them, in module order."""
+    """The model's distinct parameters, and the modules (name, parameter indices) owning them,
+    in module order (a tied parameter belongs to its first owner)."""
     params: list[tuple[str, nn.Parameter]] = []
     index: dict[int, int] = {}
-    layers = []
+    modules = []
     for mname, module in model.named_modules():
         own = []
         for pname, p in module.named_parameters(recurse=False):
@@ -85,14 +83,15 @@ def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], lis
             own.append(len(params))
             params.append((f"{mname}.{pname}" if mname else pname, p))
         if own:
-            layers.append((mname, own))
-    return params, layers
+            modules.append((mname, own))
+    return params, modules
 
 
 def paging_units(modules: list[tuple[str, list[int]]], nbytes: list[int], cap: int) -> list[tuple[str, list[int]]]:
     """Consecutive modules merged into paging units of at most ``cap`` bytes (a module larger
     than ``cap`` is a unit of its own): a LayerNorm travels with its neighbours instead of taking a
-    page of its own, and a block's small layers cost one fetch."""
+    page of its own, and a block's small layers cost one move. The warm-up trace is recorded over
+    these units, so the scheduler's layers are exactly them."""
     units: list[tuple[str, list[int]]] = []
     size = 0
     for name, idx in modules:
@@ -106,7 +105,7 @@ def paging_units(modules: list[tuple[str, list[int]]], nbytes: list[int], cap: i
     return units
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` with one element of memory (never read by a correct
     schedule: evicted parameters keep their shape and dtype for code that reads them)."""
     one = torch.zeros((), dtype=dtype, device=device)
@@ -131,8 +130,16 @@ class ParamBank:
             raise InvalidRequest("the model has no parameters to train")
         self.original_dtype = [p.dtype for _, p in self.params]
         nbytes = [p.numel() * compute_dtype.itemsize for _, p in self.params]
-        cap = unit_bytes if unit_bytes is not None else store.page_bytes
-        layer_specs = paging_units(module_specs, nbytes, cap)
+        layer_specs = paging_units(module_specs, nbytes, unit_bytes if unit_bytes is not None else store.page_bytes)
+        self.units: list[tuple[str, list[int]]] = [(n, list(idx)) for n, idx in layer_specs]
+        """(name, parameter indices) of every paging unit, in unit order."""
+        self.param_nbytes = [0] * len(self.params)
+        """Bytes each parameter's compute copy occupies in its unit's pages (start to the next
+        tensor's start): per unit they add up to what the unit's pages hold, as plans count it."""
+        for _name, idx in layer_specs:
+            for k, i in enumerate(idx):
+                nb = self.params[i][1].numel() * compute_dtype.itemsize
+                self.param_nbytes[i] = nb if k == len(idx) - 1 else -(-nb // TENSOR_ALIGN) * TENSOR_ALIGN
         self.layers: list[Layer] = []
         self.layer_of: list[int] = [0] * len(self.params)
         self.position: list[int] = [0] * len(self.params)
@@ -166,20 +173,7 @@ class ParamBank:
                 self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
                                          groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
             for _, p in self.params:
-                p.data = _placeholder(p.shape, compute_dtype, self._gpu_device())
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self._order: list[int] = []
-        """Units in the order the previous iteration asked for them (what prefetching follows)."""
-        self._seen: list[int] = []
-        self._cursor = 0
-        self._prefetched: dict[int, object] = {}
-        """Units whose gpu copy was started ahead of use: unit -> MoveHandle."""
-        self._by_ptr: dict[int, int] = {}
-        self.prefetches = 0
-        self.fetches = 0
-        self.evictions = 0
-        self.peak_gpu_pages = 0
-        """Most gpu-tier pages in use at once (sampled after every fetch, when use peaks)."""
+                p.data = placeholder(p.shape, compute_dtype, self._gpu_device())
 
     def _gpu_device(self) -> torch.device:
         return self.store.tier("gpu").device
@@ -187,143 +181,6 @@ class ParamBank:
     def where(self, i: int) -> tuple[Layer, int]:
         """Parameter ``i``'s unit and its position in the unit's lists."""
         return self.layers[self.layer_of[i]], self.position[i]
-
-    def param_at(self, ptr: int) -> int | None:
-        """The resident parameter whose data starts at address ``ptr``, if any."""
-        return self._by_ptr.get(ptr)
-
-    # ------------------------------------------------------------------ residency
-
-    def new_iteration(self) -> bool:
-        """A forward begins: the units asked for since the last one become the order to prefetch
-        in. True when that order differs from the one before (the access pattern changed: the
-        prefetches of the iteration that just ended missed, and the new order is learned)."""
-        changed = bool(self._order) and bool(self._seen) and self._seen != self._order
-        if self._seen:
-            self._order, self._seen = self._seen, []
-        self._cursor = 0
-        return changed
-
-    def ensure(self, layer_indices) -> None:
-        """Make every listed layer resident on the gpu (their parameters' ``.data`` views of it),
-        then start copying the unit the previous iteration used next, if it fits without evicting."""
-        for li in layer_indices:
-            self._seen.append(li)
-            layer = self.layers[li]
-            if layer.resident:
-                self._lru.move_to_end(li)
-            else:
-                self._fetch(layer, keep=set(layer_indices))
-            self._prefetch_after(li)
-
-    def _prefetch_after(self, li: int) -> None:
-        """[Note: prefetch] follows the previous iteration's order of use: one unit ahead, and
-        only into free pages (a prefetch never evicts), so demand fetches stay the only ones that
-        make room. Its pages are dropped like any evictable unit's when room is needed."""
-        order = self._order
-        try:
-            pos = order.index(li, self._cursor)
-        except ValueError:
-            return
-        self._cursor = pos + 1
-        if self._cursor >= len(order):
-            return
-        nxt = self.layers[order[self._cursor]]
-        if nxt.resident or nxt.index in self._prefetched:
-            return
-        try:  # reserves up front: no room means OutOfMemory, nothing changed
-            self._prefetched[nxt.index] = self.store.copy(nxt.compute, "gpu")
-        except OutOfMemory:
-            return
-        self.prefetches += 1
-
-    def _fetch(self, layer: Layer, keep: set[int]) -> None:
-        while True:
-            try:
-                self.store.copy(layer.compute, "gpu").wait()
-                break
-            except OutOfMemory as exc:
-                if not self._evict_one(keep):
-                    raise OutOfMemory("gpu", exc.requested_pages, exc.free_pages, exc.page_bytes,
-                                      f"layer {layer.name!r}: every other resident layer is in use") from None
-        for i, t in zip(layer.params, layer.compute):
-            p = self.params[i][1]
-            try:
-                p.data = t.view("gpu")
-            except InvalidRequest:  # scattered slots: a merged copy of the gpu pages (stats().view_copies)
-                lease = t.lease("gpu", write=False)
-                layer.leases.append(lease)
-                p.data = lease.tensor
-            if p.numel():
-                ptr = p.data.untyped_storage().data_ptr()
-                self._by_ptr[ptr] = i
-                layer.ptrs.append(ptr)
-        layer.resident, layer.zombie = True, False
-        self._prefetched.pop(layer.index, None)
-        self.peak_gpu_pages = max(self.peak_gpu_pages, self.store.tier("gpu").used_pages)
-        self._lru[layer.index] = None
-        self._lru.move_to_end(layer.index)
-        self.fetches += 1
-
-    def _evict_one(self, keep: set[int]) -> bool:
-        """Evict the least recently used resident layer not in ``keep``; drop prefetched copies
-        and retry zombies first. False when nothing could be given back."""
-        for li in list(self._prefetched):
-            if li not in keep and self._drop_prefetched(li):
-                return True
-        for layer in self.layers:
-            if layer.zombie and self._drop(layer):
-                return True
-        for li in list(self._lru):
-            if li in keep:
-                continue
-            self.evict(self.layers[li])
-            if not self.layers[li].zombie:
-                return True
-        return False
-
-    def evict(self, layer: Layer) -> None:
-        """Point the layer's parameters at placeholders and drop its gpu replica (see the Note)."""
-        if not layer.resident:
-            return
-        for i in layer.params:
-            p = self.params[i][1]
-            p.data = _placeholder(p.shape, p.dtype, p.device)
-        for lease in layer.leases:
-            lease.release()
-        layer.leases.clear()
-        for ptr in layer.ptrs:
-            self._by_ptr.pop(ptr, None)
-        layer.ptrs.clear()
-        layer.resident = False
-        self._lru.pop(layer.index, None)
-        self.evictions += 1
-        layer.zombie = not self._drop(layer)
-
-    def _drop(self, layer: Layer) -> bool:
-        try:
-            self.store.release(layer.compute, "gpu").wait()
-        except InvalidRequest:  # still pinned by a tensor derived from an old view
-            return False
-        layer.zombie = False
-        return True
-
-    def _drop_prefetched(self, li: int) -> bool:
-        """Wait for unit ``li``'s prefetch and drop what it brought; True if the pages went back."""
-        try:
-            self._prefetched.pop(li).wait()
-        except Exception:  # a failed prefetch leaves whatever landed; dropped all the same
-            pass
-        return self._drop(self.layers[li])
-
-    def evict_all(self) -> None:
-        for li in list(self._prefetched):
-            self._drop_prefetched(li)
-        for layer in self.layers:
-            self.evict(layer)
-        for layer in self.layers:
-            if layer.zombie:
-                self._drop(layer)
 
     def set_state(self, i: int, kind: str, value: torch.Tensor) -> None:
         """Overwrite parameter ``i``'s ``kind`` state (``master``, ``exp_avg``, ``exp_avg_sq``);

@@ -14,6 +14,7 @@ from pagemem.engine.adam import AdamW
 from pagemem.errors import ConfigError
 
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+EXECUTORS = ("plan", "demand")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class EngineConfig:
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
     means on when the gpu tier is CUDA (backward runs on the GPU while the CPU updates) and off on
     the host stand-in (CPU Adam would compete with backward for the same cores).
+    ``executor``: ``"plan"`` (default: the first iteration with given input shapes runs under the
+    tracer with demand paging, the scheduler plans it, later ones follow the plan) or
+    ``"demand"`` (never trace: demand paging with a one-unit-ahead guess, every iteration).
     """
 
     store: StoreConfig
@@ -45,6 +49,7 @@ class EngineConfig:
     world_size: int = 1
     adam_threads: int | None = None
     overlap_update: bool | None = None
+    executor: str = "plan"
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -70,6 +75,7 @@ class EngineConfig:
             check_int("adam_threads", self.adam_threads, 1, 1024)
         if self.overlap_update is not None:
             check_bool("overlap_update", self.overlap_update)
+        check_choice("executor", self.executor, EXECUTORS)
         tier_bytes = {"gpu": self.store.gpu_bytes, "cpu": self.store.cpu_bytes, "nvme": self.store.nvme_bytes}
         if not tier_bytes[self.optimizer_tier]:
             raise ConfigError(f"optimizer_tier: {self.optimizer_tier!r} has no bytes in store "
@@ -94,6 +100,7 @@ class EngineConfig:
             "world_size": self.world_size,
             "adam_threads": self.adam_threads,
             "overlap_update": self.overlap_update,
+            "executor": self.executor,
         }
 
     @classmethod
@@ -108,4 +115,4 @@ class EngineConfig:
                    compute_dtype=dtype, max_grad_norm=d["max_grad_norm"],
                    accumulation_steps=d["accumulation_steps"], loss_scale=d["loss_scale"], rank=d["rank"],
                    world_size=d["world_size"], adam_threads=d["adam_threads"],
-                   overlap_update=d.get("overlap_update"))
+                   overlap_update=d.get("overlap_update"), executor=d.get("executor", "plan"))

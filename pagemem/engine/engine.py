@@ -5,21 +5,19 @@
 >>> engine.backward(out.loss)
 >>> engine.step()
 
-[Note: what runs today] Demand paging: the engine fetches a paging unit's parameters to the gpu
-tier at the op the shared op clock (``pagemem.tracer.OpClock``) numbers as its forward or
-backward start, evicting the least recently used units when the gpu tier is full and
-prefetching the unit the previous iteration used next (``bank.py``); autograd's saved parameters
-are kept as references and fetched again when backward needs them. The update lives in
-``update.py``. Following the scheduler's task queue is the next step; the demand path stays as
-the fallback for iterations that differ from the trace.
+Who does what: ``bank.py`` keeps the model states in pages; ``pager.py`` decides per iteration
+how parameters reach the gpu (the first iteration with given input shapes runs under the tracer
+with demand paging, the scheduler plans it, later ones follow the plan through ``executor.py``,
+an iteration that leaves its plan finishes on demand and is re-planned); ``residency.py`` moves
+units and points the parameters at their pages; ``update.py`` turns gradients into updates. All
+of them hear the ops of one ``pagemem.tracer.OpClock``, the same the trace was numbered with.
+Autograd's saved parameters are kept as references and fetched again when backward needs them.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -29,20 +27,11 @@ from torch import nn
 from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.config import EngineConfig
+from pagemem.engine.pager import Pager
 from pagemem.engine.update import Updater
 from pagemem.errors import ConfigError, InvalidRequest
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
-
-
-@dataclass(frozen=True, slots=True)
-class _SavedParam:
-    """What autograd keeps for a saved parameter (or a view of one): where to find it again."""
-
-    index: int
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
 
 
 class Engine:
@@ -57,7 +46,7 @@ class Engine:
         try:
             gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
             self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
-                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 8), values=_values)
+                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 16), values=_values)
         except BaseException:
             self.store.close()
             raise
@@ -77,12 +66,10 @@ class Engine:
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
         self._last_taken = False
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self.replans = 0
-        """Iterations whose order of layer use differed from the previous one's."""
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
                        for i, p in enumerate(params) if p.requires_grad]
         self.clock = OpClock(model, self.bank.params)
-        self.clock.subscribe(self._on_op)
+        self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor)
         self.clock.install()
 
     # ------------------------------------------------------------------ the training loop
@@ -90,15 +77,9 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model's forward."""
         t0 = time.perf_counter()
-        if self.bank.new_iteration():
-            self.replans += 1
-            if self.replans == 1:
-                warnings.warn("pagemem: the order in which layers were used changed between iterations "
-                              "(data-dependent control flow?); prefetching missed and re-learned the order. "
-                              "Results are unaffected; engine.stats()['replans'] counts these.",
-                              RuntimeWarning, stacklevel=2)
+        self.pager.begin(args, kwargs)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self.pager.pack, self.pager.unpack):
                 return self.module(*args, **kwargs)
         finally:
             self._phase_seconds["forward"] += time.perf_counter() - t0
@@ -110,8 +91,9 @@ class Engine:
         t0 = time.perf_counter()
         scale = self.updater.scaler.scale
         self.updater.begin_backward(final=self._micro + 1 == self.config.accumulation_steps)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self.pager.pack, self.pager.unpack):
             (loss * scale if scale is not None else loss).backward()
+        self.pager.end_backward()
         self.updater.end_backward()
         self._micro += 1
         self._phase_seconds["backward"] += time.perf_counter() - t0
@@ -125,27 +107,6 @@ class Engine:
         return self._last_taken
 
     # ------------------------------------------------------------------ hooks
-
-    def _on_op(self, op_id: int, edge: str, op) -> None:
-        if edge == "start" and op.params and op.event in ("forward_pre", "backward_pre"):
-            self.bank.ensure(sorted({self.bank.layer_of[i] for i in op.params}))
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return t
-        i = self.bank.param_at(ptr)
-        if i is None or t.dtype != self.bank.params[i][1].dtype:
-            return t
-        return _SavedParam(i, t.size(), t.stride(), t.storage_offset())
-
-    def _unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _SavedParam):
-            return saved
-        self.bank.ensure([self.bank.layer_of[saved.index]])
-        base = self.bank.params[saved.index][1].data
-        return base.as_strided(saved.size, saved.stride, saved.offset)
 
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
         if p.grad is None:
@@ -231,21 +192,20 @@ class Engine:
         """Per-tier use against budget, bytes moved per direction, time per phase, paging counts."""
         s = self.store.stats()
         gpu = s.tiers["gpu"]
+        paging = self.pager.stats()
+        busy = self._phase_seconds["forward"] + self._phase_seconds["backward"]
         return {
-            "gpu_peak_bytes": self.bank.peak_gpu_pages * gpu.page_bytes,
+            **paging,
             "gpu_budget_bytes": gpu.capacity_bytes,
+            "gpu_idle": paging["gpu_wait_seconds"] / busy if busy else 0.0,
             "tiers": {n: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
                           "utilization": t.utilization} for n, t in s.tiers.items()},
             "moved_bytes": {k: m.bytes for k, m in s.moves.items()},
             "seconds": dict(self._phase_seconds),
-            "fetches": self.bank.fetches,
-            "prefetches": self.bank.prefetches,
-            "evictions": self.bank.evictions,
             "view_copies": s.view_copies,
             "skipped_steps": self.updater.skipped_steps,
             "overlapped_updates": self.updater.overlapped_updates,
             "loss_scale": self.updater.scaler.scale,
-            "replans": self.replans,
         }
 
     def close(self) -> None:
@@ -256,7 +216,7 @@ class Engine:
         self._hooks = []
         self.clock.remove(quiet=True)
         self.updater.close()
-        self.bank.evict_all()
+        self.pager.close()
         self.store.close()
 
     def __enter__(self) -> "Engine":

@@ -38,16 +38,19 @@ The tracer imports only ``pagemem.errors``, ``pagemem.units`` and ``pagemem.mode
 rest of pagemem.
 """
 
-from pagemem.tracer.api import TraceOptions, trace
+from pagemem.tracer.api import Recording, TraceOptions, trace
 from pagemem.tracer.clock import Op, OpClock
 from pagemem.tracer.compare import TraceComparison
 from pagemem.tracer.cost import CostModel
 from pagemem.tracer.errors import TraceError
+from pagemem.tracer.live import SavedTensor
 from pagemem.tracer.records import Layer, OpRecord, TensorRecord
 from pagemem.tracer.synthetic import TransformerShape, synthetic_from_config, synthetic_transformer
 from pagemem.tracer.tracedata import Trace
 
 __all__ = [
+    "Recording",
+    "SavedTensor",
     "trace",
     "TraceOptions",
     "OpClock",

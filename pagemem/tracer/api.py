@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -15,7 +15,8 @@ from pagemem.tracer.builder import ParamSpec, StateSpec, build_trace
 from pagemem.tracer.cost import CostModel
 from pagemem.tracer.errors import TraceError
 from pagemem.tracer.layers import candidate_layers
-from pagemem.tracer.live import LiveSession, dtype_name
+from pagemem.tracer.clock import OpClock
+from pagemem.tracer.live import LiveSession, SavedTensor, dtype_name
 from pagemem.tracer.optstate import OPTIMIZER_MODELS, modelled_states
 from pagemem.tracer.tracedata import Trace
 
@@ -28,7 +29,8 @@ class TraceOptions:
 
     optimizer_model: str = "adam"
     """States to record when no optimizer step is traced: ``"adam"`` (mixed-precision Adam, see
-    :mod:`pagemem.tracer.optstate`; adds a modelled ``step`` op) or ``"none"`` (no step op)."""
+    :mod:`pagemem.tracer.optstate`; adds a modelled ``step`` op), ``"master_adam"`` (fp32 master
+    copy and moments for every dtype) or ``"none"`` (no step op)."""
     layer_types: tuple[type, ...] = ()
     """Module classes that form layers (e.g. ``(GPT2Block,)``); empty: found automatically
     (see :mod:`pagemem.tracer.layers`)."""
@@ -109,15 +111,18 @@ def _ran_backward(session: LiveSession) -> bool:
 
 
 def _build(model: nn.Module, session: LiveSession, params: list[tuple[str, nn.Parameter]],
-           device: torch.device, cuda: torch.device | None, options: TraceOptions, wall: float) -> Trace:
+           device: torch.device, cuda: torch.device | None, options: TraceOptions, wall: float,
+           layers: Sequence[tuple[str, Sequence[int]]] | None = None,
+           param_nbytes: Sequence[int] | None = None) -> Trace:
     rec = session.rec
     if not any(e == "forward_pre" and ph == "forward" for e, ph in zip(rec.op_event, rec.op_phase)):
         raise TraceError(f"step() never ran {type(model).__name__}.forward: call the model inside step()")
     if not _ran_backward(session):
         raise TraceError("step() ran no backward pass through the model: call loss.backward() inside step()")
 
-    specs = [ParamSpec(name, dtype_name(p.dtype), tuple(p.shape), p.numel() * p.element_size(), p.requires_grad)
-             for name, p in params]
+    nbytes = param_nbytes if param_nbytes is not None else [p.numel() * p.element_size() for _, p in params]
+    specs = [ParamSpec(name, dtype_name(p.dtype), tuple(p.shape), nb, p.requires_grad)
+             for (name, p), nb in zip(params, nbytes)]
     cpu = rec.cpu_durations()
     gpu_list = rec.gpu_durations()
     gpu: list[float | None] = list(gpu_list) if gpu_list is not None else [None] * rec.n_ops
@@ -127,21 +132,21 @@ def _build(model: nn.Module, session: LiveSession, params: list[tuple[str, nn.Pa
     states = [StateSpec(i, k, dt, shape, nb, acc) for (i, k), (dt, shape, nb, acc) in session.states.items()]
     if session.stepped:
         opt_desc = "traced " + ", ".join(sorted(session.optimizer_names))
-    elif options.optimizer_model == "adam":
+    elif options.optimizer_model != "none":
         trainable = [i for i, s in enumerate(specs) if s.requires_grad]
         op = rec.begin_op("step", "optimizer", "step")
         rec.touch_params(trainable, grads=True)
         rec.end_op()
         state_bytes = 0
         for i in trainable:
-            for st in modelled_states("adam", specs[i].dtype, specs[i].shape):
+            for st in modelled_states(options.optimizer_model, specs[i].dtype, specs[i].shape):
                 states.append(StateSpec(i, st.key, st.dtype, st.shape, st.nbytes, [op]))
                 state_bytes += st.nbytes
         pbytes = sum(specs[i].nbytes for i in trainable)
         durations.append(options.cost.adam_step_seconds(pbytes, pbytes, state_bytes))
         cpu_opt.append(None)
         gpu.append(None)
-        opt_desc = "modelled adam"
+        opt_desc = f"modelled {options.optimizer_model.replace('_', ' ')}"
     else:
         opt_desc = "none"
     states.sort(key=lambda s: s.param)
@@ -158,5 +163,84 @@ def _build(model: nn.Module, session: LiveSession, params: list[tuple[str, nn.Pa
         "wall_seconds": wall,
         "cost_model": options.cost.to_dict(),
     }
-    candidates = candidate_layers(model, session.param_index, options.layer_types)
+    candidates = list(layers) if layers is not None else candidate_layers(model, session.param_index,
+                                                                          options.layer_types)
     return build_trace(rec, specs, states, candidates, meta, durations, cpu_opt, gpu)
+
+
+class Recording:
+    """One iteration recorded on an :class:`OpClock` an executor owns and has installed: the
+    executor runs the iteration and numbers its ops; this records them, and :meth:`finish`
+    returns the :class:`Trace`, numbered exactly as the executor's later iterations will be.
+
+    An executor that installs saved-tensor hooks of its own hands the tracer what it packs:
+    ``pack(t)`` for a tensor that is not a parameter (returns a :class:`SavedTensor`, whose
+    ``unpack()`` gives the tensor back), ``touch_params(indices)`` when it saves parameters
+    itself, and ``touch_params(indices, grads=True)`` when backward unpacks them.
+
+    ``layers`` fixes the layers (module path, indices into ``clock.params``; each parameter in
+    exactly one); ``param_nbytes`` the bytes each parameter occupies where the executor keeps it
+    (default: ``numel * itemsize``). The iteration's optimizer step is not recorded: end the
+    recording before it; ``options.optimizer_model`` models it.
+    """
+
+    def __init__(self, model: nn.Module, clock: OpClock, *,
+                 layers: Sequence[tuple[str, Sequence[int]]] | None = None,
+                 param_nbytes: Sequence[int] | None = None, options: TraceOptions | None = None,
+                 cuda_device: torch.device | None = None) -> None:
+        global _tracing
+        if _tracing:
+            raise TraceError("trace() is already running; traces cannot nest")
+        if not clock.installed:
+            raise TraceError("Recording: the clock must be installed by its owner first")
+        self._model = model
+        self._params = list(clock.params)
+        self._options = options or TraceOptions()
+        self._layers = layers
+        self._nbytes = list(param_nbytes) if param_nbytes is not None else None
+        if self._nbytes is not None and len(self._nbytes) != len(self._params):
+            raise ConfigError(f"param_nbytes: expected {len(self._params)} entries, got {len(self._nbytes)}")
+        self._cuda = cuda_device
+        self._session = LiveSession(model, self._params, cuda_device, clock=clock)
+        self._t0 = time.perf_counter()
+        self._session.start(None)
+        self._open = True
+
+    @property
+    def rec(self):
+        """The recorder (its ``lock`` is the clock's)."""
+        return self._session.rec
+
+    @property
+    def live_bytes(self) -> int:
+        """Non-model bytes live now, as recorded (saved activations)."""
+        return self._session.rec.live_bytes
+
+    def pack(self, t: torch.Tensor) -> SavedTensor:
+        return self._session.pack(t)
+
+    def touch_params(self, indices: Sequence[int], grads: bool = False) -> None:
+        if self._open and self._session.active and self.rec.op_event:
+            with self.rec.lock:
+                self.rec.touch_params(tuple(indices), grads=grads)
+
+    def finish(self) -> Trace:
+        """Stop recording and build the trace. Raises :class:`TraceError` when the iteration
+        had no forward or no backward."""
+        session = self._session
+        try:
+            with session.rec.lock:
+                session.rec.finish()
+        finally:
+            self.abandon()
+        wall = time.perf_counter() - self._t0
+        devices = Counter(p.device for _, p in self._params)
+        device = devices.most_common(1)[0][0]
+        return _build(self._model, session, self._params, device, self._cuda, self._options, wall,
+                      self._layers, self._nbytes)
+
+    def abandon(self) -> None:
+        """Stop recording without a trace (idempotent)."""
+        if self._open:
+            self._open = False
+            self._session.stop()

@@ -22,24 +22,30 @@ from torch import nn
 from pagemem.tracer.clock import Op, OpClock, iter_tensors
 from pagemem.tracer.recorder import Recorder
 
-__all__ = ["LiveSession", "dtype_name", "iter_tensors"]
+__all__ = ["LiveSession", "SavedTensor", "dtype_name", "iter_tensors"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class _Packed:
+class SavedTensor:
     """What the autograd graph holds instead of a saved tensor. Its death is the release."""
 
-    __slots__ = ("tensor", "key", "params", "rec")
+    __slots__ = ("tensor", "key", "params", "rec", "session")
 
     def __init__(self, tensor: torch.Tensor, key: object, params: tuple[int, ...] | None,
-                 rec: Recorder) -> None:
+                 rec: Recorder, session: "LiveSession") -> None:
         self.tensor = tensor
         self.key = key
         self.params = params
         self.rec = rec
+        self.session = session
+
+    def unpack(self) -> torch.Tensor:
+        """The tensor, recording the use while the session is active (for a caller that packs
+        with its own hooks and hands the tracer what it does not handle itself)."""
+        return self.session.unpack(self)
 
     def __del__(self) -> None:
         if self.key is not None:
@@ -50,12 +56,19 @@ class LiveSession:
     """Installs the hooks, owns the recorder, and collects optimizer states."""
 
     def __init__(self, model: nn.Module, params: Sequence[tuple[str, nn.Parameter]],
-                 cuda_device: torch.device | None) -> None:
+                 cuda_device: torch.device | None, clock: OpClock | None = None) -> None:
+        """``clock``: an installed clock someone else owns (an executor), listened to but never
+        installed or removed here; ``params`` must then be the clock's."""
         self.model = model
         self.params = list(params)
         self.rec = Recorder(len(self.params), [p.requires_grad for _, p in self.params],
                             timed=True, cuda_device=cuda_device)
-        self.clock = OpClock(model, self.params, lock=self.rec.lock)
+        self._own_clock = clock is None
+        if clock is None:
+            clock = OpClock(model, self.params, lock=self.rec.lock)
+        else:
+            self.rec.lock = clock.lock
+        self.clock = clock
         self.param_index = self.clock.param_index
         self.active = False
         self.stepped = False
@@ -79,7 +92,8 @@ class LiveSession:
     # ---- install / remove ------------------------------------------------------------------
     def start(self, optimizer: torch.optim.Optimizer | None) -> None:
         self._unsubscribe = self.clock.subscribe(self._on_op)
-        self.clock.install()
+        if self._own_clock:
+            self.clock.install()
         if self._cuda is not None:
             self._rescan_grads()
             self._optim_bytes = _state_bytes(optimizer) if optimizer is not None else 0
@@ -90,13 +104,14 @@ class LiveSession:
         self.active = False
         if hasattr(self, "_unsubscribe"):
             self._unsubscribe()
-        self.clock.remove()
+        if self._own_clock:
+            self.clock.remove()
 
     # ---- saved tensors ---------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> _Packed:
+    def pack(self, t: torch.Tensor) -> SavedTensor:
         rec = self.rec
         if not self.active or not rec.op_event:  # nothing to attribute a save to before the first op
-            return _Packed(t.detach(), None, None, rec)
+            return SavedTensor(t.detach(), None, None, rec, self)
         with rec.lock:
             try:
                 storage = t.untyped_storage()
@@ -108,17 +123,17 @@ class LiveSession:
                 owners = self._param_ptr.get(ptr)
                 if owners is not None:
                     rec.touch_params(owners)
-                    return _Packed(t.detach(), None, owners, rec)
+                    return SavedTensor(t.detach(), None, owners, rec, self)
                 if ptr in self._buffer_ptr or nbytes == 0:
-                    return _Packed(t.detach(), None, None, rec)
+                    return SavedTensor(t.detach(), None, None, rec, self)
                 key = ptr
             else:
                 key = object()
             module = rec.op_module[-1] if rec.op_module else ""
             rec.save_activation(key, module, dtype_name(t.dtype), tuple(t.shape), nbytes)
-            return _Packed(t.detach(), key, None, rec)
+            return SavedTensor(t.detach(), key, None, rec, self)
 
-    def unpack(self, packed: _Packed) -> torch.Tensor:
+    def unpack(self, packed: SavedTensor) -> torch.Tensor:
         if self.active:
             rec = self.rec
             with rec.lock:

@@ -4,7 +4,8 @@ Mixed-precision Adam, as in ANGEL-PTM Table 1: for a half-precision (float16 / b
 parameter an fp32 master copy plus fp32 ``exp_avg`` and ``exp_avg_sq`` (12 bytes per element);
 for a parameter of any other floating dtype ``exp_avg`` and ``exp_avg_sq`` in that dtype (the
 parameter is its own master copy), which is exactly what ``torch.optim.Adam``/``AdamW`` keep
-apart from their scalar ``step`` counter.
+apart from their scalar ``step`` counter. ``"master_adam"`` keeps the fp32 master copy for every
+dtype (what :class:`pagemem.Engine` keeps: its compute copy is separate even in float32).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from pagemem.errors import ConfigError
 
-OPTIMIZER_MODELS: tuple[str, ...] = ("adam", "none")
+OPTIMIZER_MODELS: tuple[str, ...] = ("adam", "master_adam", "none")
 HALF_DTYPES = frozenset({"float16", "bfloat16"})
 
 
@@ -41,10 +42,10 @@ def modelled_states(model: str, dtype: str, shape: tuple[int, ...]) -> list[Stat
     """States ``model`` (``"adam"`` or ``"none"``) keeps for one parameter."""
     if model == "none":
         return []
-    if model != "adam":
+    if model not in ("adam", "master_adam"):
         raise ConfigError(f"optimizer_model: must be one of {OPTIMIZER_MODELS}, got {model!r}")
     numel = math.prod(shape)
-    if dtype in HALF_DTYPES:
+    if dtype in HALF_DTYPES or model == "master_adam":
         keys, state_dtype = ("master", "exp_avg", "exp_avg_sq"), "float32"
     else:
         keys, state_dtype = ("exp_avg", "exp_avg_sq"), dtype

@@ -1,0 +1,176 @@
+"""Follow a plan's task queue during an iteration, on the shared op clock.
+
+``Schedule.compile(plan, trace, bank)`` turns a plan into what to do at the start and at the end
+of each op (the task table, ``pagemem.sched.tasks``, says at which edge each task is issued):
+
+- ``move_to_gpu param.j`` -> ``Residency.stage``: start copying a run of the unit's pages to the
+  gpu (consecutive pages of one layer issued at one op travel as one call);
+- ``compute layer`` -> ``Residency.bind``: wait for that unit's copies only, then point its
+  parameters at them;
+- ``release param`` -> ``Residency.release``.
+
+[Note: what the executor leaves to the updater] Gradient offloads, optimizer-state fetches and
+write-backs and updates are the updater's (``update.py``): the engine's gradients are fp32 sums
+on the cpu that autograd's gradient is added into as soon as it is ready (so the gpu holds it for
+less time than the plan's ``grad@gpu`` reserves), and the update runs at ``step()``, or during
+backward when that is exact (``EngineConfig.overlap_update``). Layers the plan caches on the gpu
+keep their parameters resident across iterations; their optimizer states stay on the optimizer
+tier (less gpu memory than the plan allows, never more).
+
+[Note: leaving the plan] Every op is checked against the trace the plan was made from (its event
+and module). At the first op that differs, or when the iteration ends early, the executor stops
+and the engine finishes the iteration on demand; the plan is dropped and the next iteration with
+these inputs is traced and planned again. Results never depend on the plan, only speed and
+memory do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagemem.engine.bank import ParamBank
+from pagemem.engine.residency import Residency
+from pagemem.errors import OutOfMemory
+from pagemem.sched import Plan
+from pagemem.tracer import Op, Trace
+
+
+class PlanMismatch(Exception):
+    """The plan does not describe the engine's units (the engine then pages on demand)."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    """``stage``, ``bind`` or ``release``."""
+    unit: int
+    pages: range | None = None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A plan compiled for the engine's units: actions per op edge, and what each op must be."""
+
+    at_start: tuple[tuple[Action, ...], ...]
+    at_end: tuple[tuple[Action, ...], ...]
+    expected: tuple[tuple[str, str], ...]
+    """(event, module) of every op the plan covers before the optimizer step."""
+    non_model: tuple[int, ...]
+    """The trace's non-model bytes per op."""
+    cached: frozenset[int]
+    """Units whose parameters stay on the gpu between iterations."""
+    plan: Plan
+    trace: Trace
+
+    @classmethod
+    def compile(cls, plan: Plan, trace: Trace, bank: ParamBank) -> "Schedule":
+        unit_of = {frozenset(idx): u for u, (_, idx) in enumerate(bank.units)}
+        to_unit: dict[int, int] = {}
+        for layer in trace.layers:
+            u = unit_of.get(frozenset(layer.tensor_ids))
+            if u is None:
+                raise PlanMismatch(f"the trace's layer {layer.name!r} is not one of the engine's units")
+            pages = bank.store.page_count(bank.layers[u].compute)
+            if plan.layout.layers[layer.index].param_pages != pages:
+                raise PlanMismatch(f"layer {layer.name!r}: the plan moves {plan.layout.layers[layer.index].param_pages}"
+                                   f" pages, the engine's unit has {pages}")
+            to_unit[layer.index] = u
+        n = plan.n_ops + 1
+        start: list[list[Action]] = [[] for _ in range(n)]
+        end: list[list[Action]] = [[] for _ in range(n)]
+        for task in plan.tasks:
+            target = task.target
+            if task.operation == "move_to_gpu" and target.kind == "param":
+                act = Action("stage", to_unit[target.layer], range(target.page, target.page + 1))
+            elif task.operation == "compute":
+                act = Action("bind", to_unit[target.layer])
+            elif task.operation == "release" and target.kind == "param":
+                act = Action("release", to_unit[target.layer])
+            else:
+                continue  # see the Note: the updater's
+            edge = end if task.issued_at_end else start
+            _append(edge[task.trigger_id], act)
+        expected = tuple((op.event, op.module) for op in trace.ops if op.phase != "step")
+        return cls(tuple(map(tuple, start)), tuple(map(tuple, end)), expected,
+                   tuple(op.non_model_bytes for op in trace.ops),
+                   frozenset(to_unit[L] for L in plan.cached_layers), plan, trace)
+
+
+def _append(actions: list[Action], act: Action) -> None:
+    """Add ``act``, merging a page into the run of the same unit staged just before it."""
+    if actions and act.kind == "stage":
+        last = actions[-1]
+        if last.kind == "stage" and last.unit == act.unit and last.pages.stop == act.pages.start:
+            actions[-1] = Action("stage", act.unit, range(last.pages.start, act.pages.stop))
+            return
+    actions.append(act)
+
+
+class Executor:
+    """Runs one schedule's actions as the clock numbers the ops of an iteration."""
+
+    def __init__(self, schedule: Schedule, residency: Residency) -> None:
+        self.schedule = schedule
+        self.residency = residency
+        self.diverged_at: int | None = None
+        self.n_ops = 0
+        self.peak_bytes = 0
+        """Most gpu bytes at any op of this iteration: pages in use plus the trace's non-model bytes."""
+
+    @property
+    def diverged(self) -> bool:
+        return self.diverged_at is not None
+
+    def begin(self) -> None:
+        """Before op 0: only the cached units may be on the gpu; stage those that are not."""
+        res, cached = self.residency, self.schedule.cached
+        for u in res.resident_units():
+            if u not in cached:
+                res.release(u)
+        for u in sorted(cached):
+            layer = res.bank.layers[u]
+            if not layer.resident and not layer.staged:
+                try:
+                    res.stage(u)
+                except OutOfMemory:
+                    pass  # bound at its compute (a miss)
+
+    def on_op(self, op_id: int, edge: str, op: Op) -> None:
+        if self.diverged or op.event == "step":
+            return
+        sched = self.schedule
+        if edge == "start":
+            if op_id >= len(sched.expected) or sched.expected[op_id] != (op.event, op.name):
+                self.diverged_at = op_id
+                return
+            self.n_ops = op_id + 1
+            for act in sched.at_start[op_id]:
+                self._run(act)
+            if op.params and op.event in ("forward_pre", "backward_pre"):
+                for u in self.residency.units_of(op.params):  # the plan binds them; a safety net
+                    self.residency.bind(u)
+            res = self.residency
+            self.peak_bytes = max(self.peak_bytes, res.used_pages * res.page_bytes + sched.non_model[op_id])
+        else:
+            for act in sched.at_end[op_id]:
+                self._run(act)
+
+    def finish(self) -> None:
+        """The iteration's backward is over: an iteration shorter than the trace left the plan."""
+        if not self.diverged and self.n_ops < len(self.schedule.expected):
+            self.diverged_at = self.n_ops
+
+    def _run(self, act: Action) -> None:
+        res = self.residency
+        if act.kind == "stage":
+            layer = res.bank.layers[act.unit]
+            if layer.resident:
+                return
+            try:
+                res.stage(act.unit, act.pages)
+            except OutOfMemory:
+                pass  # the compute copies what is missing (a miss); the plan said it fits, so rare
+        elif act.kind == "bind":
+            res.bind(act.unit)
+        else:
+            res.release(act.unit)

@@ -1,0 +1,290 @@
+"""How the parameters reach the gpu in each iteration: traced warm-up, the plan, or on demand.
+
+Per iteration (one forward and its backward), chosen at the forward call from the inputs'
+shapes, dtypes and the other arguments (the *signature*):
+
+- **warm-up**: no plan yet for this signature. The iteration runs under the tracer
+  (``pagemem.tracer.Recording`` on the engine's own op clock, so the trace numbers ops as later
+  iterations will) with demand paging that keeps the gpu pages plus the non-model bytes recorded
+  so far within the budget. At the end of its backward the scheduler plans the trace
+  (``pagemem.sched.plan``) and the plan is compiled for the engine's units (``executor.py``).
+- **plan**: the executor follows the plan's queue. If an op differs from the trace
+  (data-dependent control flow), the rest of the iteration is paged on demand, reserving the
+  trace's largest non-model bytes, and the plan is dropped: the next iteration with this
+  signature is traced and planned again (a *re-plan*, counted, with a warning the first time).
+  A signature that left its plan ``MAX_DIVERGENCES`` times is paged on demand from then on.
+- **demand**: no plan can be made (the scheduler finds none, or ``EngineConfig.executor`` is
+  ``"demand"``), or a forward without gradients (evaluation): demand paging.
+
+Plans are kept per signature (the last ``MAX_PLANS``), so alternating sequence lengths are
+traced once each.
+
+[Note: the gpu budget] ``StoreConfig.gpu_bytes`` is the budget for pages *and* non-model memory
+(activations, autograd's gradients, temporaries). The plan keeps pages plus the trace's non-model
+bytes per op within it; demand paging keeps the pages plus what it reserves within it. The
+measured peak (``stats()["gpu_peak_bytes"]``) is, per op, the gpu pages in use plus the
+non-model bytes: recorded by the tracer in warm-up, the trace's in a planned iteration, the
+reserve on demand. (On CUDA the caching allocator's own figure belongs beside it; that path has
+not run yet.)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter, OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagemem.engine.bank import ParamBank
+from pagemem.engine.executor import Executor, PlanMismatch, Schedule
+from pagemem.engine.residency import Residency
+from pagemem.sched import InfeasiblePlan, Plan, plan
+from pagemem.tracer import Op, OpClock, Recording, SavedTensor, Trace, TraceError, TraceOptions
+
+MAX_PLANS = 8
+MAX_DIVERGENCES = 3
+
+
+class SavedParam:
+    """What autograd keeps for a saved parameter (or a view of one): where to find it again."""
+
+    __slots__ = ("index", "size", "stride", "offset")
+
+    def __init__(self, index: int, t: torch.Tensor) -> None:
+        self.index, self.size, self.stride, self.offset = index, t.size(), t.stride(), t.storage_offset()
+
+
+def signature(args: tuple, kwargs: dict) -> tuple:
+    """What must match for an iteration to follow a plan made for another one."""
+    def key(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), str(v.dtype), str(v.device), v.requires_grad)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (list, tuple)):
+            return tuple(key(x) for x in v)
+        if isinstance(v, dict):
+            return tuple((str(k), key(x)) for k, x in v.items())
+        return type(v).__qualname__
+    return key(args), key(kwargs)
+
+
+class Pager:
+    def __init__(self, model: nn.Module, bank: ParamBank, clock: OpClock, optimizer_tier: str,
+                 executor: str) -> None:
+        self.model = model
+        self.bank = bank
+        self.clock = clock
+        self.residency = Residency(bank)
+        self.store = bank.store
+        self.use_plans = executor == "plan"
+        self.plan_tier = optimizer_tier if optimizer_tier in ("cpu", "nvme") else "cpu"
+        # pages on the gpu at rest (optimizer states kept there): not the plan's to use
+        self.static_gpu_pages = self.residency.used_pages
+        self.plans: OrderedDict[tuple, Schedule | None] = OrderedDict()
+        self.divergences: Counter = Counter()
+        self.iterations: Counter = Counter()
+        """Iterations per mode: ``traced``, ``planned``, ``left_plan``, ``demand``."""
+        self.replans = 0
+        self.mode = "demand"
+        self.last_plan: Plan | None = None
+        self.last_trace: Trace | None = None
+        """The last warm-up's trace (``last_plan`` was made from it, when there is one)."""
+        self.plan_note: str | None = None
+        """Why the last trace has no plan, if it has none."""
+        self.peak_by_mode: dict[str, int] = {}
+        """Per mode, the most gpu bytes at any op: pages in use plus non-model bytes (see the Note)."""
+        self.peak_pages = 0
+        self._sig: tuple | None = None
+        self._recording: Recording | None = None
+        self._executor: Executor | None = None
+        self._reserve = 0
+        self._op_pages: list[int] = []
+        self._warned: set[str] = set()
+        clock.subscribe(self._on_op)
+
+    # ------------------------------------------------------------------ iterations
+
+    def begin(self, args: tuple, kwargs: dict) -> None:
+        """A forward call starts an iteration: choose how it is paged (see the module docs)."""
+        self._abandon()
+        self.clock.reset()
+        self._executor = None
+        sig = signature(args, kwargs)
+        self._sig = sig
+        if not torch.is_grad_enabled() or not self.use_plans:
+            self._start_demand(reserve=0)
+            return
+        if sig in self.plans:
+            self.plans.move_to_end(sig)
+            schedule = self.plans[sig]
+            if schedule is None:
+                self._start_demand(reserve=0)
+                return
+            self.mode = "plan"
+            self._executor = Executor(schedule, self.residency)
+            self._executor.begin()
+            self.iterations["planned"] += 1
+            return
+        if self.iterations["traced"]:
+            self.replans += 1
+            self._warn("replan", "pagemem: this iteration differs from the traced ones (other input shapes, "
+                                 "or data-dependent control flow): it is traced and planned again. "
+                                 "Results are unaffected; engine.stats()['replans'] counts these.")
+        self.mode = "warmup"
+        self.residency.new_iteration()
+        self._op_pages = []
+        self._recording = Recording(self.model, self.clock, layers=self.bank.units,
+                                    param_nbytes=self.bank.param_nbytes,
+                                    options=TraceOptions(optimizer_model="master_adam"))
+        self.iterations["traced"] += 1
+
+    def _start_demand(self, reserve: int) -> None:
+        self.mode = "demand"
+        self._reserve = reserve
+        self.residency.new_iteration()
+        self.iterations["demand"] += 1
+
+    def end_backward(self) -> None:
+        """The iteration's backward is over: plan a warm-up's trace; drop a plan that was left."""
+        self.clock.close()  # the last op ends: its releases run
+        if self.mode == "warmup" and self._recording is not None:
+            recording, self._recording = self._recording, None
+            try:
+                trace = recording.finish()
+            except TraceError as exc:
+                self._warn("trace", f"pagemem: the warm-up iteration could not be traced ({exc}); "
+                                    "it will be traced again")
+                return
+            for op_id, pages in enumerate(self._op_pages[:len(trace.ops)]):
+                self._peak("warmup", pages, trace.ops[op_id].non_model_bytes)
+            self.last_trace = trace
+            self.plans[self._sig] = self._plan(trace)
+            while len(self.plans) > MAX_PLANS:
+                self.plans.popitem(last=False)
+        elif self.mode == "plan" and self._executor is not None:
+            ex = self._executor
+            ex.finish()
+            self.peak_by_mode["plan"] = max(self.peak_by_mode.get("plan", 0), ex.peak_bytes)
+            if ex.diverged:
+                self.iterations["left_plan"] += 1
+                self.divergences[self._sig] += 1
+                self.plans.pop(self._sig, None)
+                if self.divergences[self._sig] >= MAX_DIVERGENCES:
+                    self.plans[self._sig] = None
+                    self._warn("diverge", f"pagemem: iterations with these inputs left their plan "
+                                          f"{MAX_DIVERGENCES} times (data-dependent control flow?); "
+                                          "they are paged on demand from now on")
+
+    def _plan(self, trace) -> Schedule | None:
+        s = self.store
+        gpu = (s.tier("gpu").capacity - self.static_gpu_pages) * s.page_bytes
+        budgets = {"gpu": gpu, "cpu": s.tier("cpu").capacity * s.page_bytes,
+                   "nvme": s.tier("nvme").capacity * s.page_bytes}
+        try:
+            p = plan(trace, budgets, world_size=1, optimizer_tier=self.plan_tier, page_bytes=s.page_bytes)
+            schedule = Schedule.compile(p, trace, self.bank)
+        except (InfeasiblePlan, PlanMismatch) as exc:
+            self.plan_note = str(exc)
+            self._warn("noplan", f"pagemem: no plan fits this iteration ({exc}); it is paged on demand")
+            return None
+        self.last_plan, self.plan_note = p, None
+        return schedule
+
+    # ------------------------------------------------------------------ ops
+
+    def _on_op(self, op_id: int, edge: str, op: Op) -> None:
+        ex = self._executor
+        if self.mode == "plan" and ex is not None:
+            ex.on_op(op_id, edge, op)
+            if not ex.diverged:
+                return
+            if edge == "start" and ex.diverged_at == op_id:  # left the plan here: on demand from now on
+                self._reserve = max(ex.schedule.non_model, default=0)
+        if edge != "start" or op.event == "step":
+            return
+        res = self.residency
+        reserve = self._recording.live_bytes if self._recording is not None else self._reserve
+        units = res.units_of(op.params) if op.params and op.event in ("forward_pre", "backward_pre") else []
+        # warm-up keeps only what the op uses (its non-model peak is known only once it ends)
+        res.make_room(units, res.budget_bytes if self.mode == "warmup" else reserve)
+        if units:
+            res.ensure(units, reserve, stage_next=self.mode != "warmup")
+        if self.mode == "warmup":
+            self._op_pages.append(res.used_pages)
+        else:
+            self._peak(self.mode, res.used_pages, reserve)
+
+    def _peak(self, mode: str, pages: int, non_model: int) -> None:
+        self.peak_pages = max(self.peak_pages, pages)
+        nbytes = pages * self.store.page_bytes + non_model
+        self.peak_by_mode[mode] = max(self.peak_by_mode.get(mode, 0), nbytes)
+
+    # ------------------------------------------------------------------ saved tensors
+
+    def pack(self, t: torch.Tensor) -> Any:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            ptr = None
+        i = self.residency.param_at(ptr) if ptr is not None else None
+        if i is not None and t.dtype == self.bank.params[i][1].dtype:
+            if self._recording is not None:
+                self._recording.touch_params((i,))
+            return SavedParam(i, t)
+        if self._recording is not None:
+            return self._recording.pack(t)
+        return t
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, SavedTensor):
+            return saved.unpack()
+        if not isinstance(saved, SavedParam):
+            return saved
+        u = self.bank.layer_of[saved.index]
+        if self.mode == "plan" and self._executor is not None and not self._executor.diverged:
+            self.residency.bind(u)
+        else:
+            reserve = self._recording.live_bytes if self._recording is not None else self._reserve
+            self.residency.ensure([u], reserve)
+        if self._recording is not None:
+            self._recording.touch_params((saved.index,), grads=True)
+        base = self.bank.params[saved.index][1].data
+        return base.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ------------------------------------------------------------------ the rest
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _abandon(self) -> None:
+        if self._recording is not None:
+            self._recording.abandon()
+            self._recording = None
+
+    def stats(self) -> dict[str, Any]:
+        res = self.residency
+        p = self.last_plan
+        return {
+            "mode": self.mode,
+            "iterations": dict(self.iterations),
+            "replans": self.replans,
+            "gpu_peak_bytes": max(self.peak_by_mode.values(), default=0),
+            "gpu_peak_bytes_by_mode": dict(self.peak_by_mode),
+            "gpu_peak_page_bytes": self.peak_pages * self.store.page_bytes,
+            "fetches": res.fetches, "prefetches": res.prefetches, "evictions": res.evictions,
+            "misses": res.misses, "gpu_wait_seconds": res.wait_seconds,
+            "plan": None if p is None else {
+                "tasks": len(p.tasks), "counts": dict(p.counts()), "cached_layers": len(p.cached_layers),
+                "predicted_gpu_peak_bytes": p.predicted_peak["gpu"], "min_gpu_bytes": p.min_gpu_bytes,
+                "planning_seconds": p.planning_seconds},
+            "plan_note": self.plan_note,
+        }
+
+    def close(self) -> None:
+        self._abandon()
+        self.residency.release_all()

@@ -1,0 +1,263 @@
+"""Which paging units are on the gpu, and the parameters' ``.data`` while they are.
+
+Two ways in, one state per unit (``Layer.resident``, ``Layer.staged``, ``Layer.zombie``):
+
+- **as the plan says** (``executor.py``): ``stage(unit, pages)`` starts copying a run of the
+  unit's pages to the gpu at the op the plan's ``move_to_gpu`` names; ``bind(unit)`` at its
+  ``compute`` waits for that unit's copies only (and copies what was not staged: a miss), then
+  points the parameters at the gpu pages; ``release(unit)`` at the plan's ``release``;
+- **on demand** (the warm-up iteration, and an iteration that left its plan): ``ensure(units)``
+  binds, first evicting the least recently used units not in use until the pages fit, and the
+  non-model bytes the caller reserves fit beside them; then it stages the unit the previous
+  demand iteration used next, if that fits without evicting.
+
+[Note: parameters are views over page memory]
+While a unit is resident each of its ``nn.Parameter`` objects has ``.data`` set to a view of its
+gpu replica (``PagedTensor.view``, which pins the pages for as long as that view or anything
+derived from it lives, autograd's saved tensors included). Releasing a unit points ``.data`` at a
+placeholder of the same shape and dtype (Hugging Face code reads ``.shape``) and drops the
+replica; if a derived tensor still pins it, the replica stays (a *zombie*) until it dies and is
+dropped later, so no tensor ever aliases a slot that was given to another unit. The Parameter
+objects themselves never change, so optimizer and autograd references stay valid.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Iterable
+
+from pagemem.engine.bank import Layer, ParamBank, placeholder
+from pagemem.errors import InvalidRequest, OutOfMemory
+
+
+class Residency:
+    def __init__(self, bank: ParamBank) -> None:
+        self.bank = bank
+        self.store = bank.store
+        self._gpu = self.store.tier("gpu")
+        self.page_bytes = self.store.page_bytes
+        self.budget_bytes = self._gpu.capacity * self.page_bytes
+        """The gpu budget: pages plus the non-model memory callers reserve beside them."""
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._order: list[int] = []
+        """Units in the order the previous demand iteration asked for them (what staging on
+        demand follows)."""
+        self._seen: list[int] = []
+        self._cursor = 0
+        self._by_ptr: dict[int, int] = {}
+        self.fetches = 0
+        """Units made resident on demand."""
+        self.prefetches = 0
+        """Units staged ahead of use (by the plan, or by the demand path's guess)."""
+        self.evictions = 0
+        self.misses = 0
+        """Units a plan's compute found not fully staged (the executor copied the rest)."""
+        self.wait_seconds = 0.0
+        """Time the compute thread spent waiting for pages (the gpu idle, on the stand-in)."""
+
+    @property
+    def used_pages(self) -> int:
+        return self._gpu.used_pages
+
+    def param_at(self, ptr: int) -> int | None:
+        """The resident parameter whose data starts at address ``ptr``, if any."""
+        return self._by_ptr.get(ptr)
+
+    def units_of(self, params: Iterable[int]) -> list[int]:
+        return sorted({self.bank.layer_of[i] for i in params})
+
+    def resident_units(self) -> list[int]:
+        return [l.index for l in self.bank.layers if l.resident or l.staged]
+
+    # ------------------------------------------------------------------ as the plan says
+
+    def stage(self, li: int, pages: range | None = None) -> None:
+        """Start copying unit ``li``'s pages (all, or the run ``pages``) to the gpu. Reserves
+        now: OutOfMemory, changing nothing, when they do not fit."""
+        layer = self.bank.layers[li]
+        handle = self.store.copy(layer.compute, "gpu", pages=pages)
+        layer.staged.append(handle)
+        layer.staged_pages += len(pages) if pages is not None else self.store.page_count(layer.compute)
+        self.prefetches += 1
+
+    def bind(self, li: int) -> None:
+        """Make unit ``li`` resident: wait for its staged copies, copy whatever was not staged
+        (counted in ``misses``), point its parameters at the gpu pages."""
+        layer = self.bank.layers[li]
+        if layer.resident:
+            self._lru[li] = None
+            self._lru.move_to_end(li)
+            return
+        if layer.staged_pages < self.store.page_count(layer.compute):
+            self.misses += 1
+        self._fetch(layer, keep={li}, reserve=0)
+
+    def release(self, li: int) -> None:
+        """Unit ``li`` leaves the gpu (see the Note): parameters back to placeholders, pages given
+        back (or kept as a zombie while a derived tensor pins them)."""
+        layer = self.bank.layers[li]
+        if layer.staged and not layer.resident:
+            self._drop_staged(layer)
+            return
+        self.evict(layer)
+
+    # ------------------------------------------------------------------ on demand
+
+    def new_iteration(self) -> bool:
+        """A demand iteration begins: the units asked for since the last one become the order
+        to stage in. True when that order differs from the one before."""
+        changed = bool(self._order) and bool(self._seen) and self._seen != self._order
+        if self._seen:
+            self._order, self._seen = self._seen, []
+        self._cursor = 0
+        return changed
+
+    def ensure(self, units: list[int], reserve: int = 0, stage_next: bool = True) -> None:
+        """Make every listed unit resident, evicting least recently used ones not listed while
+        the pages plus ``reserve`` non-model bytes exceed the budget; then (``stage_next``) stage
+        the unit the previous demand iteration used next, if it fits without evicting."""
+        keep = set(units)
+        for li in units:
+            self._seen.append(li)
+            layer = self.bank.layers[li]
+            if layer.resident:
+                self._lru.move_to_end(li)
+            else:
+                self._fetch(layer, keep, reserve)
+                self.fetches += 1
+            if stage_next:
+                self._stage_after(li, reserve)
+
+    def make_room(self, keep: Iterable[int], reserve: int) -> None:
+        """Evict units not in ``keep`` until the gpu pages in use plus ``reserve`` bytes fit the
+        budget (or nothing more can go)."""
+        keep = set(keep)
+        while self.used_pages * self.page_bytes + reserve > self.budget_bytes:
+            if not self._evict_one(keep):
+                return
+
+    def _stage_after(self, li: int, reserve: int) -> None:
+        """[Note: demand staging] follows the previous demand iteration's order: one unit ahead,
+        and only into free room (it never evicts), so fetches stay the only ones that make room."""
+        order = self._order
+        try:
+            pos = order.index(li, self._cursor)
+        except ValueError:
+            return
+        self._cursor = pos + 1
+        if self._cursor >= len(order):
+            return
+        nxt = self.bank.layers[order[self._cursor]]
+        if nxt.resident or nxt.staged:
+            return
+        need = self.store.page_count(nxt.compute)
+        if (self.used_pages + need) * self.page_bytes + reserve > self.budget_bytes:
+            return
+        try:  # reserves up front: no room means OutOfMemory, nothing changed
+            self.stage(nxt.index)
+        except OutOfMemory:
+            return
+
+    def _fetch(self, layer: Layer, keep: set[int], reserve: int) -> None:
+        t0 = time.perf_counter()
+        need = max(0, self.store.page_count(layer.compute) - layer.staged_pages)
+        while (self.used_pages + need) * self.page_bytes + reserve > self.budget_bytes:
+            if not self._evict_one(keep):
+                break
+        while True:
+            try:
+                for handle in layer.staged:
+                    handle.wait()
+                self.store.copy(layer.compute, "gpu").wait()
+                break
+            except OutOfMemory as exc:
+                if not self._evict_one(keep):
+                    raise OutOfMemory("gpu", exc.requested_pages, exc.free_pages, exc.page_bytes,
+                                      f"layer {layer.name!r}: every other resident layer is in use") from None
+        layer.staged.clear()
+        layer.staged_pages = 0
+        self._bind_views(layer)
+        self.wait_seconds += time.perf_counter() - t0
+
+    def _bind_views(self, layer: Layer) -> None:
+        params = self.bank.params
+        for i, t in zip(layer.params, layer.compute):
+            p = params[i][1]
+            try:
+                p.data = t.view("gpu")
+            except InvalidRequest:  # scattered slots: a merged copy of the gpu pages (stats().view_copies)
+                lease = t.lease("gpu", write=False)
+                layer.leases.append(lease)
+                p.data = lease.tensor
+            if p.numel():
+                ptr = p.data.untyped_storage().data_ptr()
+                self._by_ptr[ptr] = i
+                layer.ptrs.append(ptr)
+        layer.resident, layer.zombie = True, False
+        self._lru[layer.index] = None
+        self._lru.move_to_end(layer.index)
+
+    def _evict_one(self, keep: set[int]) -> bool:
+        """Give back the pages of one unit not in ``keep``: staged but unbound copies first,
+        then zombies, then the least recently used resident unit. False when nothing could go."""
+        for layer in self.bank.layers:
+            if layer.staged and not layer.resident and layer.index not in keep:
+                self._drop_staged(layer)
+                return True
+        for layer in self.bank.layers:
+            if layer.zombie and self._drop(layer):
+                return True
+        for li in list(self._lru):
+            if li in keep:
+                continue
+            self.evict(self.bank.layers[li])
+            if not self.bank.layers[li].zombie:
+                return True
+        return False
+
+    def evict(self, layer: Layer) -> None:
+        """Point the unit's parameters at placeholders and drop its gpu replica (see the Note)."""
+        if not layer.resident:
+            return
+        for i in layer.params:
+            p = self.bank.params[i][1]
+            p.data = placeholder(p.shape, p.dtype, p.device)
+        for lease in layer.leases:
+            lease.release()
+        layer.leases.clear()
+        for ptr in layer.ptrs:
+            self._by_ptr.pop(ptr, None)
+        layer.ptrs.clear()
+        layer.resident = False
+        self._lru.pop(layer.index, None)
+        self.evictions += 1
+        layer.zombie = not self._drop(layer)
+
+    def _drop(self, layer: Layer) -> bool:
+        try:
+            self.store.release(layer.compute, "gpu").wait()
+        except InvalidRequest:  # still pinned by a tensor derived from an old view
+            return False
+        layer.zombie = False
+        return True
+
+    def _drop_staged(self, layer: Layer) -> None:
+        """Wait for a unit's staged copies and drop what they brought."""
+        for handle in layer.staged:
+            try:
+                handle.wait()
+            except Exception:  # a failed copy leaves whatever landed; dropped all the same
+                pass
+        layer.staged.clear()
+        layer.staged_pages = 0
+        self._drop(layer)
+
+    def release_all(self) -> None:
+        for layer in self.bank.layers:
+            if layer.staged and not layer.resident:
+                self._drop_staged(layer)
+            self.evict(layer)
+        for layer in self.bank.layers:
+            if layer.zombie:
+                self._drop(layer)
