@@ -4,27 +4,31 @@ Rows (same GPT 6L h512, batch 4 x seq 128, fp32; on the CPU, where the ``gpu`` t
 stand-in, or on CUDA when present (not yet run there). Every engine row has its own anchor
 measured in the same run, iterations interleaved engine / plain so both see the same load):
 
-- ``fits``: a gpu budget that holds every parameter (no evictions after the first fetches).
-  Goal: engine iterations/s >= 0.9x plain PyTorch (``torch.optim.AdamW(fused=True)``).
+Every gpu budget covers the engine's pages *and* the non-model memory (activations, autograd's
+gradients), as on a real GPU:
+
+- ``fits``: what plain PyTorch keeps on its gpu (16 bytes per parameter: weights, gradients, two
+  moments) plus the activations. Goal: engine iterations/s >= 0.9x plain PyTorch
+  (``torch.optim.AdamW(fused=True)``).
 - ``4x cpu``: gpu budget = model states (params + grads + fp32 master + 2 moments = 20 bytes per
-  parameter) / 4, at least the largest layer; optimizer states on ``cpu``.
+  parameter) / 4, at least the least the scheduler accepts; optimizer states on ``cpu``.
 - ``4x nvme``: the same budget, optimizer states on ``nvme`` (a temporary directory).
 
 An iteration is forward + backward + optimizer step; after warm-up the median of N is reported
-(and tokens/s). Beside each engine row: what the engine's ``stats()`` says per iteration (bytes
-moved per direction, fetches, evictions, seconds per phase), and the simulator's prediction for
-that row: the model traced on this machine (``pagemem.tracer.trace`` of a third copy, forward +
-backward, taken between the row's timed iterations so it sees the same load; the trace of median
-length), planned with the row's budgets (gpu: the engine's gpu budget plus the trace's peak non-model
-memory, since activations live outside the engine's gpu tier; optimizer states kept on their
-tier as the engine keeps them), simulated on the ``dev-vm`` profile. Goal: within 15% of the
+(and tokens/s). Beside each engine row: what the engine's ``stats()`` says per iteration (units
+staged by the plan, missed, fetched on demand; evictions; time waited for pages; the measured gpu
+peak, pages plus non-model bytes, against the budget; bytes moved; seconds per phase), and the
+simulator's prediction for that row: **the plan the engine followed**, simulated on the
+``dev-vm`` profile with the op durations of a trace of a third copy of the model (forward +
+backward, taken between the row's timed iterations so it sees the same load; the one of median
+length; the engine's own warm-up durations include its demand paging). Goal: within 15% of the
 measured engine iteration. Neither number is adjusted to the other. A last block splits the
 engine's extra time over plain PyTorch by phase, beside what the simulator assumes is exposed.
 Every iteration also checks that the engine's loss equals plain PyTorch's bit for bit (fp32).
 
 Usage: ``python benchmarks/bench_engine.py [--iters N] [--rows fits,cpu,nvme] [--engine-option k=v]``.
 ``--engine-option`` passes extra ``EngineConfig`` fields (e.g. an executor mode, once the engine
-has one); the engine's own ``stats()["mode"]`` is reported when it exists.
+has one); the engine's ``stats()["iterations"]`` (traced, planned, left_plan, demand) is reported.
 """
 
 from __future__ import annotations
@@ -121,25 +125,47 @@ def stats_delta(after: dict, before: dict, n: int) -> dict:
         "moved_bytes": {k: v for k, v in moved.items() if v},
         "seconds": {k: (v - before["seconds"].get(k, 0.0)) / n for k, v in after["seconds"].items()},
         "fetches": (after["fetches"] - before["fetches"]) / n,
+        "prefetches": (after["prefetches"] - before["prefetches"]) / n,
+        "misses": (after["misses"] - before["misses"]) / n,
+        "gpu_wait_s": (after["gpu_wait_seconds"] - before["gpu_wait_seconds"]) / n,
         "evictions": (after["evictions"] - before["evictions"]) / n,
         "view_copies": (after.get("view_copies", 0) - before.get("view_copies", 0)) / n,
     }
 
 
-def predict(tr, row: dict, non_model: int, hw: HardwareProfile, cache_optimizer: bool) -> dict:
-    budgets = {"gpu": row["gpu_bytes"] + non_model, "cpu": row["cpu_bytes"], "nvme": row["nvme_bytes"]}
-    try:
-        p = plan(tr, budgets, world_size=1, optimizer_tier=row["optimizer_tier"], page_bytes=PAGE,
-                 cache_optimizer=cache_optimizer)
-    except InfeasiblePlan as exc:
-        return {"budgets": budgets, "infeasible": str(exc), "min_gpu_bytes": exc.min_gpu_bytes}
-    s = simulate(p, tr, hw)
+def with_durations(engine_trace, timed):
+    """The engine's own trace (its units, the access order its plan was made for) with the op
+    durations of ``timed``, a trace of the same model and batch taken under this run's load (the
+    engine's warm-up durations include its demand paging). Both number the same ops."""
+    if [(o.event, o.module) for o in engine_trace.ops] != [(o.event, o.module) for o in timed.ops]:
+        raise ValueError("the engine's trace and the timing trace number different ops")
+    ops = tuple(dataclasses.replace(o, duration=t.duration, cpu_time=t.cpu_time, gpu_time=t.gpu_time)
+                for o, t in zip(engine_trace.ops, timed.ops))
+    return dataclasses.replace(engine_trace, ops=ops)
+
+
+def predict(engine_plan, engine_trace, timed, hw: HardwareProfile) -> dict:
+    """Simulate the plan the engine followed, with this run's op durations."""
+    if engine_plan is None:
+        return {"infeasible": "the engine made no plan (see its plan_note)"}
+    tr = with_durations(engine_trace, timed)
+    s = simulate(engine_plan, tr, hw)
     return {
-        "budgets": budgets, "valid": validate(p, tr).ok, "iteration_s": s.iteration_time, "steady": s.steady,
+        "budgets": engine_plan.budgets.as_dict(), "valid": validate(engine_plan, tr).ok,
+        "iteration_s": s.iteration_time, "steady": s.steady,
         "gpu_idle": s.gpu_idle_fraction, "busy_s": dict(s.busy), "stalls_s": dict(s.stalls),
-        "plan_bytes_moved": p.bytes_moved(), "plan_counts": dict(p.counts()),
-        "cached_layers": len(p.cached_layers),
+        "plan_bytes_moved": engine_plan.bytes_moved(), "plan_counts": dict(engine_plan.counts()),
+        "cached_layers": len(engine_plan.cached_layers), "min_gpu_bytes": engine_plan.min_gpu_bytes,
     }
+
+
+def least_gpu_bytes(tr) -> int:
+    """The smallest gpu budget (pages and non-model memory) the scheduler accepts for a trace."""
+    try:
+        plan(tr, {"gpu": 1, "cpu": 1 << 50}, page_bytes=PAGE)
+    except InfeasiblePlan as exc:
+        return exc.min_gpu_bytes
+    raise AssertionError("a 1-byte gpu budget cannot fit")
 
 
 def proc_io() -> dict[str, int]:
@@ -207,6 +233,7 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
                 traced_model.zero_grad(set_to_none=True)
                 traces.append(tr)
         after = engine.stats()
+        engine_plan, engine_trace = engine.pager.last_plan, engine.pager.last_trace
         moves1 = engine.store.stats().moves
         move_s = {k: (m.seconds - (moves0[k].seconds if k in moves0 else 0.0)) / args.iters
                   for k, m in moves1.items()}
@@ -225,7 +252,7 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
     per_it["move_seconds"] = {k: v for k, v in move_s.items() if v}
     return {
         "row": name, **row, "engine_build_s": t_build,
-        "mode": after.get("mode", "demand paging (stats() has no 'mode')"),
+        "mode": after["mode"], "iterations": after["iterations"],
         "engine_s": e_times, "plain_s": p_times, "median_engine_s": me, "median_plain_s": mp,
         "engine_it_per_s": 1 / me, "plain_it_per_s": 1 / mp, "ratio": mp / me,
         "engine_tokens_per_s": tokens / me, "plain_tokens_per_s": tokens / mp,
@@ -234,6 +261,7 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
         "same_losses": all(same), "loss_matches": sum(same), "loss_checks": len(same),
         "per_iteration": per_it, "stats_end": after, "store_moves_total": store_moves,
         "trace_fwd_bwd_s": [fwd_bwd_seconds(t) for t in traces], "_trace": tr,
+        "_engine_plan": engine_plan, "_engine_trace": engine_trace,
     }
 
 
@@ -296,13 +324,24 @@ def main() -> None:
     states_bytes = STATE_BYTES_PER_PARAM * n_params
     footprint_pages = sum(pages(b) for _, b in layers)  # the engine's gpu pages with every layer resident
     largest = max(layers, key=lambda x: x[1])
-    fits_gpu = (footprint_pages + 1) * PAGE
-    small_gpu = max(states_bytes // 4, pages(largest[1]) * PAGE) // PAGE * PAGE
+    # the gpu budget covers pages and non-model memory (activations, autograd's gradients): the
+    # least the scheduler accepts for this model and batch (a trace of a copy, whole blocks as
+    # layers: coarser than the engine's units, so an upper bound on the engine's own least)
+    twin = GPT(cfg)
+    twin.load_state_dict(state)
+    twin.to(device)
+    least = least_gpu_bytes(trace(twin, lambda: twin(idx, tgt).backward()))
+    del twin
+    # fits: what plain PyTorch keeps on its gpu (parameters, gradients, two fp32 moments: 16 B per
+    # parameter) plus the activations; the plan then keeps every unit's parameters (and room for
+    # its optimizer states) on the gpu for good
+    fits_gpu = pages(least + 16 * n_params + (footprint_pages + len(layers)) * PAGE) * PAGE
+    small_gpu = max(states_bytes // 4, least) // PAGE * PAGE
     # cpu: compute copies + gradients (each per layer on fresh pages) + optimizer states, room to spare
     cpu_bytes = (2 * footprint_pages * PAGE + pages(12 * n_params) * PAGE) * 2
     nvme_bytes = pages(12 * n_params) * PAGE * 2
     row_specs = {
-        "fits": ("fits (gpu holds all params)", dict(gpu_bytes=fits_gpu, cpu_bytes=cpu_bytes, nvme_bytes=0,
+        "fits": ("fits (gpu = plain's need)", dict(gpu_bytes=fits_gpu, cpu_bytes=cpu_bytes, nvme_bytes=0,
                                                       optimizer_tier="cpu")),
         "cpu": ("4x, optimizer on cpu", dict(gpu_bytes=small_gpu, cpu_bytes=cpu_bytes, nvme_bytes=0,
                                              optimizer_tier="cpu")),
@@ -313,9 +352,9 @@ def main() -> None:
     print(f"GPT {cfg.layers}L h{cfg.hidden} vocab {cfg.vocab}, batch {args.batch} x seq {args.seq}, fp32 on {device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; {n_params / 1e6:.1f}M params "
           f"({mib(param_bytes)} MiB fp32), model states {mib(states_bytes)} MiB at {STATE_BYTES_PER_PARAM} B/param")
-    print(f"model: {len(layers)} modules owning parameters, largest {largest[0]} {mib(largest[1])} MiB; the 'fits' "
-          f"budget is {footprint_pages} pages = {mib(footprint_pages * PAGE)} MiB, an upper bound (every module on "
-          f"fresh pages); the engine merges small modules into paging units: its measured gpu peak is in the stats")
+    print(f"model: {len(layers)} modules owning parameters, largest {largest[0]} {mib(largest[1])} MiB; gpu budgets "
+          f"cover pages and non-model memory: the scheduler's least for this batch is {mib(least)} MiB; 'fits' = "
+          f"{mib(fits_gpu)} MiB (16 B/param + that), the 4x rows = {mib(small_gpu)} MiB (states / 4)")
 
     hw = HardwareProfile.builtin(args.profile)
     print(f"prediction: plan + simulate on profile '{hw.name}', from a trace taken between each row's timed "
@@ -327,10 +366,12 @@ def main() -> None:
         label, row = row_specs[key]
         r = run_row(label, cfg, state, idx, tgt, row, args, extra)
         tr = r.pop("_trace")
+        engine_plan, engine_trace = r.pop("_engine_plan"), r.pop("_engine_trace")
         non_model = max(o.non_model_bytes for o in tr.ops)
         r["trace"] = {"ops": len(tr.ops), "layers": len(tr.layers), "fwd_bwd_s": fwd_bwd_seconds(tr),
-                      "peak_non_model_bytes": non_model}
-        r["predicted"] = predict(tr, row, non_model, hw, cache_optimizer=False)
+                      "peak_non_model_bytes": non_model,
+                      "engine_units": len(engine_trace.layers) if engine_trace else None}
+        r["predicted"] = predict(engine_plan, engine_trace, tr, hw)
         results.append(r)
         print(f"  {label}: engine {r['median_engine_s'] * 1e3:.0f} ms, plain {r['median_plain_s'] * 1e3:.0f} ms, "
               f"predicted {r['predicted'].get('iteration_s', float('nan')) * 1e3:.0f} ms", flush=True)
@@ -365,12 +406,15 @@ def main() -> None:
         disk = f"{disk['read_bytes'] / 2**20:.0f} / {disk['write_bytes'] / 2**20:.0f}" if disk else "n/a"
         peak = r["stats_end"].get("gpu_peak_bytes")
         peak = f"{mib(peak)} / {mib(r['gpu_bytes'])}" if peak is not None else "n/a"
-        rows.append([r["row"], r["mode"].split(" (")[0], f"{d['fetches']:.0f}", f"{d['evictions']:.0f}", peak,
+        mode = ", ".join(f"{k} {v}" for k, v in r["iterations"].items())
+        rows.append([r["row"], mode, f"{d['prefetches']:.0f} / {d['misses']:.0f} / {d['fetches']:.0f}",
+                     f"{d['evictions']:.0f}", f"{d['gpu_wait_s'] * 1e3:.0f}", peak,
                      f"{d['view_copies']:.0f}", moved, disk,
                      *(f"{d['seconds'].get(k, 0) * 1e3:.0f} / {pp[k] * 1e3:.0f}" for k in ("forward", "backward",
                                                                                           "step"))])
     print()
-    print(table(["row", "mode", "fetches", "evictions", "gpu peak / budget MiB", "view copies", "moved MiB (per direction, time in flight)",
+    print(table(["row", "iterations", "staged / missed / on demand", "evictions", "waited for pages ms",
+                 "gpu peak / budget MiB", "view copies", "moved MiB (per direction, time in flight)",
                  "disk MiB read / written", "fwd ms eng/plain", "bwd ms eng/plain", "step ms eng/plain"], rows,
                 "engine.stats() per timed iteration, means (disk: this process's /proc/self/io during engine "
                 "iterations; phases: plain PyTorch's means beside the engine's)"))
@@ -394,8 +438,7 @@ def main() -> None:
     print()
     print(table(["row", "plan gpu MiB", "plain fwd+bwd ms", "sim compute ms", "sim cpu-adam ms", "plan moves MiB",
                  "sim gpu idle", "idle by cause (ms)", "plan valid"], rows,
-                "simulator (gpu budget = engine gpu tier + peak non-model memory of the trace; "
-                "optimizer states not cached on gpu, as the engine keeps them)"))
+                "simulator: the plan the engine followed (its gpu budget, its units), this run's op durations"))
 
     fits = [r for r in results if r["row"].startswith("fits")]
     small = [r for r in results if not r["row"].startswith("fits")]

@@ -1,0 +1,185 @@
+"""How parameters reach the gpu per iteration (``pagemem/engine/pager.py``): the traced warm-up,
+following the plan, leaving it, evaluation calls, and no plan at all. Every run is compared with
+plain PyTorch doing the same arithmetic."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pagemem
+from pagemem.engine.executor import PlanMismatch, Schedule
+from pagemem.models.gpt import GPT, GPTConfig
+
+from conftest import engine_gpu_budget
+
+PAGE = 64 * 1024
+HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+VOCAB = 128
+
+
+def small_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=VOCAB, seq=32))
+
+
+def loss_of(model, x: torch.Tensor) -> torch.Tensor:
+    logits = model(x[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def batch(seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def budget_for(model, fraction: float = 1 / 3) -> int:
+    x = batch(32, 0)  # the longest sequence used: the budget holds its activations
+    return engine_gpu_budget(model, lambda m: loss_of(m, x).backward(), PAGE, fraction)
+
+
+def make_engine(model, gpu_bytes: int, **cfg) -> pagemem.Engine:
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_bytes, cpu_bytes=16 * nbytes + 64 * PAGE)
+    return pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP),
+                                                      adam_threads=2, **cfg))
+
+
+def plain_run(model, steps):
+    """``steps``: (batch, train) pairs; an untrained step is an evaluation forward under no_grad."""
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **HP)
+    evals = []
+    for x, train in steps:
+        if train:
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                evals.append(loss_of(model, x))
+    return model.state_dict(), evals
+
+
+def engine_run(engine, steps):
+    evals = []
+    for x, train in steps:
+        if train:
+            engine.backward(loss_of(engine, x))
+            engine.step()
+        else:
+            with torch.no_grad():
+                evals.append(loss_of(engine, x))
+    return engine.state_dict(), evals
+
+
+def assert_same(got, ref) -> None:
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_planned_iterations_move_exactly_what_the_plan_moves():
+    model = small_gpt()
+    steps = [(batch(32, s), True) for s in range(6)]
+    ref, _ = plain_run(copy.deepcopy(model), steps)
+    with make_engine(model, budget_for(model)) as engine:
+        engine_run(engine, steps[:2])  # the warm-up and one planned iteration
+        before = engine.stats()
+        engine_run(engine, steps[2:])
+        after = engine.stats()
+        got = engine.state_dict()
+        plan = engine.pager.last_plan
+    assert after["iterations"] == {"traced": 1, "planned": 5} and after["misses"] == 0
+    moves = plan.counts()["move_to_gpu"]
+    assert moves > 0  # pages really move every iteration
+    moved = after["moved_bytes"]["cpu->gpu"] - before["moved_bytes"]["cpu->gpu"]
+    assert moved == 4 * moves * PAGE  # one page per move_to_gpu task, nothing more, nothing less
+    assert 0 < after["gpu_peak_bytes"] <= after["gpu_budget_bytes"]
+    assert after["gpu_peak_bytes_by_mode"]["plan"] <= plan.predicted_peak["gpu"]
+    assert_same(got, ref)
+
+
+def test_evaluation_calls_between_training_iterations_leave_the_plan_alone():
+    model = small_gpt()
+    steps = [(batch(32, 0), True), (batch(32, 1), False), (batch(32, 2), True), (batch(16, 3), False),
+             (batch(32, 4), True), (batch(32, 5), True)]
+    ref, ref_evals = plain_run(copy.deepcopy(model), steps)
+    with make_engine(model, budget_for(model)) as engine:
+        got, evals = engine_run(engine, steps)
+        stats = engine.stats()
+    assert stats["iterations"] == {"traced": 1, "demand": 2, "planned": 3}
+    assert stats["misses"] == 0 and stats["replans"] == 0
+    assert stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
+    assert_same(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(evals, ref_evals))
+
+
+def test_without_a_plan_it_pages_on_demand_and_says_why():
+    model = small_gpt()
+    steps = [(batch(32, s), True) for s in range(4)]
+    ref, _ = plain_run(copy.deepcopy(model), steps)
+    least = budget_for(model, 0.0)
+    with make_engine(model, least // 2 // PAGE * PAGE) as engine:
+        with pytest.warns(RuntimeWarning, match="no plan fits"):
+            got, _ = engine_run(engine, steps)
+        stats = engine.stats()
+    assert stats["iterations"] == {"traced": 1, "demand": 3}
+    assert "gpu" in stats["plan_note"] and stats["plan"] is None
+    assert_same(got, ref)
+
+
+def test_executor_demand_never_traces():
+    model = small_gpt()
+    steps = [(batch(32, s), True) for s in range(3)]
+    ref, _ = plain_run(copy.deepcopy(model), steps)
+    with make_engine(model, budget_for(model), executor="demand") as engine:
+        got, _ = engine_run(engine, steps)
+        stats = engine.stats()
+    assert stats["iterations"] == {"demand": 3} and stats["plan"] is None
+    assert stats["fetches"] > 0
+    assert_same(got, ref)
+    with pytest.raises(pagemem.ConfigError, match="executor"):
+        pagemem.EngineConfig(store=pagemem.StoreConfig(gpu_bytes=PAGE, cpu_bytes=PAGE), executor="eager")
+
+
+def test_a_plan_for_other_units_is_refused():
+    """A plan names layers by their parameters and pages: compiled for a bank whose units differ
+    it raises PlanMismatch (the engine then pages on demand) instead of moving the wrong pages."""
+    model = small_gpt()
+    with make_engine(copy.deepcopy(model), budget_for(model)) as a:
+        engine_run(a, [(batch(32, 0), True)])
+        plan, trace = a.pager.last_plan, a.pager.last_trace
+        assert plan is not None
+        Schedule.compile(plan, trace, a.bank)  # its own units: fine
+        # a much larger budget merges modules into larger units
+        with make_engine(copy.deepcopy(model), 64 * budget_for(model)) as b:
+            assert len(b.bank.units) != len(a.bank.units)
+            with pytest.raises(PlanMismatch):
+                Schedule.compile(plan, trace, b.bank)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from([8, 16, 32]), st.booleans()), min_size=2, max_size=7))
+def test_any_sequence_of_lengths_and_evaluations_trains_exactly(schedule):
+    """Random interleavings of sequence lengths and evaluation calls: plain PyTorch's results, one
+    trace per length trained, a planned iteration for every other training call."""
+    model = small_gpt()
+    steps = [(batch(seq, i), train) for i, (seq, train) in enumerate(schedule)]
+    ref, ref_evals = plain_run(copy.deepcopy(model), steps)
+    with make_engine(model, budget_for(model)) as engine:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got, evals = engine_run(engine, steps)
+        stats = engine.stats()
+    assert_same(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(evals, ref_evals))
+    trained = [seq for seq, train in schedule if train]
+    want = {"traced": len(set(trained)), "planned": len(trained) - len(set(trained)),
+            "demand": len(schedule) - len(trained)}
+    assert stats["iterations"] == {k: v for k, v in want.items() if v}
+    assert stats["replans"] == max(0, len(set(trained)) - 1)
+    assert stats["misses"] == 0 and stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
