@@ -1,6 +1,6 @@
 """Engine throughput: training the project's GPT through ``pagemem.Engine`` against plain PyTorch.
 
-Rows (same GPT 6L h512, batch 4 x seq 128, fp32; on the CPU, where the ``gpu`` tier is the host
+Rows (same GPT 6L h512, batch 2 x seq 128, fp32; on the CPU, where the ``gpu`` tier is the host
 stand-in, or on CUDA when present (not yet run there). Every engine row has its own anchor
 measured in the same run, iterations interleaved engine / plain so both see the same load):
 
@@ -100,7 +100,8 @@ def iterate_engine(engine, idx, tgt) -> tuple[float, float]:
     return time.perf_counter() - t0, loss.item()
 
 
-def iterate_plain(model, opt, idx, tgt, phases: dict[str, list[float]] | None = None) -> tuple[float, float]:
+def iterate_plain(model, opt, idx, tgt, phases: dict[str, list[float]] | None = None,
+                  max_grad_norm: float | None = None) -> tuple[float, float]:
     t0 = time.perf_counter()
     loss = model(idx, tgt)
     sync()
@@ -108,6 +109,8 @@ def iterate_plain(model, opt, idx, tgt, phases: dict[str, list[float]] | None = 
     loss.backward()
     sync()
     t2 = time.perf_counter()
+    if max_grad_norm is not None:  # the same arithmetic as the engine's clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
     sync()
@@ -208,7 +211,7 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
         p_phase: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
         for _ in range(args.warmup):
             _, le = iterate_engine(engine, idx, tgt)
-            _, lp = iterate_plain(plain, opt, idx, tgt)
+            _, lp = iterate_plain(plain, opt, idx, tgt, max_grad_norm=extra.get('max_grad_norm'))
             same.append(le == lp)
             fwd_bwd()
             traced_model.zero_grad(set_to_none=True)
@@ -217,14 +220,14 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
         for i in range(args.iters):
             # alternate which goes first, so neither always follows the other's cache footprint
             if i % 2:
-                tp, lp = iterate_plain(plain, opt, idx, tgt, p_phase)
+                tp, lp = iterate_plain(plain, opt, idx, tgt, p_phase, extra.get('max_grad_norm'))
             a = proc_io()
             te, le = iterate_engine(engine, idx, tgt)
             b = proc_io()
             for k in e_io:
                 e_io[k] += b.get(k, 0) - a.get(k, 0)
             if not i % 2:
-                tp, lp = iterate_plain(plain, opt, idx, tgt, p_phase)
+                tp, lp = iterate_plain(plain, opt, idx, tgt, p_phase, extra.get('max_grad_norm'))
             e_times.append(te)
             p_times.append(tp)
             same.append(le == lp)
@@ -295,7 +298,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=8, help="timed iterations per row (median reported)")

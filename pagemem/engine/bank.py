@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pagemem.errors import InvalidRequest
+from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore
 from pagemem.store.layout import TENSOR_ALIGN
 
@@ -181,6 +181,15 @@ class ParamBank:
     def where(self, i: int) -> tuple[Layer, int]:
         """Parameter ``i``'s unit and its position in the unit's lists."""
         return self.layers[self.layer_of[i]], self.position[i]
+
+    def stage_states(self, li: int) -> None:
+        """Start copying unit ``li``'s optimizer states to the cpu ahead of their update (the
+        plan's ``move_to_cpu optim``); no room on the cpu leaves them to be read at the update."""
+        layer = self.layers[li]
+        try:
+            self.store.copy(layer.master + layer.exp_avg + layer.exp_avg_sq, "cpu")
+        except OutOfMemory:
+            pass
 
     def set_state(self, i: int, kind: str, value: torch.Tensor) -> None:
         """Overwrite parameter ``i``'s ``kind`` state (``master``, ``exp_avg``, ``exp_avg_sq``);

@@ -152,6 +152,7 @@ class Engine:
                                  "call save() after step() has updated")
         from pagemem.engine import checkpoint
 
+        self.updater.flush()
         return checkpoint.save(self, directory)
 
     @classmethod

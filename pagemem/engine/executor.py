@@ -7,13 +7,16 @@ of each op (the task table, ``pagemem.sched.tasks``, says at which edge each tas
   gpu (consecutive pages of one layer issued at one op travel as one call);
 - ``compute layer`` -> ``Residency.bind``: wait for that unit's copies only, then point its
   parameters at them;
-- ``release param`` -> ``Residency.release``.
+- ``release param`` -> ``Residency.release``;
+- ``move_to_cpu optim`` (optimizer states on nvme) -> ``ParamBank.stage_states``: a cpu copy
+  started during backward, which the update then finds in memory.
 
-[Note: what the executor leaves to the updater] Gradient offloads, optimizer-state fetches and
-write-backs and updates are the updater's (``update.py``): the engine's gradients are fp32 sums
+[Note: what the executor leaves to the updater] Gradient offloads, optimizer-state write-backs
+and updates are the updater's (``update.py``): the engine's gradients are fp32 sums
 on the cpu that autograd's gradient is added into as soon as it is ready (so the gpu holds it for
 less time than the plan's ``grad@gpu`` reserves), and the update runs at ``step()``, or during
-backward when that is exact (``EngineConfig.overlap_update``). Layers the plan caches on the gpu
+backward when that is exact (``EngineConfig.overlap_update``); states on nvme are written back
+behind the next iteration. Layers the plan caches on the gpu
 keep their parameters resident across iterations; their optimizer states stay on the optimizer
 tier (less gpu memory than the plan allows, never more).
 
@@ -42,7 +45,7 @@ class PlanMismatch(Exception):
 @dataclass(frozen=True)
 class Action:
     kind: str
-    """``stage``, ``bind`` or ``release``."""
+    """``stage``, ``bind``, ``release`` or ``fetch_optim``."""
     unit: int
     pages: range | None = None
 
@@ -86,6 +89,8 @@ class Schedule:
                 act = Action("bind", to_unit[target.layer])
             elif task.operation == "release" and target.kind == "param":
                 act = Action("release", to_unit[target.layer])
+            elif task.operation == "move_to_cpu" and target.kind == "optim":
+                act = Action("fetch_optim", to_unit[target.layer])
             else:
                 continue  # see the Note: the updater's
             edge = end if task.issued_at_end else start
@@ -172,5 +177,7 @@ class Executor:
                 pass  # the compute copies what is missing (a miss); the plan said it fits, so rare
         elif act.kind == "bind":
             res.bind(act.unit)
+        elif act.kind == "fetch_optim":
+            res.bank.stage_states(act.unit)
         else:
             res.release(act.unit)

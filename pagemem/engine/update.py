@@ -50,6 +50,7 @@ class Updater:
         self.store = store
         self.config = config
         self.hyper = hyper
+        self._writeback = None
         """The current hyperparameters (the optimizer facade's group, after any lr scheduler)."""
         self.adam = CpuAdam(config.adam_threads)
         self.scaler = LossScaler(config.loss_scale)
@@ -137,7 +138,13 @@ class Updater:
                   for t in getattr(self.bank.layers[li], kind)]
         fetched = cfg.optimizer_tier == "nvme"
         if fetched:  # whole pages in and out: each page read once and written once
+            self.flush()
+            # [Note: optimizer states on nvme] the executor copied them to the cpu during backward
+            # where the plan says (move_to_cpu optim): moving home onto those replicas reads
+            # nothing; the stale nvme copies are dropped so that the update's writes stay in
+            # memory, and the write-back runs behind the next iteration (flush() waits for it)
             self.store.move(states, "cpu").wait()
+            self.store.release(states, "nvme").wait()
         leases = []
         try:
             leases = self._leases_of([self.bank.where(i) for i in touched])
@@ -163,8 +170,15 @@ class Updater:
             for lease in leases:
                 lease.release()
             if fetched:
-                self.store.move(states, "nvme").wait()
+                self._writeback = self.store.move(states, "nvme")
         return True
+
+    def flush(self) -> None:
+        """Wait for the last write-back of optimizer states to nvme; raise its error if it failed
+        (the states are then still valid on the cpu, where the failed pages stay)."""
+        handle, self._writeback = self._writeback, None
+        if handle is not None:
+            handle.wait()
 
     def _clip_coefficient(self, grads: list[torch.Tensor], scale: float | None) -> float:
         """``clip_grad_norm_``'s coefficient, computed as it does (a norm of per-parameter fp32
@@ -223,4 +237,7 @@ class Updater:
         self.scaler.good_steps = state["good_steps"]
 
     def close(self) -> None:
-        self.adam.close()
+        try:
+            self.flush()
+        finally:
+            self.adam.close()
