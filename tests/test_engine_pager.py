@@ -183,3 +183,25 @@ def test_any_sequence_of_lengths_and_evaluations_trains_exactly(schedule):
     assert stats["iterations"] == {k: v for k, v in want.items() if v}
     assert stats["replans"] == max(0, len(set(trained)) - 1)
     assert stats["misses"] == 0 and stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
+
+
+def test_a_forward_without_backward_is_no_trace_and_leaves_nothing_resident():
+    """A training-mode forward whose loss is dropped: its recording is abandoned (no trace, no
+    plan), and a planned one's leftovers are released when the next iteration begins."""
+    model = small_gpt()
+    xs = [batch(32, s) for s in range(5)]
+    plain = copy.deepcopy(model)
+    ref, _ = plain_run(plain, [(x, True) for x in (xs[1], xs[3], xs[4])])
+    with make_engine(model, budget_for(model)) as engine:
+        loss_of(engine, xs[0])  # dropped: never backward
+        engine.backward(loss_of(engine, xs[1]))
+        engine.step()
+        loss_of(engine, xs[2])  # dropped, while following the plan
+        for x in (xs[3], xs[4]):
+            engine.backward(loss_of(engine, x))
+            engine.step()
+        stats = engine.stats()
+        got = engine.state_dict()
+    assert stats["iterations"] == {"traced": 1, "planned": 3} and stats["replans"] == 0
+    assert stats["misses"] == 0 and stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
+    assert_same(got, ref)

@@ -85,6 +85,9 @@ class Pager:
         self.static_gpu_pages = self.residency.used_pages
         self.plans: OrderedDict[tuple, Schedule | None] = OrderedDict()
         self.divergences: Counter = Counter()
+        self.reserves: dict[tuple, int] = {}
+        """Per signature, the traced iteration's largest non-model bytes (what demand paging
+        keeps free for them)."""
         self.iterations: Counter = Counter()
         """Iterations per mode: ``traced``, ``planned``, ``left_plan``, ``demand``."""
         self.replans = 0
@@ -121,7 +124,7 @@ class Pager:
             self.plans.move_to_end(sig)
             schedule = self.plans[sig]
             if schedule is None:
-                self._start_demand(reserve=0)
+                self._start_demand(reserve=self.reserves.get(sig, 0))
                 return
             self.mode = "plan"
             self._executor = Executor(schedule, self.residency)
@@ -139,7 +142,6 @@ class Pager:
         self._recording = Recording(self.model, self.clock, layers=self.bank.units,
                                     param_nbytes=self.bank.param_nbytes,
                                     options=TraceOptions(optimizer_model="master_adam"))
-        self.iterations["traced"] += 1
 
     def _start_demand(self, reserve: int) -> None:
         self.mode = "demand"
@@ -160,10 +162,13 @@ class Pager:
                 return
             for op_id, pages in enumerate(self._op_pages[:len(trace.ops)]):
                 self._peak("warmup", pages, trace.ops[op_id].non_model_bytes)
+            self.iterations["traced"] += 1
             self.last_trace = trace
+            self.reserves[self._sig] = max((op.non_model_bytes for op in trace.ops), default=0)
             self.plans[self._sig] = self._plan(trace)
             while len(self.plans) > MAX_PLANS:
-                self.plans.popitem(last=False)
+                old, _ = self.plans.popitem(last=False)
+                self.reserves.pop(old, None)
         elif self.mode == "plan" and self._executor is not None:
             ex = self._executor
             ex.finish()
