@@ -47,7 +47,7 @@ from common import table, write_json
 
 import pagemem
 from pagemem.models.gpt import GPT, GPTConfig
-from pagemem.sched import HardwareProfile, InfeasiblePlan, plan, simulate, validate
+from pagemem.sched import HardwareProfile, least_gpu_bytes, simulate, validate
 from pagemem.tracer import trace
 
 PAGE = 4 << 20
@@ -160,15 +160,6 @@ def predict(engine_plan, engine_trace, timed, hw: HardwareProfile) -> dict:
         "plan_bytes_moved": engine_plan.bytes_moved(), "plan_counts": dict(engine_plan.counts()),
         "cached_layers": len(engine_plan.cached_layers), "min_gpu_bytes": engine_plan.min_gpu_bytes,
     }
-
-
-def least_gpu_bytes(tr) -> int:
-    """The smallest gpu budget (pages and non-model memory) the scheduler accepts for a trace."""
-    try:
-        plan(tr, {"gpu": 1, "cpu": 1 << 50}, page_bytes=PAGE)
-    except InfeasiblePlan as exc:
-        return exc.min_gpu_bytes
-    raise AssertionError("a 1-byte gpu budget cannot fit")
 
 
 def proc_io() -> dict[str, int]:
@@ -333,7 +324,7 @@ def main() -> None:
     twin = GPT(cfg)
     twin.load_state_dict(state)
     twin.to(device)
-    least = least_gpu_bytes(trace(twin, lambda: twin(idx, tgt).backward()))
+    least = least_gpu_bytes(trace(twin, lambda: twin(idx, tgt).backward()), page_bytes=PAGE)
     del twin
     # fits: what plain PyTorch keeps on its gpu (parameters, gradients, two fp32 moments: 16 B per
     # parameter) plus the activations; the plan then keeps every unit's parameters (and room for

@@ -201,15 +201,10 @@ def engine_gpu_budget(model, step, page_bytes: int, param_fraction: float) -> in
     that fraction. Pages move every iteration when the fraction is small."""
     import copy
 
-    from pagemem.sched import InfeasiblePlan, plan
+    from pagemem.sched import least_gpu_bytes
     from pagemem.tracer import trace
 
     twin = copy.deepcopy(model)
-    tr = trace(twin, lambda: step(twin))
-    try:
-        plan(tr, {"gpu": 1, "cpu": 1 << 40}, page_bytes=page_bytes)
-        raise AssertionError("a 1-byte gpu budget cannot fit")
-    except InfeasiblePlan as exc:
-        least = exc.min_gpu_bytes
+    least = least_gpu_bytes(trace(twin, lambda: step(twin)), page_bytes=page_bytes)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return -(-(least + int(params * param_fraction)) // page_bytes) * page_bytes

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import pagemem
 from pagemem.models import GPT, gpt_config
-from pagemem.sched import InfeasiblePlan, Plan, Task, plan, validate
+from pagemem.sched import InfeasiblePlan, Plan, Task, least_gpu_bytes, plan, validate
 from pagemem.tracer import synthetic_transformer, trace
 
 PAGE = 4096
@@ -69,6 +69,7 @@ def test_stated_minimum_is_feasible_and_one_byte_less_is_not(tr, world, tier, ca
     with pytest.raises(InfeasiblePlan) as err:
         plan(tr, {"gpu": need - 1, **ROOMY}, cache_optimizer=cache, **kw)
     assert err.value.tier == "gpu" and err.value.min_gpu_bytes == need
+    assert least_gpu_bytes(tr, world, PAGE) == need  # the same figure, without planning
     assert isinstance(err.value, pagemem.PageMemError)
     assert str(need) in str(err.value)
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore
-from pagemem.store.layout import TENSOR_ALIGN
+from pagemem.store.layout import pack
 
 
 @dataclass
@@ -137,9 +137,10 @@ class ParamBank:
         """Bytes each parameter's compute copy occupies in its unit's pages (start to the next
         tensor's start): per unit they add up to what the unit's pages hold, as plans count it."""
         for _name, idx in layer_specs:
-            for k, i in enumerate(idx):
-                nb = self.params[i][1].numel() * compute_dtype.itemsize
-                self.param_nbytes[i] = nb if k == len(idx) - 1 else -(-nb // TENSOR_ALIGN) * TENSOR_ALIGN
+            layout = pack([nbytes[i] for i in idx], store.page_bytes)  # as allocate_group lays them out
+            ends = layout.starts[1:] + (layout.end,)
+            for i, start, end in zip(idx, layout.starts, ends):
+                self.param_nbytes[i] = end - start
         self.layers: list[Layer] = []
         self.layer_of: list[int] = [0] * len(self.params)
         self.position: list[int] = [0] * len(self.params)

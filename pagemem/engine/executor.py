@@ -119,8 +119,7 @@ class Executor:
         self.residency = residency
         self.diverged_at: int | None = None
         self.n_ops = 0
-        self.peak_bytes = 0
-        """Most gpu bytes at any op of this iteration: pages in use plus the trace's non-model bytes."""
+        """Ops of this iteration that matched the trace so far."""
 
     @property
     def diverged(self) -> bool:
@@ -154,8 +153,6 @@ class Executor:
             if op.params and op.event in ("forward_pre", "backward_pre"):
                 for u in self.residency.units_of(op.params):  # the plan binds them; a safety net
                     self.residency.bind(u)
-            res = self.residency
-            self.peak_bytes = max(self.peak_bytes, res.used_pages * res.page_bytes + sched.non_model[op_id])
         else:
             for act in sched.at_end[op_id]:
                 self._run(act)

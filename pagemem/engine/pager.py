@@ -172,7 +172,6 @@ class Pager:
         elif self.mode == "plan" and self._executor is not None:
             ex = self._executor
             ex.finish()
-            self.peak_by_mode["plan"] = max(self.peak_by_mode.get("plan", 0), ex.peak_bytes)
             if ex.diverged:
                 self.iterations["left_plan"] += 1
                 self.divergences[self._sig] += 1
@@ -205,6 +204,8 @@ class Pager:
         if self.mode == "plan" and ex is not None:
             ex.on_op(op_id, edge, op)
             if not ex.diverged:
+                if edge == "start" and ex.n_ops == op_id + 1:  # an op of the plan ran its actions
+                    self._peak("plan", self.residency.used_pages, ex.schedule.non_model[op_id])
                 return
             if edge == "start" and ex.diverged_at == op_id:  # left the plan here: on demand from now on
                 self._reserve = max(ex.schedule.non_model, default=0)

@@ -13,14 +13,14 @@ from pagemem.sched.errors import InfeasiblePlan
 from pagemem.sched.hardware import HardwareProfile
 from pagemem.sched.layout import LayerLayout, Layout
 from pagemem.sched.plan import Budgets, Plan
-from pagemem.sched.planner import plan
+from pagemem.sched.planner import least_gpu_bytes, plan
 from pagemem.sched.simulate import SimEvent, SimResult, SimulationDeadlock, SimulationError, simulate
 from pagemem.sched.holdings import Setting, TaskEffects, effects
 from pagemem.sched.tasks import EFFECTS, OPERATIONS, Effect, Target, Task
 from pagemem.sched.validate import ValidationReport, Violation, validate
 
 __all__ = [
-    "plan", "validate", "Plan", "Budgets", "Task", "Target", "OPERATIONS", "Layout", "LayerLayout",
+    "plan", "least_gpu_bytes", "validate", "Plan", "Budgets", "Task", "Target", "OPERATIONS", "Layout", "LayerLayout",
     "EFFECTS", "Effect", "Setting", "TaskEffects", "effects", "Deps", "dependencies",
     "InfeasiblePlan", "ValidationReport", "Violation",
     "simulate", "SimResult", "SimEvent", "SimulationDeadlock", "SimulationError", "HardwareProfile",

@@ -68,6 +68,22 @@ def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size:
     ``InfeasiblePlan`` (with ``min_gpu_bytes``) when no plan fits, ``ConfigError`` for bad input.
     """
     t0 = time.perf_counter()
+    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline)
+    result = planner.run(cache_optimizer)
+    result.planning_seconds = time.perf_counter() - t0
+    return result
+
+
+def least_gpu_bytes(trace: Trace, world_size: int = 1, page_bytes: int | str = "4MiB") -> int:
+    """The smallest per-rank gpu budget (pages and non-model memory) with which ``plan`` finds a
+    plan for ``trace``: what ``InfeasiblePlan.min_gpu_bytes`` reports, without planning."""
+    planner = _checked(trace, {"gpu": 1 << 62, "cpu": 1 << 62}, world_size, "cpu", page_bytes, "segment")
+    planner._mandatory_gpu()
+    return planner.min_gpu
+
+
+def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline) -> "_Planner":
+    """A planner for validated arguments; ConfigError naming the first bad one."""
     if not isinstance(trace, Trace):
         raise ConfigError(f"trace: expected a pagemem.tracer.Trace, got {type(trace).__name__}")
     b = Budgets.parse(budgets)
@@ -78,10 +94,7 @@ def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size:
         raise ConfigError(f"page_bytes: must be a positive multiple of 4096 bytes, got {pb}")
     if timeline not in TIMELINES:
         raise ConfigError(f"timeline: must be one of {sorted(TIMELINES)}, got {timeline!r}")
-    planner = _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline])
-    result = planner.run(cache_optimizer)
-    result.planning_seconds = time.perf_counter() - t0
-    return result
+    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline])
 
 
 class _Planner:

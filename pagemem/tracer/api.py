@@ -188,7 +188,6 @@ class Recording:
                  layers: Sequence[tuple[str, Sequence[int]]] | None = None,
                  param_nbytes: Sequence[int] | None = None, options: TraceOptions | None = None,
                  cuda_device: torch.device | None = None) -> None:
-        global _tracing
         if _tracing:
             raise TraceError("trace() is already running; traces cannot nest")
         if not clock.installed:
