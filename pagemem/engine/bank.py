@@ -105,6 +105,14 @@ def paging_units(modules: list[tuple[str, list[int]]], nbytes: list[int], cap: i
     return units
 
 
+def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+    with torch.no_grad():
+        if first:
+            dst.copy_(grad)
+        else:
+            dst.add_(grad.to(device=dst.device, dtype=dst.dtype))
+
+
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` with one element of memory (never read by a correct
     schedule: evicted parameters keep their shape and dtype for code that reads them)."""
@@ -119,6 +127,8 @@ class ParamBank:
         whose values will come from a checkpoint (the pages start as zeros)."""
         self.store = store
         self.compute_dtype = compute_dtype
+        self.optimizer_tier = optimizer_tier
+        self._lasting: dict[tuple[str, int], torch.Tensor | None] = {}
         meta = any(p.is_meta for p in model.parameters())
         if meta and values:
             raise InvalidRequest("the model's parameters are on 'meta' (no values): load them with "
@@ -205,10 +215,31 @@ class ParamBank:
     def accumulate_grad(self, i: int, grad: torch.Tensor, first: bool) -> None:
         """Add parameter ``i``'s gradient into its fp32 gradient pages (``first``: the first
         gradient of this step, which replaces what the pages held)."""
-        layer, k = self.where(i)
-        g = layer.grad[k]
-        with g.lease("cpu") as x, torch.no_grad():
-            if first:
-                x.copy_(grad)
-            else:
-                x.add_(grad.to(device=x.device, dtype=x.dtype))
+        x = self.lasting_view("grad", i)
+        if x is None:
+            layer, k = self.where(i)
+            with layer.grad[k].lease("cpu") as x:
+                _accumulate(x, grad, first)
+        else:
+            _accumulate(x.view(grad.shape), grad, first)
+
+    def lasting_view(self, kind: str, i: int) -> torch.Tensor | None:
+        """A flat view of parameter ``i``'s ``grad`` or optimizer state (``master``, ``exp_avg``,
+        ``exp_avg_sq``) that the bank keeps for its lifetime, or None where the pages are not
+        adjacent or may move (optimizer states on nvme): use a lease then.
+
+        [Note: lasting views] Gradient pages never leave the cpu, nor optimizer states a memory
+        tier, so a view of them (which pins the pages) can be made once instead of a lease per
+        gradient and per update: a lease costs more Python than a 4 MiB page costs to copy."""
+        key = (kind, i)
+        if key not in self._lasting:
+            layer, k = self.where(i)
+            tier = "cpu" if kind == "grad" else self.optimizer_tier
+            view = None
+            if tier != "nvme":
+                try:
+                    view = getattr(layer, kind)[k].view(tier).reshape(-1)
+                except InvalidRequest:
+                    pass
+            self._lasting[key] = view
+        return self._lasting[key]

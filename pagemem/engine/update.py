@@ -103,16 +103,20 @@ class Updater:
 
     def _update_one(self, i: int, hp: AdamW) -> None:
         """Parameter ``i``'s AdamW update and compute-copy refresh, on a CPU worker."""
-        layer, k = self.bank.where(i)
-        leases = self._leases(layer, k)
+        [(_, chunk)], leases = self._chunks([i])
         try:
-            master, grad, exp_avg, exp_avg_sq = (x.tensor.reshape(-1) for x in leases)
-            fused_step(master, grad, exp_avg, exp_avg_sq, self.steps[i] + 1, hp)
+            self._step_and_refresh(i, chunk, hp, None, None)
             self.steps[i] += 1
-            self._refresh(i, master)
         finally:
             for lease in leases:
                 lease.release()
+
+    def _step_and_refresh(self, i: int, c: Chunk, hp: AdamW, scale: float | None, coef: float | None) -> None:
+        """Parameter ``i``'s update, then its compute copy written from the master weights while
+        they are still in the worker's cache (one pass less over memory than refreshing after
+        every update)."""
+        fused_step(c.param, c.grad, c.exp_avg, c.exp_avg_sq, self.steps[i] + 1, hp, scale, clip_coef=coef)
+        self._refresh(i, c.param)
 
     # ------------------------------------------------------------------ the step
 
@@ -147,9 +151,7 @@ class Updater:
             self.store.release(states, "nvme").wait()
         leases = []
         try:
-            leases = self._leases_of([self.bank.where(i) for i in touched])
-            chunks = [(i, Chunk(*(x.tensor.reshape(-1) for x in leases[4 * n:4 * n + 4])))
-                      for n, i in enumerate(touched)]
+            chunks, leases = self._chunks(touched)
             scale = self.scaler.scale
             coef = None
             if scale is not None:
@@ -160,12 +162,10 @@ class Updater:
                     return False
             if cfg.max_grad_norm is not None:
                 coef = self._clip_coefficient([c.grad for _, c in chunks], scale)
-            wait_all([self.adam.step_chunk(c.param, c.grad, c.exp_avg, c.exp_avg_sq, self.steps[i] + 1, hp, scale,
-                                           clip_coef=coef) for i, c in chunks])
+            wait_all([self.adam.submit(self._step_and_refresh, i, c, hp, scale, coef) for i, c in chunks])
             self.scaler.update(overflow=False)
-            for i, c in chunks:
+            for i, _ in chunks:
                 self.steps[i] += 1
-                self._refresh(i, c.param)
         finally:
             for lease in leases:
                 lease.release()
@@ -194,9 +194,16 @@ class Updater:
 
     # ------------------------------------------------------------------ helpers
 
-    def _leases(self, layer, k: int) -> list:
-        """Leases of parameter ``k`` of ``layer``'s master weights, gradient and moments."""
-        return self._leases_of([(layer, k)])
+    def _chunks(self, params: list[int]) -> tuple[list[tuple[int, Chunk]], list]:
+        """Flat fp32 master weights, gradient and moments of each parameter: the bank's lasting
+        views where it has them, else leases (returned: release them when done)."""
+        kinds = ("master", "grad", "exp_avg", "exp_avg_sq")
+        views = {i: [self.bank.lasting_view(kind, i) for kind in kinds] for i in params}
+        leased = [i for i in params if any(v is None for v in views[i])]
+        leases = self._leases_of([self.bank.where(i) for i in leased])
+        for n, i in enumerate(leased):
+            views[i] = [x.tensor.reshape(-1) for x in leases[4 * n:4 * n + 4]]
+        return [(i, Chunk(*views[i])) for i in params], leases
 
     def _leases_of(self, where: list) -> list:
         """The four leases (master, grad, exp_avg, exp_avg_sq) of each (layer, k), in order, taken

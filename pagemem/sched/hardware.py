@@ -11,7 +11,12 @@ One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
   trace's op durations: 1 for a trace timed on, or synthesised for, this hardware);
 - per server, shared by the ranks on it: ``ssd_read_bytes_per_s``, ``ssd_write_bytes_per_s``
   and ``cpu_adam_elements_per_s``. ``ranks_per_server`` ranks share a server; with
-  ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``.
+  ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``;
+- ``shared_processor``: streams (of ``STREAMS``) that are one processor, so at most one of them
+  runs at a time. Empty on a real GPU, where compute, each copy direction and the CPU's Adam are
+  separate engines. Without CUDA the ``gpu`` tier is a host stand-in: its compute, the memcpys
+  that stand for PCIe and CPU Adam all run on the same cores and memory bus (``pagemem profile``
+  then sets ``("compute", "h2d", "d2h", "cpu")``), so their work adds up instead of overlapping.
 
 Profiles ship as JSON in ``pagemem/sched/profiles/`` (``HardwareProfile.builtin(name)``):
 ``a100-server`` (the paper's server, from :meth:`HardwareProfile.a100_server`) and
@@ -38,6 +43,11 @@ PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profile
 _RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
           "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s",
           "flops_per_s", "hbm_bytes_per_s", "compute_scale")
+
+STREAMS: tuple[str, ...] = ("compute", "h2d", "d2h", "network", "ssd", "cpu")
+"""The simulator's streams (see :mod:`pagemem.sched.simulate`)."""
+HOST_STAND_IN_SHARED: tuple[str, ...] = ("compute", "h2d", "d2h", "cpu")
+"""``shared_processor`` of a machine without CUDA (see the module docs)."""
 
 ADAM_BYTES_PER_ELEMENT = 28
 """Bytes a mixed-precision Adam step moves per element: read the fp16/bf16 gradient (2), read
@@ -70,6 +80,8 @@ class HardwareProfile:
     ranks_per_server: int = 8
     compute_scale: float = 1.0
     """Multiplies every op duration of a trace (1: the trace was timed on this hardware)."""
+    shared_processor: tuple[str, ...] = ()
+    """Streams that run one task at a time between them (see the module docs)."""
     facts: Mapping[str, Any] = field(default_factory=dict, hash=False)
     """Where the numbers come from: source, assumptions, measurement date, machine."""
 
@@ -79,6 +91,11 @@ class HardwareProfile:
         for name in _RATES:
             object.__setattr__(self, name, check_rate(name, getattr(self, name)))
         check_int("ranks_per_server", self.ranks_per_server, 1)
+        shared = self.shared_processor
+        if (isinstance(shared, str) or not isinstance(shared, (tuple, list))
+                or any(s not in STREAMS for s in shared) or len(set(shared)) != len(shared)):
+            raise ConfigError(f"shared_processor: must be distinct stream names from {list(STREAMS)}, got {shared!r}")
+        object.__setattr__(self, "shared_processor", tuple(shared))
         if not isinstance(self.facts, Mapping):
             raise ConfigError(f"facts: must be a mapping, got {type(self.facts).__name__}")
 
@@ -117,6 +134,8 @@ class HardwareProfile:
             f"compute scale {self.compute_scale:g}",
             f"  per server: SSD read {self.ssd_read_bytes_per_s / g:.2f} GB/s, write "
             f"{self.ssd_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s",
+            *([f"  one processor, one task at a time: {', '.join(self.shared_processor)}"]
+              if self.shared_processor else []),
         ])
 
     # ------------------------------------------------------------------ serialization
@@ -125,6 +144,7 @@ class HardwareProfile:
         d = {"format": FORMAT, "version": VERSION, "name": self.name}
         d.update({k: getattr(self, k) for k in _RATES})
         d["ranks_per_server"] = self.ranks_per_server
+        d["shared_processor"] = list(self.shared_processor)
         d["facts"] = dict(self.facts)
         return d
 

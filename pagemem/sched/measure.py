@@ -18,7 +18,9 @@ which was written before timing:
 - ``flops`` / ``hbm``: a square matmul (bf16 8192 on CUDA, fp32 2048 on CPU) and a device copy
   (bytes read + written per second), for synthetic traces built with the profile's cost model.
 
-Without CUDA the machine counts as one rank per server (``ranks_per_server = 1``).
+Without CUDA the machine counts as one rank per server (``ranks_per_server = 1``), and the
+gpu tier's compute, the host copies standing for h2d / d2h and CPU Adam as one processor
+(``shared_processor``): they run on the same cores.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from pagemem.checks import check_int
-from pagemem.sched.hardware import HardwareProfile
+from pagemem.sched.hardware import HOST_STAND_IN_SHARED, HardwareProfile
 from pagemem.units import parse_size
 
 PAGE = 4 << 20
@@ -344,6 +346,9 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
 
     facts = machine_facts()
     facts["disk"] = disk
+    if not cuda:
+        how["shared_processor"] = ("no CUDA: the gpu tier's compute, the copies that stand for PCIe and CPU Adam "
+                                   "share this machine's cores, one task at a time")
     facts["method"] = how
     facts["repeats"] = repeats
     return HardwareProfile(
@@ -353,7 +358,7 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
         cpu_adam_elements_per_s=cpu_adam, gpu_adam_elements_per_s=gpu_adam,
         flops_per_s=flops, hbm_bytes_per_s=hbm,
         ranks_per_server=torch.cuda.device_count() if cuda else 1,
-        facts=facts)
+        shared_processor=() if cuda else HOST_STAND_IN_SHARED, facts=facts)
 
 
 if __name__ == "__main__" and len(sys.argv) == 8 and sys.argv[1] == "net-worker":

@@ -54,6 +54,10 @@ class Engine:
         self.busy_until = dict.fromkeys(STREAMS, 0.0)
         self.last_on = dict.fromkeys(STREAMS, -1)
         self.running: dict[str, int | None] = dict.fromkeys(STREAMS, None)
+        # streams that are one processor run one task at a time between them (HardwareProfile)
+        self.shared = frozenset(profile.shared_processor)
+        self.processor_free_at = 0.0
+        self.processor_last = -1
         self.alloc_order = {t: [i for i, nd in enumerate(nodes) if nd.alloc.get(t, 0) > 0] for t in TIERS}
         self.alloc_next = dict.fromkeys(TIERS, 0)
         self.releases: deque[int] = deque(x for x in range(N) if nodes[x].stream is None and pending_first[x] == 0)
@@ -94,6 +98,8 @@ class Engine:
             self.head[nd.stream] += 1
             self.busy_until[nd.stream] = self.now
             self.last_on[nd.stream] = x
+            if nd.stream in self.shared:
+                self.processor_free_at, self.processor_last = self.now, x
         k, i = divmod(x, N)
         for d, off in self.rev[i]:
             kd = k - off
@@ -176,9 +182,14 @@ class Engine:
                 x = self._at(self.order[s], self.head[s])
                 if x is None or self.pending[x] or (self._allocates(x) and self.granted[x] < 0):
                     continue
+                on_processor = s in self.shared
+                if on_processor and any(self.running[o] is not None for o in self.shared):
+                    continue  # the processor is busy with another stream's task
                 ready = max(self.dep_ready[x], self.busy_until[s])
                 if self.granted[x] > ready + _EPS:
                     binder = self.grant_binder[x]  # it waited for memory
+                elif on_processor and self.processor_free_at > ready + _EPS:
+                    binder = self.processor_last  # it waited for the processor
                 elif self.dep_ready[x] >= self.busy_until[s] and self.binder[x] >= 0:
                     binder = self.binder[x]
                 else:
@@ -254,7 +265,10 @@ class Engine:
             nd = nodes[x % N]
             if nd.export:
                 events.append(SimEvent(nd.stream or "", nd.name, x // N, self.start[x], self.end[x]))
-        steady = len(periods) >= 2 and abs(periods[-1] - periods[-2]) <= 1e-9 * periods[-1]
+        # equal periods are not enough: while a stream has more work per iteration than the
+        # period, its backlog still grows, and the period will too
+        steady = (len(periods) >= 2 and abs(periods[-1] - periods[-2]) <= 1e-9 * periods[-1]
+                  and max(busy.values()) <= periods[last] * (1 + 1e-9))
         return SimResult(periods[last], busy, stalls, dict(self.peak), periods, self.plan.world_size,
                          self.profile, steady, tuple(events), tuple(self.memory))
 

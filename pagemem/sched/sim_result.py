@@ -63,7 +63,8 @@ class SimResult:
     world_size: int
     profile: HardwareProfile
     steady: bool
-    """True when the last two iterations took the same time (to 1e-9): a steady state."""
+    """True when the last two iterations took the same time (to 1e-9) and no stream had more
+    work per iteration than that: a steady state."""
     events: tuple[SimEvent, ...] = field(repr=False)
     memory: tuple[tuple[float, int, int], ...] = field(repr=False)
     """``(time, gpu bytes, cpu bytes)`` after every change."""

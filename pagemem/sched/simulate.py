@@ -26,6 +26,10 @@ cpu       ``update`` on cpu                            shard elements / the rank
                                                        server's CPU Adam rate
 ========  ===========================================  =========================================
 
+Streams the profile names in ``shared_processor`` are one processor: at most one of them runs
+at a time (the host stand-in, whose compute, copies and CPU Adam share the same cores); the
+others are separate engines that overlap freely.
+
 Every transfer moves whole pages, as ``Plan.bytes_moved`` counts them. ``release`` and the
 ``compute`` markers take no time and run on no stream.
 
@@ -55,9 +59,9 @@ is the order the planner and the validator count memory in, so a plan the valida
 cannot deadlock here; a stuck queue (a broken plan) raises :class:`SimulationDeadlock` naming
 what each stream and tier waits for.
 
-**What is reported.** Iterations are simulated until the last two take the same time (at least
-``iterations``, at most ``max_iterations``; ``steady`` says which), plus one more to time the
-last. Iteration k lasts from the start of its first op that uses parameters (the op synchronous
+**What is reported.** Iterations are simulated until the last two take the same time and no
+stream has more work per iteration than that (at least ``iterations``, at most
+``max_iterations``; ``steady`` says which), plus one more to time the last. Iteration k lasts from the start of its first op that uses parameters (the op synchronous
 updates hold back) to the start of the same op in iteration k+1: its period, in steady state.
 For the last iteration: ``iteration_time``; ``busy`` (seconds of work per stream that belong to
 it: the sum of its tasks' durations); ``gpu_idle_fraction`` = 1 - compute busy / iteration time;
@@ -88,9 +92,10 @@ def simulate(plan: Plan, trace: Trace, profile: HardwareProfile, iterations: int
     """Simulate training iterations of ``plan`` (made from ``trace``) on ``profile``, with
     synchronous updates, and report the last one (see the module docs).
 
-    At least ``iterations`` iterations are simulated; while the last two take different times
-    (the first iterations fill the streams' backlogs) the run is repeated with twice as many, up
-    to ``max_iterations``; ``SimResult.steady`` says whether the last two agreed. Raises
+    At least ``iterations`` iterations are simulated; while the last two take different times,
+    or a stream's work exceeds the period (the first iterations fill the streams' backlogs), the
+    run is repeated with twice as many, up to ``max_iterations``; ``SimResult.steady`` says
+    whether it settled. Raises
     ``SimulationDeadlock`` when the queue cannot finish, ``ConfigError`` for bad input."""
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan: expected a pagemem.sched.Plan, got {type(plan).__name__}")
