@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pagemem.errors import ConfigError
 from pagemem.sched import (HardwareProfile, InfeasiblePlan, SimulationDeadlock, plan, simulate, validate)
+from pagemem.sched.hardware import HOST_STAND_IN_SHARED
 from pagemem.sched.simulate import STREAMS
 from pagemem.tracer import synthetic_transformer
 
@@ -225,3 +226,46 @@ def test_bad_input():
         simulate(p, SMALL, profile(), iterations=0)
     with pytest.raises(ConfigError, match="profile"):
         simulate(p, SMALL, "a100-server")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"W{c['world_size']}-{c['optimizer_tier']}")
+def test_streams_on_one_processor_run_one_task_at_a_time_and_their_work_adds_up(case):
+    """The host stand-in: compute, copies and CPU Adam on the same cores."""
+    p = tight_plan(SMALL, **case)
+    shared = HOST_STAND_IN_SHARED
+    apart = simulate(p, SMALL, profile())
+    one = simulate(p, SMALL, profile(shared_processor=shared), iterations=3)
+    assert one.steady
+    timed = sorted((e for e in one.events if e.stream in shared and e.end > e.start), key=lambda e: e.start)
+    assert len({e.stream for e in timed}) > 1
+    assert all(a.end <= b.start + 1e-15 for a, b in zip(timed, timed[1:]))
+    assert one.busy == pytest.approx(apart.busy, rel=1e-9)  # the same work, only serialized
+    assert one.iteration_time >= sum(one.busy[s] for s in shared) * (1 - 1e-9)
+    assert one.iteration_time >= apart.iteration_time * (1 - 1e-9)
+    assert sum(one.stalls.values()) == pytest.approx(one.iteration_time - one.busy["compute"], rel=1e-9, abs=1e-15)
+
+
+def test_a_stream_with_more_work_than_the_period_is_not_a_steady_state():
+    """While the SSD's backlog grows, the last iterations can take the same time without the
+    run having settled."""
+    hw = HardwareProfile.a100_server()
+    tr = synthetic_transformer(layers=4, hidden=256, heads=4, seq=256, batch=2, cost=hw.cost_model())
+    p = tight_plan(tr, world_size=8, optimizer_tier="nvme")
+    settled = simulate(p, tr, hw)
+    assert settled.steady and settled.busy["ssd"] <= settled.iteration_time * (1 + 1e-9)
+    for k in range(2, 8):
+        s = simulate(p, tr, hw, iterations=k, max_iterations=k)
+        assert s.steady == (max(s.busy.values()) <= s.iteration_time * (1 + 1e-9)
+                            and s.iteration_times[-1] == pytest.approx(s.iteration_times[-2], rel=1e-9))
+
+
+def test_shared_processor_is_validated_and_saved():
+    with pytest.raises(ConfigError, match="shared_processor"):
+        profile(shared_processor=("compute", "gpu"))
+    with pytest.raises(ConfigError, match="shared_processor"):
+        profile(shared_processor="compute")
+    hw = profile(shared_processor=["compute", "h2d"])
+    assert hw.shared_processor == ("compute", "h2d")
+    assert HardwareProfile.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    assert HardwareProfile.builtin("dev-vm").shared_processor == HOST_STAND_IN_SHARED
+    assert HardwareProfile.builtin("a100-server").shared_processor == ()

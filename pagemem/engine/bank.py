@@ -50,6 +50,8 @@ class Layer:
     staged: list[MoveHandle] = field(default_factory=list)
     """Copies to the gpu started by ``stage`` and not yet bound."""
     staged_pages: int = 0
+    settled: bool = False
+    """The gpu copy of ``compute`` is the only one (the plan keeps the unit on the gpu for good)."""
 
 
 def materialize_meta(model: nn.Module, device: torch.device) -> None:

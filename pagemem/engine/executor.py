@@ -17,8 +17,9 @@ on the cpu that autograd's gradient is added into as soon as it is ready (so the
 less time than the plan's ``grad@gpu`` reserves), and the update runs at ``step()``, or during
 backward when that is exact (``EngineConfig.overlap_update``); states on nvme are written back
 behind the next iteration. Layers the plan caches on the gpu
-keep their parameters resident across iterations; their optimizer states stay on the optimizer
-tier (less gpu memory than the plan allows, never more).
+keep their parameters resident across iterations, as their only copy (``Residency.settle``);
+their optimizer states stay on the optimizer tier (less gpu memory than the plan allows, never
+more).
 
 [Note: leaving the plan] Every op is checked against the trace the plan was made from (its event
 and module). At the first op that differs, or when the iteration ends early, the executor stops
@@ -126,18 +127,14 @@ class Executor:
         return self.diverged_at is not None
 
     def begin(self) -> None:
-        """Before op 0: only the cached units may be on the gpu; stage those that are not."""
+        """Before op 0: only the cached units may be on the gpu; settle those that are not yet
+        (``Residency.settle``: the first planned iteration copies them, later ones find them)."""
         res, cached = self.residency, self.schedule.cached
         for u in res.resident_units():
             if u not in cached:
                 res.release(u)
         for u in sorted(cached):
-            layer = res.bank.layers[u]
-            if not layer.resident and not layer.staged:
-                try:
-                    res.stage(u)
-                except OutOfMemory:
-                    pass  # bound at its compute (a miss)
+            res.settle(u)
 
     def on_op(self, op_id: int, edge: str, op: Op) -> None:
         if self.diverged or op.event == "step":

@@ -93,6 +93,28 @@ class Residency:
             self.misses += 1
         self._fetch(layer, keep={li}, reserve=0)
 
+    def settle(self, li: int) -> None:
+        """Keep unit ``li`` on the gpu for good (a layer the plan caches there): its gpu copy
+        becomes the only one, so the refresh after each update writes one copy, not two. Evicting
+        it later moves it back to the cpu. No room on either side leaves it as it was."""
+        layer = self.bank.layers[li]
+        if layer.settled:
+            return
+        if layer.resident:
+            self.evict(layer)  # its views pin the pages: settle between unbound pages only
+            if layer.zombie:
+                return
+        try:
+            self._fetch(layer, keep={li}, reserve=0, bind=False)
+        except OutOfMemory:
+            return  # bound at its compute (a miss)
+        try:
+            self.store.release(layer.compute, "cpu").wait()
+            layer.settled = True
+        except InvalidRequest:
+            pass
+        self._bind_views(layer)
+
     def release(self, li: int) -> None:
         """Unit ``li`` leaves the gpu (see the Note): parameters back to placeholders, pages given
         back (or kept as a zombie while a derived tensor pins them)."""
@@ -159,7 +181,7 @@ class Residency:
         except OutOfMemory:
             return
 
-    def _fetch(self, layer: Layer, keep: set[int], reserve: int) -> None:
+    def _fetch(self, layer: Layer, keep: set[int], reserve: int, bind: bool = True) -> None:
         t0 = time.perf_counter()
         need = max(0, self.store.page_count(layer.compute) - layer.staged_pages)
         while (self.used_pages + need) * self.page_bytes + reserve > self.budget_bytes:
@@ -177,7 +199,8 @@ class Residency:
                                       f"layer {layer.name!r}: every other resident layer is in use") from None
         layer.staged.clear()
         layer.staged_pages = 0
-        self._bind_views(layer)
+        if bind:
+            self._bind_views(layer)
         self.wait_seconds += time.perf_counter() - t0
 
     def _bind_views(self, layer: Layer) -> None:
@@ -235,9 +258,15 @@ class Residency:
         layer.zombie = not self._drop(layer)
 
     def _drop(self, layer: Layer) -> bool:
+        """Give back the unit's gpu pages: drop the replica, or move a settled unit's only copy
+        home. False while a tensor derived from an old view pins them (or no cpu room is left)."""
         try:
-            self.store.release(layer.compute, "gpu").wait()
-        except InvalidRequest:  # still pinned by a tensor derived from an old view
+            if layer.settled:
+                self.store.move(layer.compute, "cpu").wait()
+                layer.settled = False
+            else:
+                self.store.release(layer.compute, "gpu").wait()
+        except (InvalidRequest, OutOfMemory):
             return False
         layer.zombie = False
         return True

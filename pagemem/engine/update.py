@@ -111,6 +111,11 @@ class Updater:
             for lease in leases:
                 lease.release()
 
+    def _update_params(self, group: list[tuple[int, Chunk]], hp: AdamW, scale: float | None,
+                       coef: float | None) -> None:
+        for i, c in group:
+            self._step_and_refresh(i, c, hp, scale, coef)
+
     def _step_and_refresh(self, i: int, c: Chunk, hp: AdamW, scale: float | None, coef: float | None) -> None:
         """Parameter ``i``'s update, then its compute copy written from the master weights while
         they are still in the worker's cache (one pass less over memory than refreshing after
@@ -162,7 +167,13 @@ class Updater:
                     return False
             if cfg.max_grad_norm is not None:
                 coef = self._clip_coefficient([c.grad for _, c in chunks], scale)
-            wait_all([self.adam.submit(self._step_and_refresh, i, c, hp, scale, coef) for i, c in chunks])
+            # one task per unit: its parameters share pages, so their refreshes would queue for
+            # each other on different workers; the largest units go first (the workers even out)
+            by_unit: dict[int, list[tuple[int, Chunk]]] = {}
+            for i, c in chunks:
+                by_unit.setdefault(self.bank.layer_of[i], []).append((i, c))
+            groups = sorted(by_unit.values(), key=lambda g: -sum(c.param.numel() for _, c in g))
+            wait_all([self.adam.submit(self._update_params, g, hp, scale, coef) for g in groups])
             self.scaler.update(overflow=False)
             for i, _ in chunks:
                 self.steps[i] += 1
