@@ -5,7 +5,8 @@ belongs to the first module that owns it), merged up to a size cap (``paging_uni
 warm-up trace is recorded over these units, so the scheduler's plans speak of exactly them. Per
 unit:
 - ``compute``: the parameters in the compute dtype, home on ``cpu``; a replica on ``gpu`` while
-  the unit is resident;
+  the unit is resident (its only copy, on ``gpu``, while the plan keeps it there for good:
+  ``Residency.settle``);
 - ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, home on the optimizer tier;
 - ``grad``: fp32 gradient sums on ``cpu`` (the first gradient of a step overwrites them).
 The optimizer states of consecutive layers are chained with ``after=`` (they share boundary

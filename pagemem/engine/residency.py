@@ -2,6 +2,8 @@
 
 Two ways in, one state per unit (``Layer.resident``, ``Layer.staged``, ``Layer.zombie``):
 
+- **kept for good** (a unit the plan caches on the gpu): ``settle(unit)`` makes the gpu copy the
+  only one, so each update refreshes one copy; evicting it moves it home;
 - **as the plan says** (``executor.py``): ``stage(unit, pages)`` starts copying a run of the
   unit's pages to the gpu at the op the plan's ``move_to_gpu`` names; ``bind(unit)`` at its
   ``compute`` waits for that unit's copies only (and copies what was not staged: a miss), then

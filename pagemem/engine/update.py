@@ -117,9 +117,8 @@ class Updater:
             self._step_and_refresh(i, c, hp, scale, coef)
 
     def _step_and_refresh(self, i: int, c: Chunk, hp: AdamW, scale: float | None, coef: float | None) -> None:
-        """Parameter ``i``'s update, then its compute copy written from the master weights while
-        they are still in the worker's cache (one pass less over memory than refreshing after
-        every update)."""
+        """Parameter ``i``'s update, then its compute copy written from the new master weights,
+        on the same worker (the refresh runs on every worker, not after them on one thread)."""
         fused_step(c.param, c.grad, c.exp_avg, c.exp_avg_sq, self.steps[i] + 1, hp, scale, clip_coef=coef)
         self._refresh(i, c.param)
 
