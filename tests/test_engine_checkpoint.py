@@ -20,9 +20,13 @@ PAGE = 64 * 1024
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_resume_worker.py")
 
 
+def tiny_gpt() -> GPT:
+    return GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
+
+
 def make(tmp_path, seed=0):
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
+    model = tiny_gpt()
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
@@ -40,6 +44,18 @@ def train(engine, until: int):
         engine.step()
 
 
+def resume_and_compare(ckpt: str, model, cfg, until: int, expected, check=None) -> None:
+    """Resume ``model`` from ``ckpt``, train to ``until``: the weights equal ``expected`` bit for
+    bit. ``check(engine, model)`` runs right after loading."""
+    with pagemem.Engine.load(ckpt, model, cfg) as engine:
+        if check is not None:
+            check(engine, model)
+        train(engine, until)
+        got = engine.state_dict()
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
 def saved_midway(tmp_path, save_at: int, until: int):
     """Train to ``save_at``, save, train on to ``until``; the checkpoint's path, the final weights
     and the config."""
@@ -55,12 +71,11 @@ def test_resume_in_process_is_bit_identical(tmp_path):
     path, expected, _ = saved_midway(tmp_path, 4, 8)
     assert os.path.basename(path) == "step-00000004"
     fresh, _ = make(tmp_path, seed=5)  # other initial weights: everything must come from the checkpoint
-    with pagemem.Engine.load(str(tmp_path / "ckpt"), fresh) as engine:
+
+    def at_step_4(engine, _model):
         assert engine.global_step == 4
-        train(engine, 8)
-        got = engine.state_dict()
-    for k in expected:
-        assert torch.equal(got[k], expected[k]), k
+
+    resume_and_compare(str(tmp_path / "ckpt"), fresh, None, 8, expected, at_step_4)
 
 
 def test_a_corrupt_checkpoint_is_refused(tmp_path):
@@ -90,8 +105,7 @@ def test_saving_mid_accumulation_is_refused_and_leftovers_are_ignored(tmp_path):
     (tmp_path / "ckpt").mkdir(exist_ok=True)
     (tmp_path / "ckpt" / "step-00000009.tmp-deadbeef").mkdir()  # a save that crashed
     with pytest.raises(pagemem.InvalidRequest, match="no checkpoint"):
-        pagemem.Engine.load(str(tmp_path / "ckpt"), GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16)),
-                            cfg)
+        pagemem.Engine.load(str(tmp_path / "ckpt"), tiny_gpt(), cfg)
 
 
 def _run(tmp_path, out: str, save: bool, kill_after=None) -> subprocess.CompletedProcess | None:
@@ -142,18 +156,17 @@ def test_killed_at_a_random_moment_resumes_to_the_uninterrupted_result(tmp_path,
 def test_a_model_built_on_meta_resumes_from_a_checkpoint(tmp_path):
     _, expected, cfg = saved_midway(tmp_path, 3, 6)
     with torch.device("meta"):
-        empty = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
+        empty = tiny_gpt()
     with pytest.raises(pagemem.InvalidRequest, match="meta"):
         pagemem.Engine(empty, cfg)
     with torch.device("meta"):
-        empty = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
-    with pagemem.Engine.load(str(tmp_path / "ckpt"), empty, cfg) as engine:
-        assert empty.head.weight is empty.wte.weight  # still tied
-        assert all(not p.is_meta for p in empty.parameters())
-        train(engine, 6)
-        got = engine.state_dict()
-    for k in expected:
-        assert torch.equal(got[k], expected[k]), k
+        empty = tiny_gpt()
+
+    def tied_and_real(_engine, model):
+        assert model.head.weight is model.wte.weight  # still tied
+        assert all(not p.is_meta for p in model.parameters())
+
+    resume_and_compare(str(tmp_path / "ckpt"), empty, cfg, 6, expected, tied_and_real)
 
 
 def test_saving_twice_at_one_step_never_removes_the_checkpoint_latest_names(tmp_path):
