@@ -72,6 +72,9 @@ def reference(model, steps: int, hp: dict, max_grad_norm=None, accumulation: int
 def through_engine(model, steps: int, hp: dict, tmp_path, optimizer_tier="cpu", max_grad_norm=None,
                    accumulation: int = 1, budget: int | None = None, overlap_update: bool | None = True):
     budget = budget or gpu_budget(model)
+    if optimizer_tier == "gpu":  # the states and gradient sums stay there, beside the paged parameters
+        n = sum(p.numel() for p in model.parameters())
+        budget += (-(-16 * n // PAGE) + 4) * PAGE
     store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model),
                                 nvme_bytes=8 * state_bytes(model) if optimizer_tier == "nvme" else 0,
                                 nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
@@ -90,7 +93,7 @@ def through_engine(model, steps: int, hp: dict, tmp_path, optimizer_tier="cpu", 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-@pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme", "gpu"])
 def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tier):
     model = small_gpt()
     ref = reference(copy.deepcopy(model), 50, HP)
@@ -98,7 +101,7 @@ def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tie
     assert stats["evictions"] > 0  # the parameters really moved in and out of the gpu tier
     assert_followed_the_plan(stats, 50)
     # updates overlap backward from the second step on (states on nvme are updated in step())
-    assert (stats["overlapped_updates"] > 0) == (optimizer_tier == "cpu")
+    assert (stats["overlapped_updates"] > 0) == (optimizer_tier != "nvme")
     assert got.keys() == ref.keys()
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
@@ -253,3 +256,24 @@ def test_a_change_of_sequence_length_still_matches(tmp_path):
         assert stats["misses"] == 0 and stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
     for k, v in ref_model.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("optimizer_tier,grad_tier", [("gpu", "gpu"), ("cpu", "cpu"), ("nvme", "cpu")])
+def test_gradient_sums_live_beside_optimizer_states_kept_on_the_gpu(tmp_path, optimizer_tier, grad_tier):
+    """A GPU's fused AdamW needs the gradient on the device with the states: states kept on the
+    gpu get their gradient sums there (no round trip through the cpu), others get them on the cpu."""
+    model = small_gpt()
+    n = sum(p.numel() for p in model.parameters())
+    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_budget(model) + (-(-16 * n // PAGE) + 4) * PAGE,
+                                cpu_bytes=8 * state_bytes(model),
+                                nvme_bytes=8 * state_bytes(model) if optimizer_tier == "nvme" else 0,
+                                nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
+    idx, targets = next(batches(1))
+    with pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier)) as engine:
+        engine.backward(loss_of(engine, idx, targets))
+        engine.step()
+        engine.updater.flush()  # states on nvme are written back behind the next iteration
+        tiers = {t.tier for layer in engine.bank.layers for t in layer.grad}
+        states = {t.tier for layer in engine.bank.layers for t in layer.master + layer.exp_avg}
+    assert tiers == {grad_tier}
+    assert states == {optimizer_tier}

@@ -8,7 +8,9 @@ unit:
   the unit is resident (its only copy, on ``gpu``, while the plan keeps it there for good:
   ``Residency.settle``);
 - ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, home on the optimizer tier;
-- ``grad``: fp32 gradient sums on ``cpu`` (the first gradient of a step overwrites them).
+- ``grad``: fp32 gradient sums beside the optimizer states: on ``gpu`` when they are there (the
+  update reads them in place, as plain PyTorch does), else on ``cpu`` (the first gradient of a
+  step overwrites them).
 The optimizer states of consecutive layers are chained with ``after=`` (they share boundary
 pages: 99.9% utilization), since they move together at the update; each layer's compute group
 starts on fresh pages, so that evicting a layer never drags a resident neighbour's page (this
@@ -42,7 +44,8 @@ class Layer:
     exp_avg: list[PagedTensor]
     exp_avg_sq: list[PagedTensor]
     grad: list[PagedTensor] = field(default_factory=list)
-    """fp32 gradient sums on cpu (valid for the parameters that got a gradient this step)."""
+    """fp32 gradient sums on ``ParamBank.grad_tier`` (valid for the parameters that got a
+    gradient this step)."""
     leases: list[Lease] = field(default_factory=list)
     ptrs: list[int] = field(default_factory=list)
     """Where the parameters' data starts while resident (for ``Residency.param_at``)."""
@@ -131,6 +134,9 @@ class ParamBank:
         self.store = store
         self.compute_dtype = compute_dtype
         self.optimizer_tier = optimizer_tier
+        self.grad_tier = "gpu" if optimizer_tier == "gpu" else "cpu"
+        """Where the fp32 gradient sums live: beside optimizer states kept on the gpu (a GPU's
+        fused AdamW needs all its tensors on the device), else on the cpu."""
         self._lasting: dict[tuple[str, int], torch.Tensor | None] = {}
         meta = any(p.is_meta for p in model.parameters())
         if meta and values:
@@ -165,7 +171,8 @@ class ParamBank:
         # resident neighbour's page); states and gradients are chained (they move together)
         for kind, dtype, tier in (("compute", compute_dtype, "cpu"), ("master", torch.float32, optimizer_tier),
                                   ("exp_avg", torch.float32, optimizer_tier),
-                                  ("exp_avg_sq", torch.float32, optimizer_tier), ("grad", torch.float32, "cpu")):
+                                  ("exp_avg_sq", torch.float32, optimizer_tier),
+                                  ("grad", torch.float32, self.grad_tier)):
             tail = None
             groups[kind] = []
             for _name, idx in layer_specs:
@@ -221,7 +228,7 @@ class ParamBank:
         x = self.lasting_view("grad", i)
         if x is None:
             layer, k = self.where(i)
-            with layer.grad[k].lease("cpu") as x:
+            with layer.grad[k].lease(self.grad_tier) as x:
                 _accumulate(x, grad, first)
         else:
             _accumulate(x.view(grad.shape), grad, first)
@@ -231,13 +238,13 @@ class ParamBank:
         ``exp_avg_sq``) that the bank keeps for its lifetime, or None where the pages are not
         adjacent or may move (optimizer states on nvme): use a lease then.
 
-        [Note: lasting views] Gradient pages never leave the cpu, nor optimizer states a memory
+        [Note: lasting views] Gradient pages never leave their tier, nor optimizer states a memory
         tier, so a view of them (which pins the pages) can be made once instead of a lease per
         gradient and per update: a lease costs more Python than a 4 MiB page costs to copy."""
         key = (kind, i)
         if key not in self._lasting:
             layer, k = self.where(i)
-            tier = "cpu" if kind == "grad" else self.optimizer_tier
+            tier = self.grad_tier if kind == "grad" else self.optimizer_tier
             view = None
             if tier != "nvme":
                 try:

@@ -13,8 +13,9 @@ of each op (the task table, ``pagemem.sched.tasks``, says at which edge each tas
 
 [Note: what the executor leaves to the updater] Gradient offloads, optimizer-state write-backs
 and updates are the updater's (``update.py``): the engine's gradients are fp32 sums
-on the cpu that autograd's gradient is added into as soon as it is ready (so the gpu holds it for
-less time than the plan's ``grad@gpu`` reserves), and the update runs at ``step()``, or during
+that autograd's gradient is added into as soon as it is ready (so the gpu holds it for less time
+than the plan's ``grad@gpu`` reserves), on the cpu, or on the gpu beside optimizer states kept
+there (``ParamBank.grad_tier``), and the update runs at ``step()``, or during
 backward when that is exact (``EngineConfig.overlap_update``); states on nvme are written back
 behind the next iteration. Layers the plan caches on the gpu
 keep their parameters resident across iterations, as their only copy (``Residency.settle``);

@@ -223,7 +223,7 @@ class Updater:
         grads = [layer.grad[k] for layer, k in where]
         state_leases = self.store.lease_many(states, tier)
         try:
-            grad_leases = self.store.lease_many(grads, "cpu")
+            grad_leases = self.store.lease_many(grads, self.bank.grad_tier)
         except BaseException:
             for lease in state_leases:
                 lease.release()
