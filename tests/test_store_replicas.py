@@ -214,3 +214,20 @@ def test_copy_and_release_a_run_of_pages(store):
     with pytest.raises(pagemem.InvalidRequest, match="range"):
         store.copy(group, "gpu", pages=[0])
     assert store.stats()["gpu"].used_pages == gpu0 + 1
+
+
+def test_a_pin_keeps_every_copy_of_its_pages_until_the_view_dies(store):
+    """Pins count per page: a view of the gpu replica forbids dropping the cpu copy too (the
+    documented rule), and the drop succeeds once the view and its derivatives are gone."""
+    t = store.allocate((PAGE,), torch.uint8, tier="cpu")
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    t.copy("gpu").wait()
+    v = t.view("gpu")[:16]  # a derived tensor keeps the pin
+    for tier in ("cpu", "gpu"):
+        with pytest.raises(pagemem.InvalidRequest, match="pinned"):
+            t.release(tier)
+    assert t.tiers == {"cpu", "gpu"}
+    del v
+    t.release("cpu").wait()
+    assert t.tiers == {"gpu"} and same_bytes(t.to_torch(), data)

@@ -2,9 +2,9 @@
 
 [Note: the view rule]
 A torch tensor that aliases page memory is valid only while the pages stay where they are. So
-every alias pins its pages: while pinned, a page cannot be moved, freed or have the aliased copy
-dropped (those calls raise ``InvalidRequest`` naming the page); writes and copies to other tiers
-are still allowed. Two ways to hold an alias:
+every alias pins its pages: while pinned, a page cannot be moved, freed or have any of its copies
+dropped, the aliased one or another (pins count per page, not per copy; those calls raise
+``InvalidRequest`` naming the page); writes and copies to other tiers are still allowed. Two ways to hold an alias:
 
 - ``PagedTensor.view()`` pins for the lifetime of the returned tensor: the pin goes when that
   tensor and everything derived from it (slices, reshapes, tensors autograd saved) are garbage.
