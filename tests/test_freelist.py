@@ -180,6 +180,18 @@ class FreeListMachine(RuleBasedStateMachine):
         self.free |= set(slots)
         self.held.pop(0)
 
+    @rule(capacity=st.integers(0, 2 * CAPACITY))
+    def resize(self, capacity):
+        held = {s for run in self.held for s in run}
+        if any(s >= capacity for s in held):
+            before = (self.fl.capacity, self.fl.runs())
+            with pytest.raises(ValueError, match="in use"):
+                self.fl.resize(capacity)
+            assert (self.fl.capacity, self.fl.runs()) == before  # a refusal changes nothing
+            return
+        self.fl.resize(capacity)
+        self.free = set(range(capacity)) - held
+
     @invariant()
     def accounting(self):
         held = [s for run in self.held for s in run]
@@ -188,6 +200,7 @@ class FreeListMachine(RuleBasedStateMachine):
         assert self.fl.used == len(held)
         assert self.fl.free == len(self.free)
         assert self.fl.used + self.fl.free == self.fl.capacity
+        assert self.free | set(held) == set(range(self.fl.capacity))
         assert all(self.fl.is_used(s) for s in held)
         assert not any(self.fl.is_used(s) for s in self.free)
 

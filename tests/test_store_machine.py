@@ -294,6 +294,24 @@ class StoreMachine(RuleBasedStateMachine):
         _, lease = self.leases.pop(i % len(self.leases))
         lease.release()
 
+    @rule(tier=st.sampled_from(("gpu", "cpu")), pages=st.integers(0, 10), settle=st.booleans())
+    def resize(self, tier, pages, settle):
+        """A memory tier's arena grows or shrinks with every page's bytes kept (the read-back
+        invariant checks them); a refusal names its reason and changes nothing."""
+        pages = min(pages, self.store.config.pages(tier))
+        if settle:
+            self.store.synchronize()
+        before = self.snapshot() if settle else None
+        try:
+            self.store.resize(tier, pages)
+        except pagemem.InvalidRequest as exc:
+            assert any(why in str(exc) for why in ("pinned", "in flight", "is in use")), exc
+            if settle:
+                assert "in flight" not in str(exc)
+                assert self.snapshot() == before
+            return
+        assert self.store.tier(tier).capacity == pages
+
     @rule(op_kind=faults)
     def inject_fault(self, op_kind):
         self.faults.fail_next(*op_kind)

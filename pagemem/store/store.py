@@ -96,6 +96,38 @@ class PageStore:
         """Wait until every operation started so far has finished."""
         self._queue.drain()
 
+    def resize(self, tier: str, pages: int) -> None:
+        """Give the memory tier ``tier`` (``"gpu"`` or ``"cpu"``) an arena of ``pages`` slots,
+        from 0 up to its configured budget (``StoreConfig.pages``): a new arena is allocated,
+        the pages there are copied to it at their slots, and the old one is given back. An
+        engine sizes its gpu arena from its plan with it, leaving the rest of the budget to the
+        non-model memory. Raises, changing nothing: ``InvalidRequest`` when a page with a copy
+        on the tier is pinned (a view or a lease) or has an operation in flight, or a slot in
+        use lies at or above ``pages``; ``OutOfMemory`` when the new arena cannot be had."""
+        if tier not in ("gpu", "cpu"):
+            raise InvalidRequest(f"resize: tier must be 'gpu' or 'cpu' (memory tiers), got {tier!r}")
+        most = self.config.pages(tier)
+        if isinstance(pages, bool) or not isinstance(pages, int) or not 0 <= pages <= most:
+            raise InvalidRequest(f"resize: pages must be an int in [0, {most}] ({tier}_bytes / page_bytes), "
+                                 f"got {pages!r}")
+        t = self._tiers[tier]
+        with self._queue.lock:
+            self._check_open()
+            for page in self._pages.values():
+                there = page.copy_on(t) is not None or any(dest is t for _op, _kind, dest in page.intents)
+                if there and page.pins:
+                    raise InvalidRequest(f"resize({tier!r}): page {page.id} is pinned by an open lease or a "
+                                         "live view; release it first")
+                if there and page.pending:
+                    raise InvalidRequest(f"resize({tier!r}): page {page.id} has an operation in flight; "
+                                         "wait for it (synchronize()) first")
+            try:
+                t.resize(pages)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                raise InvalidRequest(f"resize({tier!r}): {exc}") from None
+            except MemoryError as exc:
+                raise OutOfMemory(tier, pages, 0, self.page_bytes, f"a new arena: {exc}") from None
+
     # ------------------------------------------------------------------ description
 
     def tier(self, name: str) -> Tier:

@@ -70,6 +70,7 @@ def build_tiers(config: StoreConfig) -> TierSet:
             engines.append(cuda_copier.close)
             gpu = MemoryTier("gpu", gpu_arena, pb, cuda_copier,
                              f"cuda ({torch.cuda.get_device_name(device)})", host_addressable=False)
+            memory[-1] = gpu.close  # the tier's arena at close time (resize() replaces it)
         else:
             why = "gpu_backend='host'" if cuda_seen else "no CUDA"
             gpu = MemoryTier("gpu", HostArena(config.pages("gpu") * pb, pin=False), pb, host_copier,

@@ -66,6 +66,10 @@ class SlotFreeList:
     def is_used(self, slot: int) -> bool:
         return bool(self._used[slot])
 
+    def last_used(self) -> int:
+        """The highest slot in use, or -1 when none is."""
+        return self._used.rfind(1)
+
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` slots: one adjacent ascending run when some free run is long enough, else
         as few runs as possible. Raises ValueError (changing nothing) if fewer than ``n`` are free."""
@@ -122,6 +126,35 @@ class SlotFreeList:
             prev = s
         self._give_back(start, prev + 1 - start)
         self._free += len(slots)
+
+    def resize(self, capacity: int) -> None:
+        """Grow to ``capacity`` slots (the new ones free, merged with a free run before them), or
+        shrink to it (the slots cut off must be free). Raises ValueError, changing nothing, on a
+        negative capacity or a slot in use at or above it."""
+        old = self.capacity
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        if capacity < old:
+            used = self._used.find(1, capacity)
+            if used >= 0:
+                raise ValueError(f"slot {used} is in use; cannot shrink to {capacity} slots")
+            top = self._start_at[old - 1]  # the free run that ends at the last slot
+            self._remove(top, old - top)
+            if top < capacity:
+                self._add(top, capacity - top)
+            del self._used[capacity:]
+            self._free -= old - capacity
+        elif capacity > old:
+            start, length = old, capacity - old
+            left = self._start_at.get(old - 1)
+            if left is not None:
+                left_len = self._len_at[left]
+                self._remove(left, left_len)
+                start, length = left, length + left_len
+            self._used.extend(bytes(capacity - old))
+            self._free += capacity - old
+            self._add(start, length)
+        self.capacity = capacity
 
     # ------------------------------------------------------------------ runs
 

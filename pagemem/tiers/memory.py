@@ -79,6 +79,34 @@ class MemoryTier(Tier):
                              f"got {other.dtype} with {other.numel()}")
         return self.span(first_slot, count).view(other.shape)
 
+    def resize(self, pages: int) -> None:
+        """Move onto a new arena of ``pages`` slots on the same device: the used slots' bytes are
+        copied to the same slots there, then the old arena is given back. Slots waiting on a
+        fence are taken back first (waiting for it). Raises ValueError, changing nothing, when a
+        used slot lies at or above ``pages``; MemoryError, changing nothing, when the new arena
+        cannot be had. The caller ensures nothing reads or writes the tier meanwhile (no
+        transfer in flight, no view of its memory alive)."""
+        if self.pending:
+            self.pending.reclaim(self.slots.release, len(self.pending))
+        top = self.slots.last_used()
+        if top >= pages:
+            raise ValueError(f"{self.name}: slot {top} is in use; cannot shrink to {pages} slots")
+        old = self.arena
+        nbytes = pages * self.page_bytes
+        new = CudaArena(nbytes, old.device) if isinstance(old, CudaArena) else HostArena(nbytes, pin=old.pinned)
+        try:
+            keep = (top + 1) * self.page_bytes  # the bytes of every used slot
+            if keep:
+                new.tensor[:keep].copy_(old.tensor[:keep])
+                if new.tensor.is_cuda:
+                    torch.cuda.synchronize(new.tensor.device)
+            self.slots.resize(pages)
+        except BaseException:
+            new.close()
+            raise
+        self.arena = new
+        old.close()
+
     def describe(self) -> dict:
         return {"backend": self.backend, "device": str(self.device), "copies": self.copier.name}
 
