@@ -205,6 +205,7 @@ def engine_gpu_budget(model, step, page_bytes: int, param_fraction: float) -> in
     from pagemem.tracer import trace
 
     twin = copy.deepcopy(model)
-    least = least_gpu_bytes(trace(twin, lambda: step(twin)), page_bytes=page_bytes)
+    tr = trace(twin, lambda: step(twin)).with_non_model_peak_reserved()  # as the engine plans
+    least = least_gpu_bytes(tr, page_bytes=page_bytes)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return -(-(least + int(params * param_fraction)) // page_bytes) * page_bytes

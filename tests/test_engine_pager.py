@@ -230,3 +230,35 @@ def test_units_the_plan_keeps_on_the_gpu_have_one_copy_there_and_train_exactly()
         assert all(l.settled for l in layers)
         assert engine.stats()["misses"] == 0
     assert_same(got, ref)
+
+
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "gpu"])
+def test_planned_iterations_run_in_a_gpu_arena_sized_from_the_plan(optimizer_tier):
+    """The budget covers two pools, the page arena and the non-model memory: planned iterations
+    run in an arena of the states kept on the gpu plus the plan's most pages at once, beside
+    the trace's non-model peak, within the budget; a longer sequence re-plans and resizes."""
+    model = small_gpt()
+    n = sum(p.numel() for p in model.parameters())
+    static = (-(-16 * n // PAGE) + 4) * PAGE if optimizer_tier == "gpu" else 0
+    budget = budget_for(model) + static
+    steps = [(batch(16, s), True) for s in range(3)] + [(batch(32, s), True) for s in range(3, 6)]
+    ref, _ = plain_run(copy.deepcopy(model), steps)
+    with make_engine(model, budget, optimizer_tier=optimizer_tier) as engine:
+        engine_run(engine, steps[:3])
+        short = engine.stats()
+        short_nm = engine.pager.last_trace.peak_non_model_bytes
+        engine_run(engine, steps[3:])
+        long = engine.stats()
+        long_nm = engine.pager.last_trace.peak_non_model_bytes
+        report = pagemem.sched.validate(engine.pager.last_plan, engine.pager.last_trace)
+        most_pages = int((report.timeline["gpu"] - report.non_model).max())
+        resident = engine.pager.static_gpu_pages * PAGE
+        got = engine.state_dict()
+    for s, nm in ((short, short_nm), (long, long_nm)):
+        assert s["gpu_arena_bytes"] + nm <= s["gpu_budget_bytes"]
+        assert s["gpu_peak_bytes_by_mode"]["plan"] == s["gpu_arena_bytes"] + nm
+        assert s["misses"] == 0
+    assert short["arena_resizes"] == 1 and long["arena_resizes"] == 3  # warm-up at the whole budget, then the plan's
+    assert long["gpu_arena_bytes"] == resident + -(-most_pages // PAGE) * PAGE
+    assert long["iterations"] == {"traced": 2, "planned": 4}
+    assert_same(got, ref)

@@ -121,7 +121,9 @@ class Workers:
                         fut.set_exception(e)
                     else:
                         fut.set_result(result)
-                fut = None
+                # a finished task's arguments (views that pin pages) must not live on in this
+                # frame until the next task arrives
+                fut = item = fn = args = kwargs = result = None
         except BaseException as e:  # the worker itself ends: fail everything that waits on it
             self._die(e, fut)
 

@@ -233,6 +233,13 @@ class ParamBank:
         else:
             _accumulate(x.view(grad.shape), grad, first)
 
+    def drop_lasting_views(self, tier: str) -> None:
+        """Forget the lasting views of pages on ``tier`` (they pin them: before the store resizes
+        the tier); they are made again at their next use."""
+        def tier_of(kind: str) -> str:
+            return self.grad_tier if kind == "grad" else self.optimizer_tier
+        self._lasting = {key: v for key, v in self._lasting.items() if tier_of(key[0]) != tier}
+
     def lasting_view(self, kind: str, i: int) -> torch.Tensor | None:
         """A flat view of parameter ``i``'s ``grad`` or optimizer state (``master``, ``exp_avg``,
         ``exp_avg_sq``) that the bank keeps for its lifetime, or None where the pages are not

@@ -197,7 +197,7 @@ class Engine:
         busy = self._phase_seconds["forward"] + self._phase_seconds["backward"]
         return {
             **paging,
-            "gpu_budget_bytes": gpu.capacity_bytes,
+            "gpu_budget_bytes": self.pager.residency.budget_bytes,
             "gpu_idle": paging["gpu_wait_seconds"] / busy if busy else 0.0,
             "tiers": {n: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
                           "utilization": t.utilization} for n, t in s.tiers.items()},

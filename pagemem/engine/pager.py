@@ -20,12 +20,23 @@ Plans are kept per signature (the last ``MAX_PLANS``), so alternating sequence l
 traced once each.
 
 [Note: the gpu budget] ``StoreConfig.gpu_bytes`` is the budget for pages *and* non-model memory
-(activations, autograd's gradients, temporaries). The plan keeps pages plus the trace's non-model
-bytes per op within it; demand paging keeps the pages plus what it reserves within it. The
-measured peak (``stats()["gpu_peak_bytes"]``) is, per op, the gpu pages in use plus the
-non-model bytes: recorded by the tracer in warm-up, the trace's in a planned iteration, the
-reserve on demand. (On CUDA the caching allocator's own figure belongs beside it; that path has
-not run yet.)
+(activations, autograd's gradients, temporaries), which come from two pools: the store's gpu
+arena, and the allocator (CUDA's caching allocator; host memory for the stand-in). So the engine
+sizes the arena from the plan and leaves the rest of the budget to the allocator:
+- a plan is made with the trace's largest non-model bytes reserved at every op (one pool cannot
+  lend the other what it does not use at an op: ``Trace.with_non_model_peak_reserved``), and its
+  planned iterations run with an arena of the pages kept on the gpu at rest (optimizer states
+  there) plus the most pages the plan holds at once; the arena is resized
+  (``PageStore.resize``) between iterations, after every unit went home, when the next one
+  needs another size;
+- warm-up (and demand paging without a plan) runs with the arena at the whole budget, since
+  the non-model bytes are not known yet: demand paging keeps the pages in use plus the non-model
+  bytes within the budget, but on CUDA the arena's idle pages are allocated all the same, so
+  that one iteration needs headroom beside the budget for its activations.
+The measured peak (``stats()["gpu_peak_bytes"]``) is, per op, the arena sized from a plan (else
+the pages in use) plus the non-model bytes: recorded by the tracer in warm-up, the trace's in a
+planned iteration, the reserve on demand. (On CUDA the caching allocator's own figure belongs
+beside it; that path has not run yet.)
 """
 
 from __future__ import annotations
@@ -40,7 +51,8 @@ from torch import nn
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.executor import Executor, PlanMismatch, Schedule
 from pagemem.engine.residency import Residency
-from pagemem.sched import InfeasiblePlan, Plan, plan
+from pagemem.errors import InvalidRequest, OutOfMemory
+from pagemem.sched import InfeasiblePlan, Plan, plan, validate
 from pagemem.tracer import Op, OpClock, Recording, SavedTensor, Trace, TraceError, TraceOptions
 
 MAX_PLANS = 8
@@ -83,6 +95,9 @@ class Pager:
         self.plan_tier = optimizer_tier if optimizer_tier in ("cpu", "nvme") else "cpu"
         # pages on the gpu at rest (optimizer states kept there): not the plan's to use
         self.static_gpu_pages = self.residency.used_pages
+        self.arena_pages: dict[tuple, int] = {}
+        """Per signature with a plan, the arena its planned iterations need."""
+        self.arena_resizes = 0
         self.plans: OrderedDict[tuple, Schedule | None] = OrderedDict()
         self.divergences: Counter = Counter()
         self.reserves: dict[tuple, int] = {}
@@ -108,6 +123,21 @@ class Pager:
         self._warned: set[str] = set()
         clock.subscribe(self._on_op)
 
+    def _size_arena(self, pages: int) -> None:
+        """Give the gpu arena ``pages`` slots, after sending every unit home (see the Note). A
+        unit still pinned (a tensor derived from its old view is alive) leaves it as it is."""
+        gpu = self.store.tier("gpu")
+        if gpu.capacity == pages:
+            return
+        self.residency.release_all()
+        self.bank.drop_lasting_views("gpu")
+        try:
+            self.store.resize("gpu", pages)
+        except (InvalidRequest, OutOfMemory) as exc:
+            self._warn("resize", f"pagemem: the gpu arena stays at {gpu.capacity} pages, not {pages} ({exc})")
+            return
+        self.arena_resizes += 1
+
     # ------------------------------------------------------------------ iterations
 
     def begin(self, args: tuple, kwargs: dict) -> None:
@@ -126,6 +156,7 @@ class Pager:
             if schedule is None:
                 self._start_demand(reserve=self.reserves.get(sig, 0))
                 return
+            self._size_arena(self.arena_pages[sig])
             self.mode = "plan"
             self._executor = Executor(schedule, self.residency)
             self._executor.begin()
@@ -136,6 +167,7 @@ class Pager:
             self._warn("replan", "pagemem: this iteration differs from the traced ones (other input shapes, "
                                  "or data-dependent control flow): it is traced and planned again. "
                                  "Results are unaffected; engine.stats()['replans'] counts these.")
+        self._size_arena(self.store.config.pages("gpu"))
         self.mode = "warmup"
         self.residency.new_iteration()
         self._op_pages = []
@@ -169,6 +201,7 @@ class Pager:
             while len(self.plans) > MAX_PLANS:
                 old, _ = self.plans.popitem(last=False)
                 self.reserves.pop(old, None)
+                self.arena_pages.pop(old, None)
         elif self.mode == "plan" and self._executor is not None:
             ex = self._executor
             ex.finish()
@@ -184,16 +217,19 @@ class Pager:
 
     def _plan(self, trace) -> Schedule | None:
         s = self.store
-        gpu = (s.tier("gpu").capacity - self.static_gpu_pages) * s.page_bytes
-        budgets = {"gpu": gpu, "cpu": s.tier("cpu").capacity * s.page_bytes,
-                   "nvme": s.tier("nvme").capacity * s.page_bytes}
-        try:
-            p = plan(trace, budgets, world_size=1, optimizer_tier=self.plan_tier, page_bytes=s.page_bytes)
+        pb = s.page_bytes
+        gpu = self.residency.budget_bytes - self.static_gpu_pages * pb
+        budgets = {"gpu": gpu, "cpu": s.tier("cpu").capacity * pb, "nvme": s.tier("nvme").capacity * pb}
+        try:  # the non-model peak reserved at every op (see the Note)
+            p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=1, optimizer_tier=self.plan_tier, page_bytes=pb)
             schedule = Schedule.compile(p, trace, self.bank)
         except (InfeasiblePlan, PlanMismatch) as exc:
             self.plan_note = str(exc)
             self._warn("noplan", f"pagemem: no plan fits this iteration ({exc}); it is paged on demand")
             return None
+        report = validate(p, trace)
+        model_bytes = int((report.timeline["gpu"] - report.non_model).max(initial=0))
+        self.arena_pages[self._sig] = self.static_gpu_pages + -(-model_bytes // pb)
         self.last_plan, self.plan_note = p, None
         return schedule
 
@@ -225,7 +261,9 @@ class Pager:
 
     def _peak(self, mode: str, pages: int, non_model: int) -> None:
         self.peak_pages = max(self.peak_pages, pages)
-        nbytes = pages * self.store.page_bytes + non_model
+        gpu = self.store.tier("gpu")
+        held = pages if gpu.capacity == self.store.config.pages("gpu") else gpu.capacity  # see the Note
+        nbytes = held * self.store.page_bytes + non_model
         self.peak_by_mode[mode] = max(self.peak_by_mode.get(mode, 0), nbytes)
 
     # ------------------------------------------------------------------ saved tensors
@@ -282,6 +320,8 @@ class Pager:
             "gpu_peak_bytes": max(self.peak_by_mode.values(), default=0),
             "gpu_peak_bytes_by_mode": dict(self.peak_by_mode),
             "gpu_peak_page_bytes": self.peak_pages * self.store.page_bytes,
+            "gpu_arena_bytes": self.store.tier("gpu").capacity * self.store.page_bytes,
+            "arena_resizes": self.arena_resizes,
             "fetches": res.fetches, "prefetches": res.prefetches, "evictions": res.evictions,
             "misses": res.misses, "gpu_wait_seconds": res.wait_seconds,
             "plan": None if p is None else {

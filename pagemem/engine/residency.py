@@ -39,7 +39,7 @@ class Residency:
         self.store = bank.store
         self._gpu = self.store.tier("gpu")
         self.page_bytes = self.store.page_bytes
-        self.budget_bytes = self._gpu.capacity * self.page_bytes
+        self.budget_bytes = self.store.config.pages("gpu") * self.page_bytes
         """The gpu budget: pages plus the non-model memory callers reserve beside them."""
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._order: list[int] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import math
 import os
@@ -97,6 +99,13 @@ class Trace:
     def peak_non_model_bytes(self) -> int:
         """Largest ``non_model_bytes`` of any op."""
         return max((op.non_model_bytes for op in self.ops), default=0)
+
+    def with_non_model_peak_reserved(self) -> "Trace":
+        """This trace with every op's ``non_model_bytes`` at the peak: what a plan needs when
+        non-model memory comes from a pool of its own (the caching allocator) beside a page
+        arena of fixed size, so that neither can lend the other what it does not use at an op."""
+        peak = self.peak_non_model_bytes
+        return dataclasses.replace(self, ops=tuple(dataclasses.replace(op, non_model_bytes=peak) for op in self.ops))
 
     @property
     def iteration_seconds(self) -> float:
