@@ -259,6 +259,18 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
     }
 
 
+def engine_least(cfg: GPTConfig, state: dict, idx, tgt, gpu_bytes: int, n_params: int) -> int:
+    """The least gpu budget the scheduler accepts for the trace an engine with ``gpu_bytes``
+    records in its warm-up (its units, its non-model bytes), the non-model peak reserved."""
+    model = GPT(cfg)
+    model.load_state_dict(state)
+    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=max(gpu_bytes, PAGE), cpu_bytes=64 * n_params + (64 << 20))
+    with pagemem.Engine(model, pagemem.EngineConfig(store=store, compute_dtype=torch.float32)) as engine:
+        engine.backward(engine(idx, tgt))
+        tr = engine.pager.last_trace
+    return least_gpu_bytes(tr.with_non_model_peak_reserved(), page_bytes=PAGE)
+
+
 def fwd_bwd_seconds(tr) -> float:
     return sum(o.duration for o in tr.ops if o.phase != "step")
 
@@ -291,7 +303,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8, help="timed iterations per row (median reported)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--rows", default="fits,cpu,nvme", help="which rows: fits, cpu (4x, cpu states), nvme")
@@ -319,18 +331,16 @@ def main() -> None:
     footprint_pages = sum(pages(b) for _, b in layers)  # the engine's gpu pages with every layer resident
     largest = max(layers, key=lambda x: x[1])
     # the gpu budget covers pages and non-model memory (activations, autograd's gradients): the
-    # least the scheduler accepts for this model and batch (a trace of a copy, whole blocks as
-    # layers: coarser than the engine's units, so an upper bound on the engine's own least)
-    twin = GPT(cfg)
-    twin.load_state_dict(state)
-    twin.to(device)
-    least = least_gpu_bytes(trace(twin, lambda: twin(idx, tgt).backward()), page_bytes=PAGE)
-    del twin
+    # least the scheduler accepts for this model and batch, over the engine's own units at the 4x
+    # budget (its units follow its budget): the trace of one warm-up iteration of an engine, with
+    # the non-model peak reserved at every op, as the engine plans (its arena and the allocator
+    # are two pools)
+    least = engine_least(cfg, state, idx, tgt, states_bytes // 4 // PAGE * PAGE, n_params)
     # fits: what plain PyTorch keeps on its gpu (parameters, gradients, two fp32 moments: 16 B per
     # parameter) plus the activations; the plan then keeps every unit's parameters (and room for
     # its optimizer states) on the gpu for good
     fits_gpu = pages(least + 16 * n_params + (footprint_pages + len(layers)) * PAGE) * PAGE
-    small_gpu = max(states_bytes // 4, least) // PAGE * PAGE
+    small_gpu = max(states_bytes // 4 // PAGE, pages(least)) * PAGE
     # cpu: compute copies + gradients (each per layer on fresh pages) + optimizer states, room to spare
     cpu_bytes = (2 * footprint_pages * PAGE + pages(12 * n_params) * PAGE) * 2
     nvme_bytes = pages(12 * n_params) * PAGE * 2
@@ -398,8 +408,10 @@ def main() -> None:
                           for k, v in sorted(d["moved_bytes"].items())) or "-"
         disk = d["disk_bytes"]
         disk = f"{disk['read_bytes'] / 2**20:.0f} / {disk['write_bytes'] / 2**20:.0f}" if disk else "n/a"
-        peak = r["stats_end"].get("gpu_peak_bytes")
-        peak = f"{mib(peak)} / {mib(r['gpu_bytes'])}" if peak is not None else "n/a"
+        end = r["stats_end"]
+        planned = end.get("gpu_peak_bytes_by_mode", {}).get("plan")
+        peak = (f"{mib(end['gpu_arena_bytes'])} / {mib(planned)} / {mib(r['gpu_bytes'])}"
+                if planned is not None else "n/a")
         mode = ", ".join(f"{k} {v}" for k, v in r["iterations"].items())
         rows.append([r["row"], mode, f"{d['prefetches']:.0f} / {d['misses']:.0f} / {d['fetches']:.0f}",
                      f"{d['evictions']:.0f}", f"{d['gpu_wait_s'] * 1e3:.0f}", peak,
@@ -408,7 +420,7 @@ def main() -> None:
                                                                                           "step"))])
     print()
     print(table(["row", "iterations", "staged / missed / on demand", "evictions", "waited for pages ms",
-                 "gpu peak / budget MiB", "view copies", "moved MiB (per direction, time in flight)",
+                 "gpu arena / planned peak / budget MiB", "view copies", "moved MiB (per direction, time in flight)",
                  "disk MiB read / written", "fwd ms eng/plain", "bwd ms eng/plain", "step ms eng/plain"], rows,
                 "engine.stats() per timed iteration, means (disk: this process's /proc/self/io during engine "
                 "iterations; phases: plain PyTorch's means beside the engine's)"))
