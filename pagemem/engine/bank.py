@@ -236,9 +236,11 @@ class ParamBank:
     def drop_lasting_views(self, tier: str) -> None:
         """Forget the lasting views of pages on ``tier`` (they pin them: before the store resizes
         the tier); they are made again at their next use."""
-        def tier_of(kind: str) -> str:
-            return self.grad_tier if kind == "grad" else self.optimizer_tier
-        self._lasting = {key: v for key, v in self._lasting.items() if tier_of(key[0]) != tier}
+        self._lasting = {key: v for key, v in self._lasting.items() if self.tier_of(key[0]) != tier}
+
+    def tier_of(self, kind: str) -> str:
+        """Where the ``grad`` or optimizer-state (``master``, ``exp_avg``, ``exp_avg_sq``) pages live."""
+        return self.grad_tier if kind == "grad" else self.optimizer_tier
 
     def lasting_view(self, kind: str, i: int) -> torch.Tensor | None:
         """A flat view of parameter ``i``'s ``grad`` or optimizer state (``master``, ``exp_avg``,
@@ -251,7 +253,7 @@ class ParamBank:
         key = (kind, i)
         if key not in self._lasting:
             layer, k = self.where(i)
-            tier = self.grad_tier if kind == "grad" else self.optimizer_tier
+            tier = self.tier_of(kind)
             view = None
             if tier != "nvme":
                 try:

@@ -192,7 +192,6 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Per-tier use against budget, bytes moved per direction, time per phase, paging counts."""
         s = self.store.stats()
-        gpu = s.tiers["gpu"]
         paging = self.pager.stats()
         busy = self._phase_seconds["forward"] + self._phase_seconds["backward"]
         return {
