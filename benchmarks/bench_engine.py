@@ -8,7 +8,9 @@ Every gpu budget covers the engine's pages *and* the non-model memory (activatio
 gradients), as on a real GPU:
 
 - ``fits``: what plain PyTorch keeps on its gpu (16 bytes per parameter: weights, gradients, two
-  moments) plus the activations. Goal: engine iterations/s >= 0.9x plain PyTorch
+  moments) plus the activations, optimizer states on the ``gpu`` tier too: in fp32 the engine's
+  parameters are then views of its master pages (``ParamBank.compute_is_master``), so it holds
+  what plain PyTorch holds. Goal: engine iterations/s >= 0.9x plain PyTorch
   (``torch.optim.AdamW(fused=True)``).
 - ``4x cpu``: gpu budget = model states (params + grads + fp32 master + 2 moments = 20 bytes per
   parameter) / 4, at least the least the scheduler accepts; optimizer states on ``cpu``.
@@ -337,8 +339,8 @@ def main() -> None:
     # are two pools)
     least = engine_least(cfg, state, idx, tgt, states_bytes // 4 // PAGE * PAGE, n_params)
     # fits: what plain PyTorch keeps on its gpu (parameters, gradients, two fp32 moments: 16 B per
-    # parameter) plus the activations; the plan then keeps every unit's parameters (and room for
-    # its optimizer states) on the gpu for good
+    # parameter) plus the activations; every state stays on the gpu (fp32: the parameters are
+    # views of the master pages), with a page of slack per unit
     fits_gpu = pages(least + 16 * n_params + (footprint_pages + len(layers)) * PAGE) * PAGE
     small_gpu = max(states_bytes // 4 // PAGE, pages(least)) * PAGE
     # cpu: compute copies + gradients (each per layer on fresh pages) + optimizer states, room to spare
@@ -346,7 +348,7 @@ def main() -> None:
     nvme_bytes = pages(12 * n_params) * PAGE * 2
     row_specs = {
         "fits": ("fits (gpu = plain's need)", dict(gpu_bytes=fits_gpu, cpu_bytes=cpu_bytes, nvme_bytes=0,
-                                                      optimizer_tier="cpu")),
+                                                      optimizer_tier="gpu")),
         "cpu": ("4x, optimizer on cpu", dict(gpu_bytes=small_gpu, cpu_bytes=cpu_bytes, nvme_bytes=0,
                                              optimizer_tier="cpu")),
         "nvme": ("4x, optimizer on nvme", dict(gpu_bytes=small_gpu, cpu_bytes=cpu_bytes, nvme_bytes=nvme_bytes,

@@ -24,15 +24,16 @@ def tiny_gpt() -> GPT:
     return GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
 
 
-def make(tmp_path, seed=0):
+def make(tmp_path, seed=0, optimizer_tier="nvme"):
     torch.manual_seed(seed)
     model = tiny_gpt()
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=nbytes // 2, cpu_bytes=16 * nbytes + 64 * PAGE,
+    gpu = nbytes // 2 if optimizer_tier != "gpu" else 4 * nbytes + 64 * PAGE  # states + activations
+    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=16 * nbytes + 64 * PAGE,
                                 nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=str(nvme))
-    return model, pagemem.EngineConfig(store=store, optimizer_tier="nvme", adam_threads=1,
+    return model, pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, adam_threads=1,
                                        optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1))
 
 
@@ -56,10 +57,10 @@ def resume_and_compare(ckpt: str, model, cfg, until: int, expected, check=None) 
         assert torch.equal(got[k], expected[k]), k
 
 
-def saved_midway(tmp_path, save_at: int, until: int):
+def saved_midway(tmp_path, save_at: int, until: int, optimizer_tier="nvme"):
     """Train to ``save_at``, save, train on to ``until``; the checkpoint's path, the final weights
     and the config."""
-    model, cfg = make(tmp_path)
+    model, cfg = make(tmp_path, optimizer_tier=optimizer_tier)
     with pagemem.Engine(model, cfg) as engine:
         train(engine, save_at)
         path = engine.save(str(tmp_path / "ckpt"))
@@ -167,6 +168,24 @@ def test_a_model_built_on_meta_resumes_from_a_checkpoint(tmp_path):
         assert all(not p.is_meta for p in model.parameters())
 
     resume_and_compare(str(tmp_path / "ckpt"), empty, cfg, 6, expected, tied_and_real)
+
+
+def test_fp32_states_on_the_gpu_resume_into_a_model_on_meta(tmp_path):
+    """fp32 beside states on the gpu: the parameters are the master pages, which the checkpoint
+    fills (no compute copy to refresh)."""
+    _, expected, cfg = saved_midway(tmp_path, 3, 6, optimizer_tier="gpu")
+    with torch.device("meta"):
+        empty = tiny_gpt()
+
+    def reads_the_checkpoint(engine, model):
+        ckpt_weights = engine.state_dict()
+        with torch.no_grad():  # an evaluation forward binds the parameters (and they stay bound)
+            engine(torch.zeros(1, 4, dtype=torch.long))
+        for name, p in model.named_parameters():
+            assert p.numel() == 1 or p.stride() != (0,) * p.dim(), name  # real pages, not a placeholder
+            assert torch.equal(p.detach(), ckpt_weights[name]), name
+
+    resume_and_compare(str(tmp_path / "ckpt"), empty, cfg, 6, expected, reads_the_checkpoint)
 
 
 def test_saving_twice_at_one_step_never_removes_the_checkpoint_latest_names(tmp_path):

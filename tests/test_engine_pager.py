@@ -256,8 +256,12 @@ def test_planned_iterations_run_in_a_gpu_arena_sized_from_the_plan(optimizer_tie
         got = engine.state_dict()
     for s, nm in ((short, short_nm), (long, long_nm)):
         assert s["gpu_arena_bytes"] + nm <= s["gpu_budget_bytes"]
-        assert s["gpu_peak_bytes_by_mode"]["plan"] == s["gpu_arena_bytes"] + nm
         assert s["misses"] == 0
+    # the peak is the most of any planned iteration so far (the longer sequence's plan may hold
+    # fewer pages: its larger activations leave less room to keep gradients on the gpu)
+    short_peak = short["gpu_arena_bytes"] + short_nm
+    assert short["gpu_peak_bytes_by_mode"]["plan"] == short_peak
+    assert long["gpu_peak_bytes_by_mode"]["plan"] == max(short_peak, long["gpu_arena_bytes"] + long_nm)
     assert short["arena_resizes"] == 1 and long["arena_resizes"] == 3  # warm-up at the whole budget, then the plan's
     assert long["gpu_arena_bytes"] == resident + -(-most_pages // PAGE) * PAGE
     assert long["iterations"] == {"traced": 2, "planned": 4}

@@ -11,7 +11,8 @@ unit:
 - ``grad``: fp32 gradient sums beside the optimizer states: on ``gpu`` when they are there (the
   update reads them in place, as plain PyTorch does), else on ``cpu`` (the first gradient of a
   step overwrites them).
-The optimizer states of consecutive layers are chained with ``after=`` (they share boundary
+In fp32 with the optimizer states on the gpu, the compute copy *is* the master (see
+``ParamBank.compute_is_master``). The optimizer states of consecutive layers are chained with ``after=`` (they share boundary
 pages: 99.9% utilization), since they move together at the update; each layer's compute group
 starts on fresh pages, so that evicting a layer never drags a resident neighbour's page (this
 costs the partly filled last page of each layer; ``stats()`` reports what it comes to).
@@ -137,6 +138,13 @@ class ParamBank:
         self.grad_tier = "gpu" if optimizer_tier == "gpu" else "cpu"
         """Where the fp32 gradient sums live: beside optimizer states kept on the gpu (a GPU's
         fused AdamW needs all its tensors on the device), else on the cpu."""
+        self.compute_is_master = compute_dtype == torch.float32 and optimizer_tier == "gpu"
+        """[Note: the compute copy is the master] fp32 compute with the optimizer states on the
+        gpu: a compute copy would hold the master's bits on the same tier, so the parameters are
+        views of the master pages instead. No compute pages, no refresh after the update, and
+        the gpu holds 16 bytes per parameter (weights, gradient sums, two moments), as plain
+        PyTorch does. Those pages never move: units have nothing to page (``param_nbytes`` 0,
+        ``compute_pages`` 0), so a plan only schedules compute around them."""
         self._lasting: dict[tuple[str, int], torch.Tensor | None] = {}
         meta = any(p.is_meta for p in model.parameters())
         if meta and values:
@@ -159,7 +167,7 @@ class ParamBank:
             layout = pack([nbytes[i] for i in idx], store.page_bytes)  # as allocate_group lays them out
             ends = layout.starts[1:] + (layout.end,)
             for i, start, end in zip(idx, layout.starts, ends):
-                self.param_nbytes[i] = end - start
+                self.param_nbytes[i] = 0 if self.compute_is_master else end - start
         self.layers: list[Layer] = []
         self.layer_of: list[int] = [0] * len(self.params)
         self.position: list[int] = [0] * len(self.params)
@@ -175,11 +183,15 @@ class ParamBank:
                                   ("grad", torch.float32, self.grad_tier)):
             tail = None
             groups[kind] = []
+            if kind == "compute" and self.compute_is_master:
+                continue  # the master's groups, once they exist (see the Note)
             for _name, idx in layer_specs:
                 group = store.allocate_group([(self.params[i][1].shape, dtype) for i in idx], tier=tier,
                                              after=tail if kind != "compute" else None)
                 tail = group[-1]
                 groups[kind].append(group)
+        if self.compute_is_master:
+            groups["compute"] = groups["master"]
         with torch.no_grad():
             for li, (name, idx) in enumerate(layer_specs):
                 for k, i in enumerate(idx):
@@ -187,7 +199,8 @@ class ParamBank:
                     p = self.params[i][1]
                     src = p.detach().to("cpu") if values else torch.zeros(p.shape)
                     groups["master"][li][k].copy_(src.float())
-                    groups["compute"][li][k].copy_(src.to(compute_dtype))
+                    if not self.compute_is_master:
+                        groups["compute"][li][k].copy_(src.to(compute_dtype))
                     zeros = torch.zeros(src.shape)
                     groups["exp_avg"][li][k].copy_(zeros)
                     groups["exp_avg_sq"][li][k].copy_(zeros)
@@ -203,6 +216,10 @@ class ParamBank:
         """Parameter ``i``'s unit and its position in the unit's lists."""
         return self.layers[self.layer_of[i]], self.position[i]
 
+    def compute_pages(self, li: int) -> int:
+        """Pages unit ``li``'s compute copy moves to and from the gpu (none where it is the master)."""
+        return 0 if self.compute_is_master else self.store.page_count(self.layers[li].compute)
+
     def stage_states(self, li: int) -> None:
         """Start copying unit ``li``'s optimizer states to the cpu ahead of their update (the
         plan's ``move_to_cpu optim``); no room on the cpu leaves them to be read at the update."""
@@ -217,7 +234,7 @@ class ParamBank:
         setting ``master`` also refreshes the compute copy (every copy of it)."""
         layer, k = self.where(i)
         getattr(layer, kind)[k].copy_(value)
-        if kind == "master":
+        if kind == "master" and not self.compute_is_master:
             layer.compute[k].copy_(value.to(self.compute_dtype))
 
     # ------------------------------------------------------------------ gradients

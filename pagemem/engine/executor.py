@@ -75,7 +75,7 @@ class Schedule:
             u = unit_of.get(frozenset(layer.tensor_ids))
             if u is None:
                 raise PlanMismatch(f"the trace's layer {layer.name!r} is not one of the engine's units")
-            pages = bank.store.page_count(bank.layers[u].compute)
+            pages = bank.compute_pages(u)
             if plan.layout.layers[layer.index].param_pages != pages:
                 raise PlanMismatch(f"layer {layer.name!r}: the plan moves {plan.layout.layers[layer.index].param_pages}"
                                    f" pages, the engine's unit has {pages}")

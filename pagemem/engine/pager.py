@@ -91,6 +91,9 @@ class Pager:
         self.clock = clock
         self.residency = Residency(bank)
         self.store = bank.store
+        self._gpu = self.store.tier("gpu")
+        self._budget_pages = self.store.config.pages("gpu")
+        self._page_bytes = self.store.page_bytes
         self.use_plans = executor == "plan"
         self.plan_tier = optimizer_tier if optimizer_tier in ("cpu", "nvme") else "cpu"
         # pages on the gpu at rest (optimizer states kept there): not the plan's to use
@@ -260,11 +263,14 @@ class Pager:
             self._peak(self.mode, res.used_pages, reserve)
 
     def _peak(self, mode: str, pages: int, non_model: int) -> None:
-        self.peak_pages = max(self.peak_pages, pages)
-        gpu = self.store.tier("gpu")
-        held = pages if gpu.capacity == self.store.config.pages("gpu") else gpu.capacity  # see the Note
-        nbytes = held * self.store.page_bytes + non_model
-        self.peak_by_mode[mode] = max(self.peak_by_mode.get(mode, 0), nbytes)
+        """Called at every op: kept to a few attribute reads."""
+        if pages > self.peak_pages:
+            self.peak_pages = pages
+        arena = self._gpu.capacity
+        held = pages if arena == self._budget_pages else arena  # see the Note
+        nbytes = held * self._page_bytes + non_model
+        if nbytes > self.peak_by_mode.get(mode, 0):
+            self.peak_by_mode[mode] = nbytes
 
     # ------------------------------------------------------------------ saved tensors
 

@@ -13,6 +13,11 @@ Two ways in, one state per unit (``Layer.resident``, ``Layer.staged``, ``Layer.z
   non-model bytes the caller reserves fit beside them; then it stages the unit the previous
   demand iteration used next, if that fits without evicting.
 
+Where the compute copy is the master (``ParamBank.compute_is_master``) every unit is home on the
+gpu: binding points its parameters at the master pages, releasing keeps them bound (a unit has
+no pages to give back), nothing evicts them; only ``release_all`` unbinds them, before the store
+resizes the arena or closes.
+
 [Note: parameters are views over page memory]
 While a unit is resident each of its ``nn.Parameter`` objects has ``.data`` set to a view of its
 gpu replica (``PagedTensor.view``, which pins the pages for as long as that view or anything
@@ -41,6 +46,11 @@ class Residency:
         self.page_bytes = self.store.page_bytes
         self.budget_bytes = self.store.config.pages("gpu") * self.page_bytes
         """The gpu budget: pages plus the non-model memory callers reserve beside them."""
+        self.home_on_gpu = bank.compute_is_master
+        """Every unit's compute copy is its master, kept on the gpu (see the module docs)."""
+        if self.home_on_gpu:
+            for layer in bank.layers:
+                layer.settled = True
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._order: list[int] = []
         """Units in the order the previous demand iteration asked for them (what staging on
@@ -77,6 +87,8 @@ class Residency:
     def stage(self, li: int, pages: range | None = None) -> None:
         """Start copying unit ``li``'s pages (all, or the run ``pages``) to the gpu. Reserves
         now: OutOfMemory, changing nothing, when they do not fit."""
+        if self.home_on_gpu:
+            return
         layer = self.bank.layers[li]
         handle = self.store.copy(layer.compute, "gpu", pages=pages)
         layer.staged.append(handle)
@@ -90,6 +102,9 @@ class Residency:
         if layer.resident:
             self._lru[li] = None
             self._lru.move_to_end(li)
+            return
+        if self.home_on_gpu:
+            self._bind_views(layer)
             return
         if layer.staged_pages < self.store.page_count(layer.compute):
             self.misses += 1
@@ -119,7 +134,10 @@ class Residency:
 
     def release(self, li: int) -> None:
         """Unit ``li`` leaves the gpu (see the Note): parameters back to placeholders, pages given
-        back (or kept as a zombie while a derived tensor pins them)."""
+        back (or kept as a zombie while a derived tensor pins them). Units home on the gpu stay
+        bound."""
+        if self.home_on_gpu:
+            return
         layer = self.bank.layers[li]
         if layer.staged and not layer.resident:
             self._drop_staged(layer)
@@ -147,6 +165,8 @@ class Residency:
             layer = self.bank.layers[li]
             if layer.resident:
                 self._lru.move_to_end(li)
+            elif self.home_on_gpu:
+                self._bind_views(layer)
             else:
                 self._fetch(layer, keep, reserve)
                 self.fetches += 1
@@ -165,6 +185,8 @@ class Residency:
         """[Note: demand staging] follows the previous demand iteration's order: one unit ahead,
         and only into free room (it never evicts), so fetches stay the only ones that make room."""
         order = self._order
+        if self.home_on_gpu:
+            return
         try:
             pos = order.index(li, self._cursor)
         except ValueError:
@@ -225,7 +247,10 @@ class Residency:
 
     def _evict_one(self, keep: set[int]) -> bool:
         """Give back the pages of one unit not in ``keep``: staged but unbound copies first,
-        then zombies, then the least recently used resident unit. False when nothing could go."""
+        then zombies, then the least recently used resident unit. False when nothing could go
+        (nothing can where units are home on the gpu)."""
+        if self.home_on_gpu:
+            return False
         for layer in self.bank.layers:
             if layer.staged and not layer.resident and layer.index not in keep:
                 self._drop_staged(layer)
@@ -256,12 +281,15 @@ class Residency:
         layer.ptrs.clear()
         layer.resident = False
         self._lru.pop(layer.index, None)
-        self.evictions += 1
+        self.evictions += not self.home_on_gpu
         layer.zombie = not self._drop(layer)
 
     def _drop(self, layer: Layer) -> bool:
         """Give back the unit's gpu pages: drop the replica, or move a settled unit's only copy
-        home. False while a tensor derived from an old view pins them (or no cpu room is left)."""
+        home. False while a tensor derived from an old view pins them (or no cpu room is left).
+        Units home on the gpu have nothing to give back."""
+        if self.home_on_gpu:
+            return True
         try:
             if layer.settled:
                 self.store.move(layer.compute, "cpu").wait()

@@ -235,7 +235,10 @@ class Updater:
         return out
 
     def _refresh(self, i: int, master: torch.Tensor) -> None:
-        """Write the new master weights, cast, into every copy of the compute parameter."""
+        """Write the new master weights, cast, into every copy of the compute parameter (none
+        to write where the compute copy is the master)."""
+        if self.bank.compute_is_master:
+            return
         layer, k = self.bank.where(i)
         layer.compute[k].copy_(master.view(self.bank.params[i][1].shape).to(self.config.compute_dtype))
 
