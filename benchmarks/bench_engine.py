@@ -28,7 +28,13 @@ measured engine iteration. Neither number is adjusted to the other. A last block
 engine's extra time over plain PyTorch by phase, beside what the simulator assumes is exposed.
 Every iteration also checks that the engine's loss equals plain PyTorch's bit for bit (fp32).
 
-Usage: ``python benchmarks/bench_engine.py [--iters N] [--rows fits,cpu,nvme] [--engine-option k=v]``.
+Store copies between host-memory arenas run inline on the host stand-in (``--copy-threads 0``):
+its "gpu" and its copies share the same two cores, so a copy thread buys no overlap and only
+contends with compute (one run: the 4x cpu row took 304 ms inline, 338 ms with 2 copy threads),
+and the simulator's ``shared_processor`` assumes exactly that: one at a time.
+
+Usage: ``python benchmarks/bench_engine.py [--iters N] [--rows fits,cpu,nvme] [--copy-threads N]
+[--engine-option k=v]``.
 ``--engine-option`` passes extra ``EngineConfig`` fields (e.g. an executor mode, once the engine
 has one); the engine's ``stats()["iterations"]`` (traced, planned, left_plan, demand) is reported.
 """
@@ -188,7 +194,7 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
     opt = torch.optim.AdamW(plain.parameters(), **hp, fused=True)
     nvme_dir = tempfile.mkdtemp(prefix="bench_engine_") if row["nvme_bytes"] else None
     store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=row["gpu_bytes"], cpu_bytes=row["cpu_bytes"],
-                                nvme_bytes=row["nvme_bytes"], nvme_path=nvme_dir)
+                                nvme_bytes=row["nvme_bytes"], nvme_path=nvme_dir, copy_threads=args.copy_threads)
     ecfg = pagemem.EngineConfig(**{"store": store, "optimizer": pagemem.AdamW(**hp),
                                    "optimizer_tier": row["optimizer_tier"], "compute_dtype": torch.float32, **extra})
 
@@ -310,9 +316,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--rows", default="fits,cpu,nvme", help="which rows: fits, cpu (4x, cpu states), nvme")
     ap.add_argument("--profile", default="dev-vm", help="hardware profile for the simulator")
+    ap.add_argument("--copy-threads", type=int, default=None,
+                    help="StoreConfig.copy_threads (default: 0, inline, on the host stand-in, whose copies share "
+                         "the compute's cores; 2 with CUDA)")
     ap.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
                     help="extra EngineConfig field (repeatable), e.g. an executor mode")
     args = ap.parse_args()
+    if args.copy_threads is None:
+        args.copy_threads = 2 if torch.cuda.is_available() else 0
     extra = parse_options(args.engine_option)
     wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
 
@@ -356,7 +367,7 @@ def main() -> None:
     }
 
     print(f"GPT {cfg.layers}L h{cfg.hidden} vocab {cfg.vocab}, batch {args.batch} x seq {args.seq}, fp32 on {device}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; {n_params / 1e6:.1f}M params "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, copy_threads {args.copy_threads}; {n_params / 1e6:.1f}M params "
           f"({mib(param_bytes)} MiB fp32), model states {mib(states_bytes)} MiB at {STATE_BYTES_PER_PARAM} B/param")
     print(f"model: {len(layers)} modules owning parameters, largest {largest[0]} {mib(largest[1])} MiB; gpu budgets "
           f"cover pages and non-model memory: the scheduler's least for this batch is {mib(least)} MiB; 'fits' = "
@@ -483,7 +494,7 @@ def main() -> None:
         "model": dataclasses.asdict(cfg), "device": device, "batch": args.batch, "seq": args.seq, "params": n_params,
         "state_bytes": states_bytes, "engine_layers": len(layers), "engine_param_pages": footprint_pages,
         "largest_layer": {"name": largest[0], "bytes": largest[1]}, "warmup": args.warmup, "iters": args.iters,
-        "threads": torch.get_num_threads(), "engine_options": {k: repr(v) for k, v in extra.items()},
+        "threads": torch.get_num_threads(), "copy_threads": args.copy_threads, "engine_options": {k: repr(v) for k, v in extra.items()},
         "profile": hw.to_dict(), "goals": {"engine_over_plain": GOAL_FITS, "prediction_error": GOAL_SIM},
         "anchor": "plain PyTorch, same model and batch, torch.optim.AdamW(fused=True), interleaved in the same run",
         "rows": results,

@@ -58,7 +58,7 @@ def test_capacity_rounds_down_to_whole_pages():
     ("io_engine", "uring", r"io_engine: must be one of 'auto', 'aio', 'threads'"),
     ("gpu_backend", "rocm", r"gpu_backend"),
     ("staging_pages", 0, r"staging_pages: must be an integer in \[1, 4096\]"),
-    ("copy_threads", 0, r"copy_threads"),
+    ("copy_threads", -1, r"copy_threads: must be an integer in \[0, 64\]"),
     ("checksums", "yes", r"checksums: must be True or False"),
     ("cpu_bytes", "lots", r"cpu_bytes"),
 ])

@@ -70,14 +70,16 @@ def reference(model, steps: int, hp: dict, max_grad_norm=None, accumulation: int
 
 
 def through_engine(model, steps: int, hp: dict, tmp_path, optimizer_tier="cpu", max_grad_norm=None,
-                   accumulation: int = 1, budget: int | None = None, overlap_update: bool | None = True):
+                   accumulation: int = 1, budget: int | None = None, overlap_update: bool | None = True,
+                   copy_threads: int = 2):
     budget = budget or gpu_budget(model)
     if optimizer_tier == "gpu":  # the states and gradient sums stay there, beside the paged parameters
         n = sum(p.numel() for p in model.parameters())
         budget += (-(-16 * n // PAGE) + 4) * PAGE
     store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model),
                                 nvme_bytes=8 * state_bytes(model) if optimizer_tier == "nvme" else 0,
-                                nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
+                                nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None,
+                                copy_threads=copy_threads)
     cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**hp), optimizer_tier=optimizer_tier,
                                max_grad_norm=max_grad_norm, accumulation_steps=accumulation, adam_threads=2,
                                overlap_update=overlap_update)
@@ -112,6 +114,18 @@ def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tie
     # updates overlap backward from the second step on (states on nvme are updated in step())
     assert (stats["overlapped_updates"] > 0) == (optimizer_tier != "nvme")
     assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme"])
+def test_inline_store_copies_train_the_same(tmp_path, optimizer_tier):
+    """``copy_threads=0`` (copies on the issuing thread, the stand-in's faster setting)."""
+    model = small_gpt()
+    ref = reference(copy.deepcopy(model), 10, HP)
+    got, stats = through_engine(model, 10, HP, tmp_path, optimizer_tier, copy_threads=0)
+    assert stats["evictions"] > 0
+    assert_followed_the_plan(stats, 10)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
 

@@ -40,19 +40,22 @@ faults = st.tuples(st.sampled_from(("read", "write")), st.sampled_from(("eio", "
 
 class StoreMachine(RuleBasedStateMachine):
     engine = "threads"
+    copy_threads = 2
+    """0: memory copies inline (done when issued); else on threads, each started late."""
 
     def __init__(self):
         super().__init__()
         self.dir = tempfile.TemporaryDirectory()
         self.store = pagemem.PageStore(pagemem.StoreConfig(
             page_bytes=PAGE, gpu_bytes=6 * PAGE, cpu_bytes=10 * PAGE, nvme_bytes=14 * PAGE,
-            nvme_path=self.dir.name, io_engine=self.engine, staging_pages=2, io_depth=4))
+            nvme_path=self.dir.name, io_engine=self.engine, staging_pages=2, io_depth=4,
+            copy_threads=self.copy_threads))
         # every transfer starts a little late, so operations are still in flight at later steps
         self.delayer = Delayer(max_delay=0.002)
         nvme = self.store.tier("nvme")
         self.faults = FaultyEngine(DelayedEngine(nvme.engine, self.delayer))
         nvme.engine = self.faults
-        for name in ("gpu", "cpu"):
+        for name in ("gpu", "cpu") if self.copy_threads else ():
             tier = self.store.tier(name)
             tier.copier = DelayedCopier(tier.copier, self.delayer)
         self.live: list[tuple[pagemem.PagedTensor, object]] = []  # (tensor, data | None | TORN)
@@ -380,3 +383,8 @@ machine_settings = settings(max_examples=100, stateful_step_count=50, deadline=N
 def test_store_state_machine(engine):
     machine = type(f"StoreMachine_{engine}", (StoreMachine,), {"engine": engine})
     run_state_machine_as_test(machine, settings=machine_settings)
+
+
+def test_store_state_machine_with_inline_copies():
+    machine = type("StoreMachine_inline", (StoreMachine,), {"copy_threads": 0})
+    run_state_machine_as_test(machine, settings=settings(machine_settings, max_examples=50))

@@ -1,6 +1,7 @@
 """Copy engines and memory tiers: copies ordered after a fence (``after``), and span copies."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -48,9 +49,9 @@ class GateFence:
             raise self.error
 
 
-@pytest.fixture
-def copier():
-    c = HostCopyEngine(2)
+@pytest.fixture(params=[2, 0], ids=["threads", "inline"])
+def copier(request):
+    c = HostCopyEngine(request.param)
     yield c
     c.close()
 
@@ -68,6 +69,8 @@ def pattern(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_host_copy_waits_for_its_fence(copier):
+    if copier.inline:
+        pytest.skip("inline: see test_an_inline_copy_is_done_on_return_after_its_fence")
     dst, src = torch.zeros(64, dtype=torch.uint8), torch.ones(64, dtype=torch.uint8)
     fence, done = GateFence(), Waiter()
     copier.copy(dst, src, done, after=fence)
@@ -76,6 +79,19 @@ def test_host_copy_waits_for_its_fence(copier):
     fence.gate.set()
     assert done.wait() is None
     assert torch.equal(dst, src)
+
+
+def test_an_inline_copy_is_done_on_return_after_its_fence():
+    copier = HostCopyEngine(0)
+    dst, src = torch.zeros(64, dtype=torch.uint8), torch.ones(64, dtype=torch.uint8)
+    fence, done = GateFence(), Waiter()
+    opener = threading.Thread(target=lambda: fence.entered.wait(10) and fence.gate.set())
+    opener.start()
+    copier.copy(dst, src, done, after=fence)  # blocks until the other thread opens the fence
+    opener.join()
+    assert fence.entered.is_set() and done.event.is_set() and done.error is None
+    assert torch.equal(dst, src)
+    copier.close()
 
 
 def test_a_failing_fence_is_the_copy_error(copier):
@@ -130,6 +146,12 @@ def test_tier_copies_pass_their_fence_on(tier):
     fence = GateFence()
     data = pattern(PAGE, seed=2)
     done = Waiter()
+    if tier.copier.inline:  # the write blocks until the fence opens: open it from another thread
+        threading.Thread(target=lambda: fence.entered.wait(10) and (time.sleep(0.05), fence.gate.set())).start()
+        tier.start_write(5, HostBuffer(data, None), done, after=fence)
+        assert fence.entered.is_set() and done.event.is_set()
+        assert done.error is None and torch.equal(tier.buffer(5), data)
+        return
     tier.start_write(5, HostBuffer(data, None), done, after=fence)
     assert fence.entered.wait(10)
     assert not done.event.is_set()

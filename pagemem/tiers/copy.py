@@ -2,7 +2,9 @@
 
 With CUDA, host<->device copies run on two dedicated streams (one per direction) and complete
 through CUDA events, so they overlap compute on other streams. Without CUDA, copies between
-host-memory arenas run on a small thread pool (torch's copy releases the GIL). Either engine
+host-memory arenas run on a small thread pool (torch's copy releases the GIL), or inline on the
+thread that issues them (``threads=0``: on a host stand-in with few cores a copy thread buys no
+overlap, the copy and the compute share the same cores, and only adds contention). Either engine
 can order a copy after a fence (``after``), and drops every reference to a request once its
 callback has run.
 """
@@ -31,15 +33,22 @@ def _call(done: CopyDone, error: BaseException | None) -> None:
 
 
 class HostCopyEngine:
-    """Copies between host tensors on ``threads`` worker threads."""
-
-    name = "host threads"
+    """Copies between host tensors on ``threads`` worker threads (0: inline, done on return)."""
 
     def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagemem-copy")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagemem-copy") if threads else None
+        self.name = f"host threads ({threads})" if threads else "inline host copies"
+
+    @property
+    def inline(self) -> bool:
+        """Copies run on the issuing thread."""
+        return self._pool is None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, done: CopyDone, after: Fence | None = None) -> None:
-        """Copy ``src`` into ``dst`` on a worker thread, after waiting there for ``after``."""
+        """Copy ``src`` into ``dst`` on a worker thread (or this one), after waiting for ``after``."""
+        if self._pool is None:
+            self._run(dst, src, done, after)
+            return
         self._pool.submit(self._run, dst, src, done, after)
 
     @staticmethod
@@ -55,7 +64,8 @@ class HostCopyEngine:
         _call(done, None)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class _EventWaiter:
