@@ -21,9 +21,9 @@ An iteration is forward + backward + optimizer step; after warm-up the median of
 staged by the plan, missed, fetched on demand; evictions; time waited for pages; the measured gpu
 peak, pages plus non-model bytes, against the budget; bytes moved; seconds per phase), and the
 simulator's prediction for that row: **the plan the engine followed**, simulated on the
-``dev-vm`` profile with the op durations of a trace of a third copy of the model (forward +
-backward, taken between the row's timed iterations so it sees the same load; the one of median
-length; the engine's own warm-up durations include its demand paging). Goal: within 15% of the
+``dev-vm`` profile with the op durations of traces of a third copy of the model (forward +
+backward, one after each timed pair of iterations so they see the same load; per op, the median
+over those traces; the engine's own warm-up durations include its demand paging). Goal: within 15% of the
 measured engine iteration. Neither number is adjusted to the other. A last block splits the
 engine's extra time over plain PyTorch by phase, beside what the simulator assumes is exposed.
 Every iteration also checks that the engine's loss equals plain PyTorch's bit for bit (fp32).
@@ -144,6 +144,25 @@ def stats_delta(after: dict, before: dict, n: int) -> dict:
     }
 
 
+def median_durations(traces):
+    """The first trace with each op's duration (and cpu / gpu time) the median of that op's over
+    all ``traces`` (same model and batch: the same ops). On a noisy VM one trace's total moved by
+    up to 50% between rows of a run; per-op medians over the row's traces are far steadier."""
+    first = traces[0]
+    if any(len(t.ops) != len(first.ops) for t in traces):
+        raise ValueError("the timing traces number different ops")
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    ops = tuple(dataclasses.replace(o, duration=med([t.ops[k].duration for t in traces]),
+                                    cpu_time=med([t.ops[k].cpu_time for t in traces]),
+                                    gpu_time=med([t.ops[k].gpu_time for t in traces]))
+                for k, o in enumerate(first.ops))
+    return dataclasses.replace(first, ops=ops)
+
+
 def with_durations(engine_trace, timed):
     """The engine's own trace (its units, the access order its plan was made for) with the op
     durations of ``timed``, a trace of the same model and batch taken under this run's load (the
@@ -230,10 +249,9 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
             e_times.append(te)
             p_times.append(tp)
             same.append(le == lp)
-            if i % 2 or args.iters < 6:
-                tr = trace(traced_model, fwd_bwd)
-                traced_model.zero_grad(set_to_none=True)
-                traces.append(tr)
+            # a trace after every timed pair: per-op medians over them (median_durations)
+            traces.append(trace(traced_model, fwd_bwd))
+            traced_model.zero_grad(set_to_none=True)
         after = engine.stats()
         engine_plan, engine_trace = engine.pager.last_plan, engine.pager.last_trace
         moves1 = engine.store.stats().moves
@@ -247,8 +265,7 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
     n = args.iters
     tokens = idx.numel()
     me, mp = statistics.median(e_times), statistics.median(p_times)
-    traces.sort(key=fwd_bwd_seconds)
-    tr = traces[len(traces) // 2]
+    tr = median_durations(traces)
     per_it = stats_delta(after, before, n)
     per_it["disk_bytes"] = {k: v / n for k, v in e_io.items()} if io0 else {}
     per_it["move_seconds"] = {k: v for k, v in move_s.items() if v}
