@@ -234,6 +234,9 @@ class Residency:
             try:
                 p.data = t.view("gpu")
             except InvalidRequest:  # scattered slots: a merged copy of the gpu pages (stats().view_copies)
+                if self.home_on_gpu:  # a copy would go stale: updates write the master pages
+                    raise InvalidRequest(f"parameter {params[i][0]!r}: its master pages are not adjacent on the "
+                                         "gpu, so the parameter cannot be a view of them") from None
                 lease = t.lease("gpu", write=False)
                 layer.leases.append(lease)
                 p.data = lease.tensor
