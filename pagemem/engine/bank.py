@@ -12,8 +12,8 @@ unit:
   update reads them in place, as plain PyTorch does), else on ``cpu`` (the first gradient of a
   step overwrites them).
 In fp32 with the optimizer states on the gpu, the compute copy *is* the master (see
-``ParamBank.compute_is_master``). The optimizer states of consecutive layers are chained with ``after=`` (they share boundary
-pages: 99.9% utilization), since they move together at the update; each layer's compute group
+``ParamBank.compute_is_master``). The optimizer states of consecutive layers are chained with
+``after=`` (they share boundary pages: 99.9% utilization), since they move together at the update; each layer's compute group
 starts on fresh pages, so that evicting a layer never drags a resident neighbour's page (this
 costs the partly filled last page of each layer; ``stats()`` reports what it comes to).
 
@@ -234,8 +234,16 @@ class ParamBank:
         setting ``master`` also refreshes the compute copy (every copy of it)."""
         layer, k = self.where(i)
         getattr(layer, kind)[k].copy_(value)
-        if kind == "master" and not self.compute_is_master:
-            layer.compute[k].copy_(value.to(self.compute_dtype))
+        if kind == "master":
+            self.refresh_compute(i, value)
+
+    def refresh_compute(self, i: int, master: torch.Tensor) -> None:
+        """Write parameter ``i``'s master weights, cast, into every copy of its compute parameter
+        (none to write where the compute copy is the master)."""
+        if self.compute_is_master:
+            return
+        layer, k = self.where(i)
+        layer.compute[k].copy_(master.reshape(self.params[i][1].shape).to(self.compute_dtype))
 
     # ------------------------------------------------------------------ gradients
 

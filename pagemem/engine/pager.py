@@ -129,7 +129,7 @@ class Pager:
     def _size_arena(self, pages: int) -> None:
         """Give the gpu arena ``pages`` slots, after sending every unit home (see the Note). A
         unit still pinned (a tensor derived from its old view is alive) leaves it as it is."""
-        gpu = self.store.tier("gpu")
+        gpu = self._gpu
         if gpu.capacity == pages:
             return
         self.residency.release_all()
@@ -170,7 +170,7 @@ class Pager:
             self._warn("replan", "pagemem: this iteration differs from the traced ones (other input shapes, "
                                  "or data-dependent control flow): it is traced and planned again. "
                                  "Results are unaffected; engine.stats()['replans'] counts these.")
-        self._size_arena(self.store.config.pages("gpu"))
+        self._size_arena(self._budget_pages)
         self.mode = "warmup"
         self.residency.new_iteration()
         self._op_pages = []
@@ -326,7 +326,7 @@ class Pager:
             "gpu_peak_bytes": max(self.peak_by_mode.values(), default=0),
             "gpu_peak_bytes_by_mode": dict(self.peak_by_mode),
             "gpu_peak_page_bytes": self.peak_pages * self.store.page_bytes,
-            "gpu_arena_bytes": self.store.tier("gpu").capacity * self.store.page_bytes,
+            "gpu_arena_bytes": self._gpu.capacity * self._page_bytes,
             "arena_resizes": self.arena_resizes,
             "fetches": res.fetches, "prefetches": res.prefetches, "evictions": res.evictions,
             "misses": res.misses, "gpu_wait_seconds": res.wait_seconds,

@@ -120,7 +120,7 @@ class Updater:
         """Parameter ``i``'s update, then its compute copy written from the new master weights,
         on the same worker (the refresh runs on every worker, not after them on one thread)."""
         fused_step(c.param, c.grad, c.exp_avg, c.exp_avg_sq, self.steps[i] + 1, hp, scale, clip_coef=coef)
-        self._refresh(i, c.param)
+        self.bank.refresh_compute(i, c.param)
 
     # ------------------------------------------------------------------ the step
 
@@ -233,14 +233,6 @@ class Updater:
             m, a, v = state_leases[3 * n:3 * n + 3]
             out += [m, grad_leases[n], a, v]
         return out
-
-    def _refresh(self, i: int, master: torch.Tensor) -> None:
-        """Write the new master weights, cast, into every copy of the compute parameter (none
-        to write where the compute copy is the master)."""
-        if self.bank.compute_is_master:
-            return
-        layer, k = self.bank.where(i)
-        layer.compute[k].copy_(master.view(self.bank.params[i][1].shape).to(self.config.compute_dtype))
 
     # ------------------------------------------------------------------ state
 
