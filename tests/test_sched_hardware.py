@@ -17,13 +17,13 @@ from pagemem.tracer import CostModel, synthetic_transformer
 
 RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
          "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "flops_per_s",
-         "hbm_bytes_per_s", "compute_scale")
+         "hbm_bytes_per_s", "host_memory_bytes_per_s", "compute_scale")
 
 
 def base(**kw) -> HardwareProfile:
     d = dict(name="t", h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, ssd_read_bytes_per_s=4e9,
              ssd_write_bytes_per_s=5e9, cpu_adam_elements_per_s=6e9, gpu_adam_elements_per_s=7e9, flops_per_s=8e12,
-             hbm_bytes_per_s=9e11, ranks_per_server=8)
+             hbm_bytes_per_s=9e11, host_memory_bytes_per_s=1e11, ranks_per_server=8)
     d.update(kw)
     return HardwareProfile(**d)
 
@@ -78,6 +78,8 @@ def test_json_round_trip(tmp_path):
         HardwareProfile.from_dict({**d, "format": "other"})
     with pytest.raises(ConfigError, match="version"):
         HardwareProfile.from_dict({**d, "version": 99})
+    with pytest.raises(ConfigError, match="host_memory_bytes_per_s.*pagemem profile"):  # written before the field
+        HardwareProfile.from_dict({**{k: v for k, v in d.items() if k != "host_memory_bytes_per_s"}, "version": 1})
     with pytest.raises(ConfigError, match="unknown"):
         HardwareProfile.from_dict({**d, "pcie": 1})
     with pytest.raises(ConfigError, match="missing"):
@@ -108,8 +110,9 @@ def test_a100_server_carries_the_papers_numbers():
     assert hw.ranks_per_server == 8 and hw.compute_scale == 1
     assert hw.ssd_read_per_rank(8) == pytest.approx(3.5e9 / 8)
     # the assumptions, as derived in the docstring
-    assert hw.cpu_adam_elements_per_s == pytest.approx(0.6 * 16 * 2933e6 * 8 / 28)
-    assert hw.gpu_adam_elements_per_s == pytest.approx(hw.hbm_bytes_per_s / 28)
+    assert hw.cpu_adam_elements_per_s == pytest.approx(0.6 * 16 * 2933e6 * 8 / 26)
+    assert hw.gpu_adam_elements_per_s == pytest.approx(hw.hbm_bytes_per_s / 26)
+    assert hw.host_memory_bytes_per_s == pytest.approx(0.6 * 16 * 2933e6 * 8)
     assert set(hw.facts["given"]) >= {"h2d_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s"}
     assert hw.facts["assumed"]
 

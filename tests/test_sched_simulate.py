@@ -18,13 +18,15 @@ from pagemem.tracer import synthetic_transformer
 
 PAGE = 4096
 KNOBS = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
-         "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s")
+         "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "hbm_bytes_per_s",
+         "host_memory_bytes_per_s")
 
 
 def profile(**kw) -> HardwareProfile:
     rates = dict(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, ssd_read_bytes_per_s=5e8,
                  ssd_write_bytes_per_s=4e8, cpu_adam_elements_per_s=1e9, gpu_adam_elements_per_s=1e10,
-                 flops_per_s=1e12, hbm_bytes_per_s=1e11, ranks_per_server=8, compute_scale=1.0)
+                 flops_per_s=1e12, hbm_bytes_per_s=1e11, host_memory_bytes_per_s=3e10, ranks_per_server=8,
+                 compute_scale=1.0)
     rates.update(kw)
     return HardwareProfile("test", **rates)
 
@@ -56,14 +58,17 @@ def expected_busy(p, tr, hw) -> dict[str, float]:
     """Seconds per stream from the plan's own traffic counts, computed without the simulator."""
     moved, W = p.bytes_moved(), p.world_size
     share = min(W, hw.ranks_per_server)
-    cpu_el = sum(p.layout.layers[t.target.layer].shard_elements for t in p.tasks if t.operation == "update" and t.tier == "cpu")
-    gpu_el = sum(p.layout.layers[t.target.layer].shard_elements for t in p.tasks if t.operation == "update" and t.tier == "gpu")
+    updates = {tier: [p.layout.layers[t.target.layer] for t in p.tasks if t.operation == "update" and t.tier == tier]
+               for tier in ("cpu", "gpu")}
+    el = {tier: sum(l.shard_elements for l in ls) for tier, ls in updates.items()}
+    # after each update, the compute copy written from the new fp32 master: read 4 B, write the param
+    refresh = {tier: sum(4 * l.shard_elements + l.shard_bytes for l in ls) for tier, ls in updates.items()}
     ops = sum(op.duration for op in tr.ops if op.phase != "step") * hw.compute_scale
-    return {"compute": ops + gpu_el / hw.gpu_adam_elements_per_s,
+    return {"compute": ops + el["gpu"] / hw.gpu_adam_elements_per_s + refresh["gpu"] / hw.hbm_bytes_per_s,
             "h2d": moved["h2d"] / hw.h2d_bytes_per_s, "d2h": moved["d2h"] / hw.d2h_bytes_per_s,
             "network": moved["network"] / hw.network_bytes_per_s,
             "ssd": moved["ssd_read"] / (hw.ssd_read_bytes_per_s / share) + moved["ssd_write"] / (hw.ssd_write_bytes_per_s / share),
-            "cpu": cpu_el / (hw.cpu_adam_elements_per_s / share)}
+            "cpu": el["cpu"] / (hw.cpu_adam_elements_per_s / share) + refresh["cpu"] / (hw.host_memory_bytes_per_s / share)}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"W{c['world_size']}-{c['optimizer_tier']}")
@@ -124,11 +129,12 @@ def test_compute_bound_plan_idles_for_the_exposed_transfers_only():
     s = simulate(p, SMALL, hw)
     wte = p.layout.layers[0]
     assert wte.name == "wte"
-    exposed = (wte.param_pages * PAGE / hw.d2h_bytes_per_s + wte.shard_elements / hw.cpu_adam_elements_per_s
-               + wte.param_pages * PAGE / hw.h2d_bytes_per_s)
+    update = (wte.shard_elements / hw.cpu_adam_elements_per_s  # Adam, then the compute copy refreshed
+              + (4 * wte.shard_elements + wte.shard_bytes) / hw.host_memory_bytes_per_s)
+    exposed = (wte.param_pages * PAGE / hw.d2h_bytes_per_s + update + wte.param_pages * PAGE / hw.h2d_bytes_per_s)
     assert s.iteration_time - s.busy["compute"] == pytest.approx(exposed, rel=1e-6)
     assert s.stalls == pytest.approx({"d2h": wte.param_pages * PAGE / hw.d2h_bytes_per_s,
-                                      "cpu": wte.shard_elements / hw.cpu_adam_elements_per_s,
+                                      "cpu": update,
                                       "h2d": wte.param_pages * PAGE / hw.h2d_bytes_per_s}, rel=1e-6)
     assert s.gpu_idle_fraction < 0.01
 

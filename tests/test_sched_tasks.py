@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import pagemem.sched.tasks as tasks_mod
 from pagemem.errors import ConfigError
 from pagemem.sched import EFFECTS, OPERATIONS, InfeasiblePlan, Plan, Setting, Target, Task, effects, plan, validate
+from pagemem.sched.holdings import costs
 from pagemem.sched.windows import Usage
 from pagemem.tracer import synthetic_transformer
 
@@ -74,6 +75,26 @@ def test_pages_taken_and_given_back_follow_the_layout():
     assert effects(Task("all_gather", Target("param", 2, 0), 0), one) is None
     assert p.bytes_moved()["network"] == sum(
         (W - 1) * PAGE for t in p.tasks if t.operation in ("all_gather", "reduce_scatter"))
+
+
+def test_what_each_task_costs_follows_the_layout():
+    p = tight(world_size=4, optimizer_tier="nvme")
+    s, lay = p.setting, p.layout.layers[2]
+
+    def cost(op, kind, page=None, tier=None):
+        return costs(Task(op, Target(kind, 2, page), 0, tier), s)
+
+    assert cost("move_to_gpu", "param", 0, "gpu") == (("h2d", PAGE),)
+    assert cost("all_gather", "param", 0) == (("network", 3 * PAGE),)
+    assert cost("move_to_cpu", "optim", tier="cpu") == (("ssd_read", lay.optim_pages * PAGE),)
+    assert cost("compute", "layer", tier="gpu") == () and cost("release", "param", tier="gpu") == ()
+    # an update: Adam over the shard, then the compute copy written from the fp32 master weights
+    assert cost("update", "layer", tier="cpu") == (("adam", lay.shard_elements),
+                                                   ("memory", 4 * lay.shard_elements + lay.shard_bytes))
+    # parameters that are views of the master weights (no bytes of their own) have nothing to refresh
+    bare = Setting(dataclasses.replace(p.layout, layers=tuple(dataclasses.replace(l, shard_bytes=0)
+                                                              for l in p.layout.layers)))
+    assert costs(Task("update", Target("layer", 2), 0, "gpu"), bare) == (("adam", lay.shard_elements), ("memory", 0))
 
 
 # ---------------------------------------------------------------- what a plan carries for an executor

@@ -9,8 +9,9 @@ One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
   optimizer states are cached on the GPU), ``flops_per_s`` and ``hbm_bytes_per_s`` (to build
   synthetic traces with, :meth:`HardwareProfile.cost_model`), ``compute_scale`` (multiplies a
   trace's op durations: 1 for a trace timed on, or synthesised for, this hardware);
-- per server, shared by the ranks on it: ``ssd_read_bytes_per_s``, ``ssd_write_bytes_per_s``
-  and ``cpu_adam_elements_per_s``. ``ranks_per_server`` ranks share a server; with
+- per server, shared by the ranks on it: ``ssd_read_bytes_per_s``, ``ssd_write_bytes_per_s``,
+  ``cpu_adam_elements_per_s`` and ``host_memory_bytes_per_s`` (bytes read + written per second
+  by a host ``copy_``: the compute copy refreshed after a CPU update). ``ranks_per_server`` ranks share a server; with
   ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``;
 - ``shared_processor``: streams (of ``STREAMS``) that are one processor, so at most one of them
   runs at a time. Empty on a real GPU, where compute, each copy direction and the CPU's Adam are
@@ -37,21 +38,22 @@ from pagemem.errors import ConfigError
 from pagemem.tracer import CostModel
 
 FORMAT = "pagemem-hardware-profile"
-VERSION = 1
+VERSION = 2
 PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 _RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
           "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s",
-          "flops_per_s", "hbm_bytes_per_s", "compute_scale")
+          "flops_per_s", "hbm_bytes_per_s", "host_memory_bytes_per_s", "compute_scale")
 
 STREAMS: tuple[str, ...] = ("compute", "h2d", "d2h", "network", "ssd", "cpu")
 """The simulator's streams (see :mod:`pagemem.sched.simulate`)."""
 HOST_STAND_IN_SHARED: tuple[str, ...] = ("compute", "h2d", "d2h", "cpu")
 """``shared_processor`` of a machine without CUDA (see the module docs)."""
 
-ADAM_BYTES_PER_ELEMENT = 28
+ADAM_BYTES_PER_ELEMENT = 26
 """Bytes a mixed-precision Adam step moves per element: read the fp16/bf16 gradient (2), read
-and write the fp32 master weight and both moments (24), write the fp16/bf16 parameter (2)."""
+and write the fp32 master weight and both moments (24). Writing the fp16/bf16 parameter from the
+new master weights is a pass of its own (the table's ``("memory", "refresh")``)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,11 @@ class HardwareProfile:
     flops_per_s: float
     """Sustained matrix-multiply rate of one GPU, for synthetic traces."""
     hbm_bytes_per_s: float
-    """Sustained device-memory bandwidth of one GPU (bytes read + written), for synthetic traces."""
+    """Sustained device-memory bandwidth of one GPU (bytes read + written): synthetic traces, and
+    the compute-copy refresh after an update on the GPU."""
+    host_memory_bytes_per_s: float
+    """Sustained host-memory bandwidth of one server (bytes read + written by a ``copy_``; shared
+    by its ranks): the compute-copy refresh after a CPU update."""
     ranks_per_server: int = 8
     compute_scale: float = 1.0
     """Multiplies every op duration of a trace (1: the trace was timed on this hardware)."""
@@ -116,6 +122,27 @@ class HardwareProfile:
     def cpu_adam_per_rank(self, world_size: int) -> float:
         return self.cpu_adam_elements_per_s / self.sharing(world_size)
 
+    def host_memory_per_rank(self, world_size: int) -> float:
+        return self.host_memory_bytes_per_s / self.sharing(world_size)
+
+    def rate(self, resource: str, tier: str | None, world_size: int) -> float:
+        """Units per second one rank gets of ``resource`` (``pagemem.sched.tasks.RESOURCES``) for a
+        task on ``tier``: ``adam`` and ``memory`` on the gpu for a gpu task, else the server's
+        CPUs and memory."""
+        on_gpu = tier == "gpu"
+        rates = {"h2d": self.h2d_bytes_per_s, "d2h": self.d2h_bytes_per_s, "network": self.network_bytes_per_s}
+        if resource in rates:
+            return rates[resource]
+        if resource == "ssd_read":
+            return self.ssd_read_per_rank(world_size)
+        if resource == "ssd_write":
+            return self.ssd_write_per_rank(world_size)
+        if resource == "adam":
+            return self.gpu_adam_elements_per_s if on_gpu else self.cpu_adam_per_rank(world_size)
+        if resource == "memory":
+            return self.hbm_bytes_per_s if on_gpu else self.host_memory_per_rank(world_size)
+        raise ConfigError(f"resource: must be one of h2d, d2h, network, ssd_read, ssd_write, adam, memory; got {resource!r}")
+
     def cost_model(self) -> CostModel:
         """The roofline model that gives a synthetic trace this GPU's op durations."""
         return CostModel(flops_per_second=self.flops_per_s, bytes_per_second=self.hbm_bytes_per_s)
@@ -133,7 +160,8 @@ class HardwareProfile:
             f"{self.flops_per_s / 1e12:.3g} TFLOP/s, memory {self.hbm_bytes_per_s / g:.1f} GB/s, "
             f"compute scale {self.compute_scale:g}",
             f"  per server: SSD read {self.ssd_read_bytes_per_s / g:.2f} GB/s, write "
-            f"{self.ssd_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s",
+            f"{self.ssd_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s, "
+            f"memory {self.host_memory_bytes_per_s / g:.1f} GB/s",
             *([f"  one processor, one task at a time: {', '.join(self.shared_processor)}"]
               if self.shared_processor else []),
         ])
@@ -152,6 +180,10 @@ class HardwareProfile:
     def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise ConfigError(f"not a pagemem hardware profile (format {data.get('format') if isinstance(data, Mapping) else None!r})")
+        if data.get("version") == 1:
+            raise ConfigError("hardware profile version 1 has no host_memory_bytes_per_s (bytes read + written per "
+                              "second by a host copy_): measure the machine again with `pagemem profile`, or add "
+                              "that field and set version 2")
         if data.get("version") != VERSION:
             raise ConfigError(f"hardware profile version {data.get('version')!r} is not supported (this pagemem reads {VERSION})")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -205,11 +237,12 @@ class HardwareProfile:
         - SSD: 3.5 GB/s read and write per server (the paper's one "peak" figure for both).
         - GPU compute: 60% of the A100's 312 TFLOP/s dense bf16 peak (187 TFLOP/s), a typical
           sustained rate for large GEMMs; HBM at 85% of 1555 GB/s.
-        - GPU Adam: memory-bound at 28 bytes per element at that HBM rate.
-        - CPU Adam: memory-bound at 28 bytes per element. Table 3 lists 4 x EPYC 7K62, but EPYC
+        - GPU Adam: memory-bound at 26 bytes per element at that HBM rate.
+        - CPU Adam: memory-bound at 26 bytes per element. Table 3 lists 4 x EPYC 7K62, but EPYC
           Rome runs at most two sockets; 32 DIMMs fill 2 sockets x 8 channels x 2 DIMMs, so 16
           channels of DDR4-2933 (375 GB/s peak). A fused CPU Adam is assumed to sustain 60% of
-          that: 225 GB/s / 28 B = 8.0 G elements/s for the server.
+          that: 225 GB/s / 26 B = 8.7 G elements/s for the server; a host copy sustains the same
+          225 GB/s (read + written).
         """
         hbm = 0.85 * 1555e9
         dram = 16 * 2933e6 * 8  # channels x transfers/s x 8 bytes
@@ -224,6 +257,7 @@ class HardwareProfile:
             gpu_adam_elements_per_s=hbm / ADAM_BYTES_PER_ELEMENT,
             flops_per_s=0.6 * 312e12,
             hbm_bytes_per_s=hbm,
+            host_memory_bytes_per_s=0.6 * dram,
             ranks_per_server=8,
             facts={
                 "source": "ANGEL-PTM (VLDB 2023) §4.2-4.3, §5, §6.1 and Table 3; assumptions below",
@@ -242,8 +276,9 @@ class HardwareProfile:
                     "ssd": "one array per server, 3.5 GB/s both ways, shared by its 8 ranks",
                     "flops_per_s": "60% of the A100's 312 TFLOP/s dense bf16 peak",
                     "hbm_bytes_per_s": "85% of the A100-40GB's 1555 GB/s",
-                    "gpu_adam_elements_per_s": "memory-bound: hbm_bytes_per_s / 28 bytes per element",
-                    "cpu_adam_elements_per_s": "memory-bound: 60% of 16 channels x DDR4-2933 (375 GB/s) / 28 bytes "
+                    "gpu_adam_elements_per_s": "memory-bound: hbm_bytes_per_s / 26 bytes per element",
+                    "host_memory_bytes_per_s": "60% of 16 channels x DDR4-2933 (375 GB/s)",
+                    "cpu_adam_elements_per_s": "memory-bound: 60% of 16 channels x DDR4-2933 (375 GB/s) / 26 bytes "
                                                "per element; Table 3's '4 x EPYC 7K62' read as 2 sockets (Rome is "
                                                "at most 2P; 32 DIMMs = 2 sockets x 8 channels x 2)",
                 },

@@ -5,7 +5,7 @@ it costs, and the plan's setting (page counts, world size, home tiers) the table
 >>> s = Setting.of(plan)
 >>> fx = effects(plan.tasks[i], s)        # fx.takes, fx.reads, fx.writes, fx.frees: Keys
 >>> fx.pages("takes", s)                  # {"gpu": 1}
->>> cost(plan.tasks[i], s)                # ("h2d", 4194304)
+>>> costs(plan.tasks[i], s)               # (("h2d", 4194304),)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Iterator, NamedTuple
 
-from pagemem.sched.tasks import Effect, Target, Task, effect_of
+from pagemem.sched.tasks import MASTER_BYTES_PER_ELEMENT, Effect, Target, Task, effect_of
 
 if TYPE_CHECKING:
     from pagemem.sched.layout import Layout
@@ -247,17 +247,25 @@ class _Row:
                 for cols, idc in zip(zip(*keys), zip(*ids))]
 
 
-def cost(task: Task, setting: Setting) -> tuple[str, int] | None:
-    """``(resource, amount)``: bytes of a transfer (``TRANSFERS``), or elements of an ``adam`` step."""
+def costs(task: Task, setting: Setting) -> tuple[tuple[str, int], ...]:
+    """``(resource, amount)`` terms of a task, in order (see ``RESOURCES``): bytes of a transfer,
+    elements of an ``adam`` step, bytes of ``memory`` traffic. Empty: it takes no time."""
     eff = effect_of(task)
-    if eff is None or eff.cost is None:
-        return None
-    resource, unit = eff.cost
+    if eff is None:
+        return ()
     L = task.target.layer
-    if unit == "shard":
-        return resource, setting.layout.layers[L].shard_elements
-    count = 1 if task.target.page is not None or unit == "optim" else setting.layout.layers[L].param_pages
-    return resource, count * setting.pages(unit, L) * setting.layout.page_bytes
+    layer = setting.layout.layers[L]
+    out = []
+    for resource, unit in eff.cost:
+        if unit == "shard":
+            amount = layer.shard_elements
+        elif unit == "refresh":  # no compute copy of its own (its parameters are the master): nothing
+            amount = layer.shard_bytes + MASTER_BYTES_PER_ELEMENT * layer.shard_elements if layer.shard_bytes else 0
+        else:
+            count = 1 if task.target.page is not None or unit == "optim" else layer.param_pages
+            amount = count * setting.pages(unit, L) * setting.layout.page_bytes
+        out.append((resource, amount))
+    return tuple(out)
 
 
 def pages_taken(operation: str, kind: str, setting: Setting, layer: int, *, tier: str | None = None,

@@ -5,6 +5,7 @@ which was written before timing:
 
 - ``h2d`` / ``d2h``: pinned host <-> device copies with CUDA; without CUDA the GPU tier is a host
   stand-in, so a host ``memcpy`` (``Tensor.copy_``) of ``copy_bytes`` stands in for both.
+- ``host_memory``: that host ``memcpy``, bytes read + written (twice the bytes copied).
 - ``ssd_read`` / ``ssd_write``: ``PageStore`` moves of cpu tensors of one 4 MiB page each to the
   nvme tier under ``nvme_path`` and back, at I/O depth 8, O_DIRECT, checksums on, after one
   untimed pass that lays the file out (as ``benchmarks/bench_nvme.py`` does).
@@ -299,13 +300,15 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
     cuda = torch.cuda.is_available()
     how: dict[str, Any] = {}
 
+    host = host_copy(copy_n, repeats)
+    how["host_memory"] = f"host memcpy (Tensor.copy_) of {copy_n} bytes, bytes read + written"
     if cuda:
         h2d, d2h = cuda_copy(copy_n, repeats)
         how["h2d/d2h"] = f"pinned host <-> {torch.cuda.get_device_name(0)} copies of {copy_n} bytes"
     else:
-        h2d = d2h = host_copy(copy_n, repeats)
+        h2d = d2h = host
         how["h2d/d2h"] = f"no CUDA: host memcpy (Tensor.copy_) of {copy_n} bytes stands in for both"
-    say(f"h2d {h2d / 1e9:.2f} GB/s, d2h {d2h / 1e9:.2f} GB/s")
+    say(f"h2d {h2d / 1e9:.2f} GB/s, d2h {d2h / 1e9:.2f} GB/s, host memory {2 * host / 1e9:.2f} GB/s")
 
     tmp = None
     if nvme_path is None:
@@ -356,7 +359,7 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
         network_bytes_per_s=min(net["all_gather"], net["reduce_scatter"]),
         ssd_read_bytes_per_s=read, ssd_write_bytes_per_s=write,
         cpu_adam_elements_per_s=cpu_adam, gpu_adam_elements_per_s=gpu_adam,
-        flops_per_s=flops, hbm_bytes_per_s=hbm,
+        flops_per_s=flops, hbm_bytes_per_s=hbm, host_memory_bytes_per_s=2 * host,
         ranks_per_server=torch.cuda.device_count() if cuda else 1,
         shared_processor=() if cuda else HOST_STAND_IN_SHARED, facts=facts)
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from pagemem.errors import ConfigError
 from pagemem.sched.layout import LayerLayout, Layout
 from pagemem.sched.deps import Deps, dependencies
-from pagemem.sched.holdings import Setting, cost
+from pagemem.sched.holdings import Setting, costs
 from pagemem.sched.tasks import TIERS, TRANSFERS, Target, Task
 from pagemem.units import format_bytes, parse_size
 
@@ -103,9 +103,9 @@ class Plan:
         out = dict.fromkeys(TRANSFERS, 0)
         setting = self.setting
         for t in self.tasks:
-            c = cost(t, setting)
-            if c is not None and c[0] in out:
-                out[c[0]] += c[1]
+            for resource, amount in costs(t, setting):
+                if resource in out:
+                    out[resource] += amount
         return out
 
     def holds_for(self, trace) -> bool:

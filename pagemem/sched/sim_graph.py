@@ -19,7 +19,7 @@ from pagemem.sched.hardware import HardwareProfile
 from pagemem.sched.plan import Plan
 from pagemem.sched.sim_result import TIERS
 from pagemem.sched.deps import links
-from pagemem.sched.holdings import Key, Setting, cost, effects, paused_gc
+from pagemem.sched.holdings import Key, Setting, costs, effects, paused_gc
 from pagemem.sched.tasks import Task
 from pagemem.sched.windows import Usage
 from pagemem.tracer import Trace
@@ -162,13 +162,11 @@ class _Builder:
             self.held[k] = self.held.get(k, 0) + self.setting.pages(k.name, k.layer) * self.pb
 
     def start_task(self, i: int, reserve: int) -> int:
-        task, fx, hw, W = self.tasks[i], self.fx[i], self.hw, self.W
-        resource, amount = cost(task, self.setting) or ("", 0)
-        rate = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s, "network": hw.network_bytes_per_s,
-                "ssd_read": hw.ssd_read_per_rank(W), "ssd_write": hw.ssd_write_per_rank(W),
-                "adam": hw.gpu_adam_elements_per_s if task.tier == "gpu" else hw.cpu_adam_per_rank(W)}.get(resource)
+        task, fx = self.tasks[i], self.fx[i]
+        seconds = sum(amount / self.hw.rate(resource, task.tier, self.W)
+                      for resource, amount in costs(task, self.setting) if amount)
         alloc = {tier: pages * self.pb for tier, pages in fx.pages("takes", self.setting).items() if tier in TIERS}
-        node = self.add(Node(_name(task), fx.effect.stream_for(task.tier), amount / rate if rate else 0.0,
+        node = self.add(Node(_name(task), fx.effect.stream_for(task.tier), seconds,
                              alloc, {}, [], True), (reserve, 0))
         self.nodes[node].deps.extend(self.waits(i))
         self.node_of[i] = node

@@ -16,15 +16,20 @@ stream    tasks                                        seconds per task
 compute   the trace's ops in order; ``update`` of      ``op.duration * compute_scale`` (ops of
           layers cached on the gpu (GPU Adam kernels   the ``step`` phase take 0: the queue's
           share the GPU, so they run here, before the  updates replace them); shard elements /
-          op that triggers them)                       ``gpu_adam_elements_per_s``
+          op that triggers them)                       ``gpu_adam_elements_per_s`` + refresh
+                                                       bytes / ``hbm_bytes_per_s``
 h2d       ``move_to_gpu``                              page bytes / ``h2d_bytes_per_s``
 d2h       ``offload`` of a gradient page               page bytes / ``d2h_bytes_per_s``
 network   ``all_gather``, ``reduce_scatter``           (W - 1) page bytes / ``network_bytes_per_s``
 ssd       ``move_to_cpu`` (read), ``offload`` of       optimizer bytes / the rank's share of the
           optimizer states (write-back)                server's SSD read / write bandwidth
 cpu       ``update`` on cpu                            shard elements / the rank's share of the
-                                                       server's CPU Adam rate
+                                                       server's CPU Adam rate + refresh bytes /
+                                                       its share of ``host_memory_bytes_per_s``
 ========  ===========================================  =========================================
+
+An update's refresh is the compute copy written from the new master weights: 4 bytes read and
+the parameter shard's bytes written per element (none where the parameters are the master).
 
 Streams the profile names in ``shared_processor`` are one processor: at most one of them runs
 at a time (the host stand-in, whose compute, copies and CPU Adam share the same cores); the

@@ -59,7 +59,7 @@ release        optim    copy                                                    
 ============== ======== ===== ===== ================ ================== ================ ================
 
 The other columns of each row: the stream an executor runs it on and what that costs (a
-transfer of some pages, or an Adam step over the shard's elements):
+transfer of some pages, an Adam step over the shard's elements, bytes of memory traffic):
 
 ============== ======== ========================= =============================================
 operation      target   stream                    cost
@@ -71,7 +71,10 @@ reduce_scatter grad.j   network                   network: W - 1 pages
 offload        grad.j   d2h                       d2h: 1 page
 offload        optim    ssd (the write-back)      ssd_write: the optim pages
 move_to_cpu    optim    ssd                       ssd_read: the optim pages
-update         layer    cpu; compute on the gpu   adam: the shard's elements
+update         layer    cpu; compute on the gpu   adam: the shard's elements, then memory: the
+                                                  refresh of ``param@home`` (read the fp32 master
+                                                  shard, write the parameter shard; none where
+                                                  the layer has no separate compute copy)
 release        any      none (takes no time)      -
 ============== ======== ========================= =============================================
 
@@ -112,6 +115,11 @@ OPERATIONS: tuple[str, ...] = ("move_to_gpu", "move_to_cpu", "all_gather", "comp
 TargetKind = Literal["param", "grad", "fullgrad", "optim", "layer"]
 TIERS: tuple[str, ...] = ("gpu", "cpu", "nvme")
 TRANSFERS: tuple[str, ...] = ("h2d", "d2h", "ssd_read", "ssd_write", "network")
+RESOURCES: tuple[str, ...] = (*TRANSFERS, "adam", "memory")
+"""What a task's cost is counted in: bytes of a transfer, Adam elements, bytes of memory traffic
+(read + written) on the tier the task runs on."""
+MASTER_BYTES_PER_ELEMENT = 4
+"""The fp32 master weights the ``optim`` holding keeps per parameter element."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +204,10 @@ class Effect:
     stream: str | None = None
     gpu_stream: str | None = None
     """The stream when the task's tier is ``gpu``, if not ``stream``."""
-    cost: tuple[str, str] | None = None
-    """``(resource, amount)``: a transfer (``TRANSFERS``) of a holding's pages, or ``("adam",
-    "shard")``, an Adam step over the shard's elements."""
+    cost: tuple[tuple[str, str], ...] = ()
+    """``(resource, unit)`` terms, run one after the other: a transfer (``TRANSFERS``) of a
+    holding's pages, ``("adam", "shard")`` (an Adam step over the shard's elements), ``("memory",
+    "refresh")`` (the compute copy written from the master weights)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -212,24 +221,24 @@ _PARAM = Hold("param", "gpu")
 _GATHERED = Hold("gathered", "gpu", when="W>1")
 EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
     Effect("move_to_gpu", "param", ("gpu",), takes=(_PARAM,), reads=(Hold("param", "home"),),
-           stream="h2d", cost=("h2d", "param")),
+           stream="h2d", cost=(("h2d", "param"),)),
     Effect("all_gather", "param", (None,), takes=(_GATHERED,), reads=(_PARAM,), when="W>1",
-           stream="network", cost=("network", "gathered")),
+           stream="network", cost=(("network", "gathered"),)),
     Effect("compute", "layer", ("gpu",), reads=(_PARAM, _GATHERED),
            takes=(Hold("fullgrad", "gpu", paged=False, when="grads W>1"), Hold("grad", "gpu", when="grads W=1")),
            gates_ops=True),
     Effect("reduce_scatter", "grad", (None,), takes=(Hold("grad", "gpu"),),
            reads=(Hold("fullgrad", "gpu", paged=False),), when="W>1", after_grads=True,
-           stream="network", cost=("network", "gathered")),
+           stream="network", cost=(("network", "gathered"),)),
     Effect("offload", "grad", ("cpu",), takes=(Hold("grad", "T"),), reads=(Hold("grad", "gpu"),),
-           stream="d2h", cost=("d2h", "grad")),
+           stream="d2h", cost=(("d2h", "grad"),)),
     Effect("offload", "optim", ("home",), reads=(Hold("optim", "cpu", paged=False),),
-           writes=(Hold("optim", "T", paged=False),), stream="ssd", cost=("ssd_write", "optim")),
+           writes=(Hold("optim", "T", paged=False),), stream="ssd", cost=(("ssd_write", "optim"),)),
     Effect("move_to_cpu", "optim", ("cpu",), takes=(Hold("optim", "cpu", paged=False),),
-           reads=(Hold("optim", "home", paged=False),), stream="ssd", cost=("ssd_read", "optim")),
+           reads=(Hold("optim", "home", paged=False),), stream="ssd", cost=(("ssd_read", "optim"),)),
     Effect("update", "layer", ("cpu", "gpu"), reads=(Hold("grad", "T"), Hold("optim", "T", paged=False)),
            writes=(Hold("optim", "T", paged=False), Hold("param", "home")), after_grads=True,
-           stream="cpu", gpu_stream="compute", cost=("adam", "shard")),
+           stream="cpu", gpu_stream="compute", cost=(("adam", "shard"), ("memory", "refresh"))),
     Effect("release", "param", ("gpu",), frees=(_PARAM, _GATHERED), issued="end"),
     Effect("release", "fullgrad", ("gpu",), frees=(Hold("fullgrad", "gpu", paged=False),), issued="end"),
     Effect("release", "grad", ("gpu", "cpu"), frees=(Hold("grad", "T"),), issued="end"),
