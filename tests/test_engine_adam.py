@@ -395,7 +395,7 @@ def test_threads_default_to_usable_cores():
 def test_a_failing_chunk_surfaces_and_the_pool_closes(monkeypatch):
     """A kernel error in one chunk comes out of step() once every chunk has finished; the pool
     keeps working and closes."""
-    real = adam_mod._kernel
+    real = adam_mod.fused_steps
     finished = []
 
     def flaky(chunks, *args):
@@ -407,7 +407,7 @@ def test_a_failing_chunk_surfaces_and_the_pool_closes(monkeypatch):
         real(chunks, *args)
         finished.extend(ptrs)
 
-    monkeypatch.setattr(adam_mod, "_kernel", flaky)
+    monkeypatch.setattr(adam_mod, "fused_steps", flaky)
     p = CpuAdam(2)
     mine = Paged(torch.randn(5 * PAGE))
     chunks = mine.chunks(torch.randn(5 * PAGE))

@@ -96,9 +96,18 @@ HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 @pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme", "gpu"])
-def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tier):
+def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tier, monkeypatch):
     model = small_gpt()
     ref = reference(copy.deepcopy(model), 50, HP)
+    leases = []
+    lease_many = pagemem.PageStore.lease_many
+
+    def spy(store, *args, **kw):
+        out = lease_many(store, *args, **kw)
+        leases.extend((x.tier, x.copied, x.in_pieces and x.split) for x in out)
+        return out
+
+    monkeypatch.setattr(pagemem.PageStore, "lease_many", spy)
     got, stats = through_engine(model, 50, HP, tmp_path, optimizer_tier)  # updates overlap backward
     if optimizer_tier == "gpu":
         # fp32 beside states on the gpu: the parameters are views of the master pages, which never
@@ -110,6 +119,11 @@ def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tie
         assert stats["tiers"]["cpu"]["used_bytes"] == 0
     else:
         assert stats["evictions"] > 0  # the parameters really moved in and out of the gpu tier
+    if optimizer_tier == "nvme":
+        # states fetched onto scattered cpu pages are updated in place, piece by piece: the
+        # update's leases (of cpu pages) are never merged copies
+        on_cpu = [(copied, split) for tier, copied, split in leases if tier == "cpu"]
+        assert on_cpu and not any(copied for copied, _ in on_cpu) and any(split for _, split in on_cpu)
     assert_followed_the_plan(stats, 50)
     # updates overlap backward from the second step on (states on nvme are updated in step())
     assert (stats["overlapped_updates"] > 0) == (optimizer_tier != "nvme")
@@ -130,10 +144,12 @@ def test_inline_store_copies_train_the_same(tmp_path, optimizer_tier):
         assert torch.equal(got[k], ref[k]), k
 
 
-def test_clipping_and_accumulation_match_plain_pytorch(tmp_path):
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme"])
+def test_clipping_and_accumulation_match_plain_pytorch(tmp_path, optimizer_tier):
+    """(On nvme the states come back to scattered cpu pages: the update runs over split leases.)"""
     model = small_gpt()
     ref = reference(copy.deepcopy(model), 10, HP, max_grad_norm=0.5, accumulation=4)
-    got, stats = through_engine(model, 10, HP, tmp_path, max_grad_norm=0.5, accumulation=4)
+    got, stats = through_engine(model, 10, HP, tmp_path, optimizer_tier, max_grad_norm=0.5, accumulation=4)
     assert_followed_the_plan(stats, 40)
     for k in ref:
         # micro-batch gradients add up in fp32 pages in autograd's order, and the global norm is

@@ -146,6 +146,22 @@ def test_executor_demand_never_traces():
         pagemem.EngineConfig(store=pagemem.StoreConfig(gpu_bytes=PAGE, cpu_bytes=PAGE), executor="eager")
 
 
+def test_amsgrad_is_refused_not_half_run():
+    """The engine keeps no max_exp_avg_sq pages: AMSGrad is a clear error at construction, and
+    at the step when a param group turns it on, before anything changes."""
+    store = pagemem.StoreConfig(gpu_bytes=PAGE, cpu_bytes=PAGE)
+    with pytest.raises(pagemem.ConfigError, match="amsgrad"):
+        pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(amsgrad=True))
+    model = small_gpt()
+    with make_engine(copy.deepcopy(model), budget_for(model)) as engine:
+        engine.optimizer.param_groups[0]["amsgrad"] = True
+        engine.backward(loss_of(engine, batch(32, 0)))
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        with pytest.raises(pagemem.ConfigError, match="amsgrad"):
+            engine.step()
+        assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())
+
+
 def test_a_plan_for_other_units_is_refused():
     """A plan names layers by their parameters and pages: compiled for a bank whose units differ
     it raises PlanMismatch (the engine then pages on demand) instead of moving the wrong pages."""

@@ -10,6 +10,7 @@ tier; no two live tensors share a byte; an out-of-memory changes nothing; a pinn
 moved or freed.
 """
 
+import itertools
 import tempfile
 
 import pytest
@@ -254,19 +255,35 @@ class StoreMachine(RuleBasedStateMachine):
         self.torn_pages &= alive
 
     @precondition(lambda self: self.live)
-    @rule(i=index, tier=st.sampled_from((None, "gpu", "cpu")))
-    def lease_and_write(self, i, tier):
-        """A lease (alias or merged copy) written through and released in one step."""
+    @rule(i=index, tier=st.sampled_from((None, "gpu", "cpu")), split=st.booleans())
+    def lease_and_write(self, i, tier, split):
+        """A lease (alias, merged copy, or with ``split`` one alias per run of adjacent pages)
+        written through and released in one step."""
         i %= len(self.live)
         t, expected = self.live[i]
         self.seed += 1
         data = random_tensor(t.shape, t.dtype, self.seed)
+        flat = data.reshape(-1)
         try:
-            with t.lease(tier) as x:
-                if isinstance(expected, torch.Tensor):
-                    assert same_bytes(x, expected)
-                if t.nbytes:  # byte for byte (a bool copy_ would canonicalise random bytes)
-                    x.reshape(-1).view(torch.uint8).copy_(data.reshape(-1).view(torch.uint8))
+            [lease] = self.store.lease_many([t], tier, split=split)
+            with lease as lent:
+                pieces = lease.pieces
+                assert lease.in_pieces == split
+                if split:
+                    assert [(a, x.data_ptr(), x.numel()) for a, x in lent] == [(a, x.data_ptr(), x.numel()) for a, x in pieces]
+                else:
+                    assert lent is lease.tensor
+                # in order, back to back, covering the tensor; never a copy when split
+                assert [start for start, _ in pieces] == list(itertools.accumulate(
+                    [0] + [x.numel() for _, x in pieces[:-1]]))
+                assert sum(x.numel() for _, x in pieces) == flat.numel()
+                assert not (split and lease.copied)
+                assert lease.split == (len(pieces) > 1)
+                for start, x in pieces:
+                    if isinstance(expected, torch.Tensor):
+                        assert same_bytes(x, expected.reshape(-1)[start:start + x.numel()])
+                    if x.numel():  # byte for byte (a bool copy_ would canonicalise random bytes)
+                        x.view(torch.uint8).copy_(flat[start:start + x.numel()].view(torch.uint8))
         except pagemem.InvalidRequest as exc:
             assert "no complete copy" in str(exc) or "not memory" in str(exc)
             return
@@ -278,6 +295,27 @@ class StoreMachine(RuleBasedStateMachine):
             self.after_failed_write(i)
             return
         self.live[i] = (t, data)
+
+    @precondition(lambda self: any(isinstance(e, torch.Tensor) and e.numel() for _, e in self.live))
+    @rule(i=index, a=st.integers(0, 10_000), b=st.integers(0, 10_000), settle=st.booleans())
+    def write_range(self, i, a, b, settle):
+        """``write(t, src, start)``: elements ``start ..`` of a tensor; the rest keep their bytes."""
+        known = [k for k, (_, e) in enumerate(self.live) if isinstance(e, torch.Tensor) and e.numel()]
+        i = known[i % len(known)]
+        t, expected = self.live[i]
+        n = expected.numel()
+        start, stop = sorted((a % (n + 1), b % (n + 1)))
+        self.seed += 1
+        part = random_tensor((stop - start,), t.dtype, self.seed)
+        want = expected.reshape(-1).view(torch.uint8).clone()  # bytes: a bool clone would canonicalise them
+        want[start * t.dtype.itemsize:stop * t.dtype.itemsize].copy_(part.view(torch.uint8))
+        want = want.view(t.dtype)
+        try:
+            self.expect_unchanged_after_oom(lambda: self.store.write(t, part, start), settle)
+        except pagemem.TierIOError:
+            self.after_failed_write(i)
+            return
+        self.live[i] = (t, want.view(t.shape))
 
     @precondition(lambda self: self.live and len(self.leases) < 3)
     @rule(i=index)

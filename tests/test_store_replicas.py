@@ -116,6 +116,58 @@ def test_lease_of_scattered_pages_is_a_merged_copy_written_back(make_store):
     assert s.view_copies == 2 and s.views == 0
 
 
+@pytest.mark.parametrize("replica", [None, "cpu", "nvme"])
+def test_a_split_lease_of_scattered_pages_lends_each_run_in_place(make_store, replica):
+    """``lease_many(split=True)``: one alias per run of adjacent slots, no copy; writes through
+    the pieces reach every other copy of the tensor at release."""
+    store = make_store(gpu_bytes=8 * PAGE)
+    holes = [store.allocate((PAGE,), torch.uint8, tier="gpu") for _ in range(8)]
+    for h in (holes[0], holes[1], holes[3], holes[6]):
+        h.free()
+    t = store.allocate((PAGE + PAGE // 2,), torch.float16, tier="gpu")  # 3 pages, on slots 0, 1 and 3
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    if replica:
+        t.copy(replica).wait()
+    [lease] = store.lease_many([t], "gpu", split=True)
+    assert lease.in_pieces and lease.split and not lease.copied
+    pieces = lease.pieces
+    assert [(start, x.numel()) for start, x in pieces] == [(0, PAGE), (PAGE, PAGE // 2)]
+    with pytest.raises(pagemem.InvalidRequest, match="pieces"):
+        lease.tensor
+    for start, x in pieces:
+        assert same_bytes(x, data[start:start + x.numel()])
+        x.add_(1)  # in place: the page memory itself
+    lease.release()
+    assert store.stats().view_copies == 0
+    want = data + 1
+    assert same_bytes(t.to_torch(), want)
+    if replica:
+        t.release("gpu").wait()  # the replica alone
+        assert same_bytes(t.to_torch(), want)
+
+
+def test_write_from_an_element_offset_changes_only_those_elements(make_store):
+    store = make_store()
+    t = store.allocate((3, PAGE // 2), torch.float32, tier="nvme")
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    t.copy("cpu").wait()
+    part = torch.arange(PAGE, dtype=torch.float32)  # crosses a page boundary
+    store.write(t, part, PAGE // 4)
+    want = data.reshape(-1).clone()
+    want[PAGE // 4:PAGE // 4 + PAGE] = part
+    assert same_bytes(t.to_torch(), want.view(t.shape))
+    t.release("cpu").wait()  # the nvme copy got it too
+    assert same_bytes(t.to_torch(), want.view(t.shape))
+    for bad in (-1, 3 * PAGE // 2 * 3 - PAGE + 1, 1.0):
+        with pytest.raises(pagemem.InvalidRequest, match="start"):
+            store.write(t, part, bad)
+    with pytest.raises(pagemem.InvalidRequest, match="dtype"):
+        store.write(t, part.double(), 0)
+    assert same_bytes(t.to_torch(), want.view(t.shape))
+
+
 def test_zero_copy_leases_are_counted(store):
     t = store.allocate((PAGE,), torch.uint8, tier="cpu")
     with t.lease():

@@ -154,12 +154,13 @@ def fused_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     after its increment). ``clip_coef`` first multiplies ``grad`` in place, as
     ``clip_grad_norm_`` does; ``grad_scale`` divides it inside the kernel and leaves ``grad``
     unscaled, as ``GradScaler`` with a fused optimizer does. Arguments are not checked here."""
-    _kernel([Chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq)], step, hp, grad_scale, clip_coef)
+    fused_steps([Chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq)], step, hp, grad_scale, clip_coef)
 
 
-def _kernel(chunks: Sequence[Chunk], step: int, hp: AdamW, grad_scale: float | None,
-            clip_coef: float | None) -> None:
-    """:func:`fused_step` of several chunks of one device in one kernel call."""
+def fused_steps(chunks: Sequence[Chunk], step: int, hp: AdamW, grad_scale: float | None = None,
+                clip_coef: float | None = None) -> None:
+    """:func:`fused_step` of several chunks of one device (the pieces of one parameter, say) in
+    one kernel call. Arguments are not checked here."""
     dev = chunks[0].param.device
     grads = [c.grad for c in chunks]
     with torch.no_grad():
@@ -299,10 +300,10 @@ class CpuAdam:
     def _run(self, chunks: list[Chunk], *args: Any) -> Future:
         """One kernel call over ``chunks`` (one device): on a worker, or enqueued here for CUDA."""
         if not chunks[0].param.is_cuda:
-            return self._workers.submit(_kernel, chunks, *args)
+            return self._workers.submit(fused_steps, chunks, *args)
         fut: Future = Future()
         try:
-            _kernel(chunks, *args)
+            fused_steps(chunks, *args)
         except Exception as e:
             fut.set_exception(e)
         else:

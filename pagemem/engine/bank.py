@@ -237,13 +237,18 @@ class ParamBank:
         if kind == "master":
             self.refresh_compute(i, value)
 
-    def refresh_compute(self, i: int, master: torch.Tensor) -> None:
+    def refresh_compute(self, i: int, master: torch.Tensor, start: int = 0) -> None:
         """Write parameter ``i``'s master weights, cast, into every copy of its compute parameter
-        (none to write where the compute copy is the master)."""
+        (none to write where the compute copy is the master); ``master`` may be a piece of them,
+        its elements from ``start`` on."""
         if self.compute_is_master:
             return
         layer, k = self.where(i)
-        layer.compute[k].copy_(master.reshape(self.params[i][1].shape).to(self.compute_dtype))
+        shape = self.params[i][1].shape
+        if start == 0 and master.numel() == shape.numel():
+            layer.compute[k].copy_(master.reshape(shape).to(self.compute_dtype))
+        else:
+            self.store.write(layer.compute[k], master.to(self.compute_dtype), start)
 
     # ------------------------------------------------------------------ gradients
 

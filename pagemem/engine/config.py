@@ -17,6 +17,13 @@ COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EXECUTORS = ("plan", "demand")
 
 
+def check_no_amsgrad(hp: AdamW) -> AdamW:
+    """The engine keeps no ``max_exp_avg_sq`` pages: AMSGrad is refused, never half-run."""
+    if hp.amsgrad:
+        raise ConfigError("optimizer.amsgrad: the engine keeps no max_exp_avg_sq pages; must be False")
+    return hp
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine trains a model.
@@ -56,6 +63,7 @@ class EngineConfig:
             raise ConfigError(f"store: must be a pagemem.StoreConfig, got {type(self.store).__name__}")
         if not isinstance(self.optimizer, AdamW):
             raise ConfigError(f"optimizer: must be a pagemem.AdamW, got {type(self.optimizer).__name__}")
+        check_no_amsgrad(self.optimizer)
         check_choice("optimizer_tier", self.optimizer_tier, ("gpu", "cpu", "nvme"))
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         if self.max_grad_norm is not None:

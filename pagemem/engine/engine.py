@@ -26,7 +26,7 @@ from torch import nn
 
 from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.bank import ParamBank
-from pagemem.engine.config import EngineConfig
+from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.pager import Pager
 from pagemem.engine.update import Updater
 from pagemem.errors import ConfigError, InvalidRequest
@@ -60,7 +60,7 @@ class Engine:
                         module._buffers[name] = b.to(self.device)
         params = [p for _, p in self.bank.params]
         self.optimizer = PagedOptimizer(params, config.optimizer, step_fn=lambda _opt: self._update())
-        self.updater = Updater(self.bank, self.store, config, lambda: self.optimizer.hyper(0))
+        self.updater = Updater(self.bank, self.store, config, lambda: check_no_amsgrad(self.optimizer.hyper(0)))
         self._micro = 0
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""

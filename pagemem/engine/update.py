@@ -14,11 +14,43 @@ from typing import Any, Callable
 
 import torch
 
-from pagemem.engine.adam import AdamW, Chunk, CpuAdam, fused_step, total_sumsq, wait_all
+from pagemem.engine.adam import AdamW, Chunk, CpuAdam, fused_steps, total_sumsq, wait_all
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.config import EngineConfig
 from pagemem.errors import InvalidRequest
 from pagemem.store import PageStore
+
+
+Piece = tuple[int, Chunk]
+"""``(first element, chunk)``: a run of a parameter's elements whose four states are each one
+view of page memory."""
+
+
+def aligned(master: list, grad: list, exp_avg: list, exp_avg_sq: list) -> list[Piece]:
+    """The four states' pieces (``(first element, flat view)`` each, as ``Lease.pieces``) cut at
+    every piece boundary of any of them, so that each run is one view of each state. Boundaries
+    fall on page boundaries of 256-byte-aligned tensors: multiples of 64 elements, which keeps
+    the fused kernel bit-identical to one call (see ``pagemem.engine.adam``)."""
+    parts = (master, grad, exp_avg, exp_avg_sq)
+    if all(len(p) == 1 for p in parts):
+        return [(0, Chunk(*(p[0][1] for p in parts)))]
+    n = master[-1][0] + master[-1][1].numel()
+    cuts = sorted({start for p in parts for start, _ in p} | {n})
+    out, at = [], [0, 0, 0, 0]
+    for lo, hi in zip(cuts, cuts[1:]):
+        views = []
+        for k, p in enumerate(parts):
+            while p[at[k]][0] + p[at[k]][1].numel() <= lo:
+                at[k] += 1
+            start, x = p[at[k]]
+            views.append(x[lo - start:hi - start])
+        out.append((lo, Chunk(*views)))
+    return out
+
+
+def _norm(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.linalg.vector_norm`` of a gradient as one tensor (pieces joined first)."""
+    return torch.linalg.vector_norm(pieces[0] if len(pieces) == 1 else torch.cat(pieces), 2.0)
 
 
 class LossScaler:
@@ -103,24 +135,27 @@ class Updater:
 
     def _update_one(self, i: int, hp: AdamW) -> None:
         """Parameter ``i``'s AdamW update and compute-copy refresh, on a CPU worker."""
-        [(_, chunk)], leases = self._chunks([i])
+        [(_, pieces)], leases = self._chunks([i])
         try:
-            self._step_and_refresh(i, chunk, hp, None, None)
+            self._step_and_refresh(i, pieces, hp, None, None)
             self.steps[i] += 1
         finally:
             for lease in leases:
                 lease.release()
 
-    def _update_params(self, group: list[tuple[int, Chunk]], hp: AdamW, scale: float | None,
+    def _update_params(self, group: list[tuple[int, list[Piece]]], hp: AdamW, scale: float | None,
                        coef: float | None) -> None:
-        for i, c in group:
-            self._step_and_refresh(i, c, hp, scale, coef)
+        for i, pieces in group:
+            self._step_and_refresh(i, pieces, hp, scale, coef)
 
-    def _step_and_refresh(self, i: int, c: Chunk, hp: AdamW, scale: float | None, coef: float | None) -> None:
-        """Parameter ``i``'s update, then its compute copy written from the new master weights,
-        on the same worker (the refresh runs on every worker, not after them on one thread)."""
-        fused_step(c.param, c.grad, c.exp_avg, c.exp_avg_sq, self.steps[i] + 1, hp, scale, clip_coef=coef)
-        self.bank.refresh_compute(i, c.param)
+    def _step_and_refresh(self, i: int, pieces: list[Piece], hp: AdamW, scale: float | None,
+                          coef: float | None) -> None:
+        """Parameter ``i``'s update (one fused call over its pieces), then its compute copy
+        written from the new master weights, on the same worker (the refresh runs on every
+        worker, not after them on one thread)."""
+        fused_steps([c for _, c in pieces], self.steps[i] + 1, hp, scale, clip_coef=coef)
+        for start, c in pieces:
+            self.bank.refresh_compute(i, c.param, start)
 
     # ------------------------------------------------------------------ the step
 
@@ -158,20 +193,20 @@ class Updater:
             chunks, leases = self._chunks(touched)
             scale = self.scaler.scale
             coef = None
-            if scale is not None:
-                total = total_sumsq(wait_all([self.adam.sumsq(c.grad) for _, c in chunks]))
+            if scale is not None:  # only finiteness counts here: per piece is enough
+                total = total_sumsq(wait_all([self.adam.sumsq(c.grad) for _, ps in chunks for _, c in ps]))
                 if not math.isfinite(total):
                     self.scaler.update(overflow=True)
                     self.skipped_steps += 1
                     return False
             if cfg.max_grad_norm is not None:
-                coef = self._clip_coefficient([c.grad for _, c in chunks], scale)
+                coef = self._clip_coefficient([[c.grad for _, c in ps] for _, ps in chunks], scale)
             # one task per unit: its parameters share pages, so their refreshes would queue for
             # each other on different workers; the largest units go first (the workers even out)
-            by_unit: dict[int, list[tuple[int, Chunk]]] = {}
-            for i, c in chunks:
-                by_unit.setdefault(self.bank.layer_of[i], []).append((i, c))
-            groups = sorted(by_unit.values(), key=lambda g: -sum(c.param.numel() for _, c in g))
+            by_unit: dict[int, list[tuple[int, list[Piece]]]] = {}
+            for i, ps in chunks:
+                by_unit.setdefault(self.bank.layer_of[i], []).append((i, ps))
+            groups = sorted(by_unit.values(), key=lambda g: -sum(c.param.numel() for _, ps in g for _, c in ps))
             wait_all([self.adam.submit(self._update_params, g, hp, scale, coef) for g in groups])
             self.scaler.update(overflow=False)
             for i, _ in chunks:
@@ -190,12 +225,14 @@ class Updater:
         if handle is not None:
             handle.wait()
 
-    def _clip_coefficient(self, grads: list[torch.Tensor], scale: float | None) -> float:
+    def _clip_coefficient(self, grads: list[list[torch.Tensor]], scale: float | None) -> float:
         """``clip_grad_norm_``'s coefficient, computed as it does (a norm of per-parameter fp32
         norms, then ``max_norm / (norm + 1e-6)`` clamped to 1), so clipping is bit-identical to
         plain PyTorch. [Note: fidelity over accuracy] ``CpuAdam``'s chunked norm is about 1e4
-        times more accurate on 1M-element tensors, but would not reproduce torch's updates."""
-        norms = wait_all([self.adam.submit(torch.linalg.vector_norm, g, 2.0) for g in grads])
+        times more accurate on 1M-element tensors, but would not reproduce torch's updates; so a
+        gradient lent in pieces is joined for its norm (torch's reduction order is over the
+        whole tensor)."""
+        norms = wait_all([self.adam.submit(_norm, g) for g in grads])
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if scale is not None:
             total = total / scale
@@ -204,16 +241,18 @@ class Updater:
 
     # ------------------------------------------------------------------ helpers
 
-    def _chunks(self, params: list[int]) -> tuple[list[tuple[int, Chunk]], list]:
-        """Flat fp32 master weights, gradient and moments of each parameter: the bank's lasting
-        views where it has them, else leases (returned: release them when done)."""
+    def _chunks(self, params: list[int]) -> tuple[list[tuple[int, list[Piece]]], list]:
+        """Flat fp32 master weights, gradient and moments of each parameter, as pieces that are
+        views of page memory: the bank's lasting views where it has them, else split leases
+        (returned: release them when done), never a merged copy."""
         kinds = ("master", "grad", "exp_avg", "exp_avg_sq")
         views = {i: [self.bank.lasting_view(kind, i) for kind in kinds] for i in params}
-        leased = [i for i in params if any(v is None for v in views[i])]
+        pieces = {i: [[(0, v)] for v in vs] for i, vs in views.items() if all(v is not None for v in vs)}
+        leased = [i for i in params if i not in pieces]
         leases = self._leases_of([self.bank.where(i) for i in leased])
         for n, i in enumerate(leased):
-            views[i] = [x.tensor.reshape(-1) for x in leases[4 * n:4 * n + 4]]
-        return [(i, Chunk(*views[i])) for i in params], leases
+            pieces[i] = [x.pieces for x in leases[4 * n:4 * n + 4]]
+        return [(i, aligned(*pieces[i])) for i in params], leases
 
     def _leases_of(self, where: list) -> list:
         """The four leases (master, grad, exp_avg, exp_avg_sq) of each (layer, k), in order, taken
@@ -221,9 +260,9 @@ class Updater:
         tier = "gpu" if self.config.optimizer_tier == "gpu" else "cpu"
         states = [t for layer, k in where for t in (layer.master[k], layer.exp_avg[k], layer.exp_avg_sq[k])]
         grads = [layer.grad[k] for layer, k in where]
-        state_leases = self.store.lease_many(states, tier)
+        state_leases = self.store.lease_many(states, tier, split=True)
         try:
-            grad_leases = self.store.lease_many(grads, self.bank.grad_tier)
+            grad_leases = self.store.lease_many(grads, self.bank.grad_tier, split=True)
         except BaseException:
             for lease in state_leases:
                 lease.release()

@@ -1,4 +1,4 @@
-"""Reading and writing tensor data, and lending it out as views and leases.
+"""Reading and writing tensor data (views and leases of it: ``pagemem.store.lending``).
 
 Reads take each page from its nearest copy (gpu, then cpu, then nvme). Writes update every copy
 of every page. Disk pages are written first, copy-on-write into fresh slots, and swapped in only
@@ -12,13 +12,11 @@ returned).
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Callable
 
 import torch
 
 from pagemem.errors import InvalidRequest, TornPage
-from pagemem.store.lease import Lease
 from pagemem.store.pages import Page, fastest
 from pagemem.store.queue import OpQueue
 from pagemem.store.tensor import PagedTensor
@@ -61,8 +59,6 @@ class DataPath:
         self.page_bytes = page_bytes
         self.check = check
         """Raises InvalidRequest for a freed tensor, another store's tensor, or a closed store."""
-        self.views = 0
-        self.view_copies = 0
         self.closed = False
 
     def _exclusive(self, t: PagedTensor, fn):
@@ -76,7 +72,7 @@ class DataPath:
                 return torch.empty(t.shape, dtype=t.dtype)
             with self.queue.lock:
                 self.check(t)
-                _refuse_torn(t)
+                refuse_torn(t)
                 where = [(_nearest(page), lo, hi, pos) for page, lo, hi, pos in t.segments()]
             gpu = self.tiers.gpu
             on_device = self.tiers.cuda and all(w[0][0] is gpu for w in where)
@@ -101,15 +97,27 @@ class DataPath:
 
     # ------------------------------------------------------------------ writes
 
-    def write(self, t: PagedTensor, src: object) -> None:
+    def write(self, t: PagedTensor, src: object, start: int | None = None) -> None:
+        """``src`` into every copy of ``t``; with ``start``, into elements ``start ..`` of its
+        flat elements only (``src`` of any shape, ``t``'s dtype)."""
         self.check(t)
-        data = source_bytes(t, src)
+        if start is None:
+            self.write_bytes(t, source_bytes(t, src))
+        else:
+            data = range_bytes(t, src, start)
+            offset = start * t.dtype.itemsize
+            self.write_bytes(t, data, (offset, offset + data.numel()))
+
+    def write_bytes(self, t: PagedTensor, data, span: tuple[int, int] | None = None) -> None:
+        """Write ``data`` (sliced by byte positions: a uint8 tensor, or ``lending.PieceBytes``) over the
+        bytes ``span`` of ``t`` (all of them when None) in every copy."""
 
         def body() -> None:
             with self.queue.lock:
                 self.check(t)
+                segments = _clipped(t, span)
                 disk, memory = [], []
-                for page, lo, hi, pos in t.segments():
+                for page, lo, hi, pos in segments:
                     for tier, slot in page.copies().items():
                         (memory if tier.resident else disk).append((page, tier, slot, lo, hi, pos))
             commit = self._write_disk(disk, data) if disk else None
@@ -119,7 +127,7 @@ class DataPath:
             with self.queue.lock:
                 if commit:
                     commit()
-                for page, lo, hi, _pos in t.segments():
+                for page, lo, hi, _pos in segments:
                     page.written = True
                     page.mend(lo, hi)
 
@@ -183,159 +191,6 @@ class DataPath:
 
         return commit
 
-    # ------------------------------------------------------------------ views and leases
-
-    def viewable(self, t: PagedTensor) -> bool:
-        with self.queue.lock:
-            self.check(t)
-            return self._alias_tier(t, None) is not None and not any(p.intents for p in t.page_refs)
-
-    def view(self, t: PagedTensor, tier_name: str | None = None) -> torch.Tensor:
-        want = self._memory_tier(tier_name)
-
-        def body() -> torch.Tensor:
-            if t.nbytes == 0:
-                return torch.empty(t.shape, dtype=t.dtype)
-            with self.queue.lock:
-                self.check(t)
-                tier = self._alias_tier(t, want)
-                if tier is None:
-                    raise InvalidRequest(
-                        f"view(): the tensor's pages are not adjacent in one memory tier (tiers {_copy_tiers(t)}); "
-                        "use to_torch() for a copy, lease() for a pinned copy, or move it to a memory tier first")
-                _refuse_torn(t)
-                alias = self._alias(t, tier, lifetime=True)
-            return alias
-
-        return self._exclusive(t, body)
-
-    def lease_many(self, ts: list[PagedTensor], tier_name: str | None, write: bool) -> list[Lease]:
-        """Leases of ``ts`` taken under one operation (one wait, one queue entry)."""
-        want = self._memory_tier(tier_name)
-        pages = {id(p): p for t in ts for p in t.page_refs}
-
-        def check() -> None:
-            for t in ts:
-                self.check(t)
-
-        def body() -> list[Lease]:
-            leases: list[Lease] = []
-            try:
-                for t in ts:
-                    leases.append(self._lease_held(t, want, write))
-            except BaseException:
-                for lease in leases:
-                    lease.release()
-                raise
-            return leases
-
-        return self.queue.exclusive(list(pages.values()), body, check)
-
-    def _memory_tier(self, tier_name: str | None) -> Tier | None:
-        want = self.tiers[tier_name] if tier_name is not None else None
-        if want is not None and not want.resident:
-            raise InvalidRequest(f"tier {tier_name!r} is not memory; views and leases are of 'gpu' or 'cpu'")
-        return want
-
-    def _lease_held(self, t: PagedTensor, want: Tier | None, write: bool) -> Lease:
-        """A lease of ``t``, whose pages the caller holds (an exclusive operation)."""
-        with self.queue.lock:
-            self.check(t)
-            _refuse_torn(t)
-            tier = self._alias_tier(t, want) if t.nbytes else (want or self.tiers[t.home])
-            if tier is not None:
-                if t.nbytes:
-                    tensor = self._alias(t, tier, lifetime=False)
-                else:
-                    tensor = torch.empty(t.shape, dtype=t.dtype)
-                    self._pin(t)
-                return Lease(t, tier.name, tensor, False, write, self._end_alias, lambda: self.closed)
-            tier = self._full_copy_tier(t, want)
-            segments = [(page.copy_on(tier), lo, hi, pos) for page, lo, hi, pos in t.segments()]
-            self._pin(t)
-            self.view_copies += 1
-        merged = torch.empty(t.nbytes, dtype=torch.uint8, device=tier.device)
-        for slot, lo, hi, pos in segments:
-            merged[pos:pos + hi - lo].copy_(tier.buffer(slot)[lo:hi])
-        tensor = merged.view(t.dtype).view(t.shape)
-        return Lease(t, tier.name, tensor, True, write, self._end_copy, lambda: self.closed)
-
-    def _memory_order(self, want: Tier | None) -> list[Tier]:
-        """The memory tiers to lend from, nearest first (only ``want`` when one is asked for)."""
-        return [want] if want is not None else [self.tiers.gpu, self.tiers.cpu]
-
-    def _full_copy_tier(self, t: PagedTensor, want: Tier | None) -> Tier:
-        order = self._memory_order(want)
-        for tier in order:
-            if all(p.copy_on(tier) is not None for p in t.page_refs):
-                return tier
-        raise InvalidRequest(f"lease: the tensor has no complete copy in {'/'.join(x.name for x in order)} "
-                             f"(its pages are on {_copy_tiers(t)}); move or copy it there first")
-
-    def _alias_tier(self, t: PagedTensor, want: Tier | None) -> Tier | None:
-        """The memory tier where the tensor's pages sit on adjacent slots, nearest first."""
-        pages = t.page_refs
-        if not pages:
-            return self.tiers[t.home] if self.tiers[t.home].resident else None
-        for tier in self._memory_order(want):
-            first = pages[0].copy_on(tier)
-            if first is not None and all(p.copy_on(tier) == first + i for i, p in enumerate(pages)):
-                return tier
-        return None
-
-    def _alias(self, t: PagedTensor, tier: Tier, lifetime: bool) -> torch.Tensor:
-        """An alias of ``t``'s memory on ``tier``, its pages pinned (caller holds the lock): for
-        the alias's lifetime, or (``lifetime=False``) until the caller unpins."""
-        pages = t.page_refs
-        raw = tier.span(pages[0].copy_on(tier), len(pages))[t.offset:t.offset + t.nbytes]
-        storage, owner = _own_storage(raw)
-        alias = storage.view(t.dtype).view(t.shape)
-        self._pin(t)
-        self.views += 1
-        if lifetime:
-            # [Note: pins follow the storage] every tensor derived from the alias, by slicing,
-            # reshaping, reinterpreting its dtype or being saved by autograd, shares the alias's
-            # own storage, which holds ``owner``: the pin goes when the last of them does
-            weakref.finalize(owner, self._unpin, t)
-        return alias
-
-    def _end_alias(self, lease: Lease, tensor: torch.Tensor) -> None:
-        t = lease.source
-        try:
-            if lease.write and not self.closed and self._replicated(t):
-                self.write(t, tensor)  # bring the other copies up to date
-        except BaseException:
-            # the leased copy holds the new bytes, the others could not be updated: the copies
-            # disagree, so the tensor's bytes refuse reads until written again
-            with self.queue.lock:
-                for page, lo, hi, _pos in t.segments():
-                    page.tear_range(lo, hi)
-            raise
-        finally:
-            self._unpin(t)
-
-    def _replicated(self, t: PagedTensor) -> bool:
-        with self.queue.lock:
-            return any(p.replicas for p in t.page_refs)
-
-    def _end_copy(self, lease: Lease, tensor: torch.Tensor) -> None:
-        try:
-            if lease.write and not self.closed:
-                self.write(lease.source, tensor)
-        finally:
-            self._unpin(lease.source)
-
-    def _pin(self, t: PagedTensor) -> None:
-        t.pins += 1
-        for p in t.page_refs:
-            p.pins += 1
-
-    def _unpin(self, t: PagedTensor) -> None:
-        with self.queue.lock:
-            t.pins -= 1
-            for p in t.page_refs:
-                p.pins -= 1
-
     # ------------------------------------------------------------------ helpers
 
     def _staged(self, segments: list, body) -> None:
@@ -384,24 +239,31 @@ class DataPath:
             torch.cuda.current_stream(gpu.device).synchronize()
 
 
-class _CudaMemory:
-    """Device memory presented through ``__cuda_array_interface__``, so a tensor made from it
-    gets a storage of its own that keeps this object (and ``base``) alive."""
+def range_bytes(t: PagedTensor, src: object, start: int) -> torch.Tensor:
+    """``src``'s bytes for elements ``start ..`` of ``t``, checked (see ``source_bytes``)."""
+    if not isinstance(src, torch.Tensor) or src.layout != torch.strided or src.device.type == "meta":
+        raise InvalidRequest(f"write: the source must be a dense strided torch.Tensor with data, got {src!r:.80}")
+    if src.dtype != t.dtype:
+        raise InvalidRequest(f"write: source dtype {src.dtype} differs from the tensor's {t.dtype}")
+    n = t.nbytes // t.dtype.itemsize
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= n - src.numel():
+        raise InvalidRequest(f"write: start must be an integer in [0, {n - src.numel()}] for {src.numel()} "
+                             f"elements into {n}, got {start!r}")
+    src = src.detach().resolve_conj().resolve_neg().contiguous()
+    return src.reshape(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8)
 
-    def __init__(self, base: torch.Tensor) -> None:
-        self.base = base
-        self.__cuda_array_interface__ = {"shape": (base.numel(),), "typestr": "|u1",
-                                         "data": (base.data_ptr(), False), "version": 2}
 
-
-def _own_storage(raw: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """A uint8 tensor over the same memory as ``raw`` but with a storage of its own, and the
-    object that storage keeps alive (weak-referenceable)."""
-    if raw.is_cuda:
-        owner = _CudaMemory(raw)
-        return torch.as_tensor(owner, device=raw.device), owner
-    owner = raw.numpy()
-    return torch.from_numpy(owner), owner
+def _clipped(t: PagedTensor, span: tuple[int, int] | None) -> list[tuple[Page, int, int, int]]:
+    """``t.segments()`` cut to the bytes ``span`` of ``t``, positions counted from its start."""
+    if span is None:
+        return list(t.segments())
+    a, b = span
+    out = []
+    for page, lo, hi, pos in t.segments():
+        first, last = max(pos, a), min(pos + hi - lo, b)
+        if first < last:
+            out.append((page, lo + first - pos, lo + last - pos, first - a))
+    return out
 
 
 def _nearest(page: Page) -> tuple[Tier, int]:
@@ -411,12 +273,12 @@ def _nearest(page: Page) -> tuple[Tier, int]:
     return tier, copies[tier]
 
 
-def _copy_tiers(t: PagedTensor) -> list[str]:
+def copy_tiers(t: PagedTensor) -> list[str]:
     """Names of the tiers holding copies of ``t``'s pages (for error messages)."""
     return sorted({c.name for p in t.page_refs for c in p.copies()})
 
 
-def _refuse_torn(t: PagedTensor) -> None:
+def refuse_torn(t: PagedTensor) -> None:
     for page, lo, hi, _pos in t.segments():
         if page.is_torn(lo, hi):
             raise TornPage(

@@ -19,6 +19,7 @@ import torch
 from pagemem.config import StoreConfig
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store.data import DataPath, check_dtype
+from pagemem.store.lending import Lender
 from pagemem.store.handle import MoveHandle
 from pagemem.store.layout import pack
 from pagemem.store.lease import Lease
@@ -60,8 +61,9 @@ class PageStore:
                                     self._tiers.cuda)
         # through a weak reference: the parts must not keep the store alive (its finalizer frees
         # the tiers when it is dropped without close())
-        self._data = DataPath(self._queue, mover, self._tiers, self.page_bytes,
-                              partial(_check_weak, weakref.ref(self)))
+        check = partial(_check_weak, weakref.ref(self))
+        self._data = DataPath(self._queue, mover, self._tiers, self.page_bytes, check)
+        self._lend = Lender(self._queue, self._tiers, self._data, check)
         self._closed = False
         self._ids = PageIds()
         self._pages: dict[int, Page] = {}
@@ -164,7 +166,7 @@ class PageStore:
                 for t in self._tiers
             }
             moves = self._meter.snapshot()
-            views, copies = self._data.views, self._data.view_copies
+            views, copies = self._lend.views, self._lend.view_copies
         staging = self._tiers.staging
         return StoreStats(tiers, moves, staging.capacity, staging.free, self.cuda, views, copies, pinned)
 
@@ -348,16 +350,18 @@ class PageStore:
         """``t``'s data as a new torch tensor (``PagedTensor.to_torch``)."""
         return self._data.read(t)
 
-    def write(self, t: PagedTensor, src: torch.Tensor) -> None:
-        """Write ``src`` into every copy of ``t`` (``PagedTensor.copy_``)."""
-        self._data.write(t, src)
+    def write(self, t: PagedTensor, src: torch.Tensor, start: int | None = None) -> None:
+        """Write ``src`` into every copy of ``t`` (``PagedTensor.copy_``); with ``start``, only
+        into its flat elements ``start .. start + src.numel()`` (``src`` of any shape, ``t``'s
+        dtype)."""
+        self._data.write(t, src, start)
 
     def view(self, t: PagedTensor, tier: str | None = None) -> torch.Tensor:
         """A zero-copy view pinning ``t``'s pages for its lifetime (``PagedTensor.view``)."""
-        return self._data.view(t, tier)
+        return self._lend.view(t, tier)
 
     def viewable(self, t: PagedTensor) -> bool:
-        return self._data.viewable(t)
+        return self._lend.viewable(t)
 
     def lease(self, t: PagedTensor, tier: str | None = None, write: bool = True) -> Lease:
         """Pin ``t``'s pages and lend its memory on ``tier`` (default: gpu if it has a complete
@@ -366,12 +370,14 @@ class PageStore:
         return self.lease_many([t], tier, write)[0]
 
     def lease_many(self, tensors: Iterable[PagedTensor], tier: str | None = None,
-                   write: bool = True) -> list[Lease]:
+                   write: bool = True, *, split: bool = False) -> list[Lease]:
         """``lease`` of several tensors at once: one wait for the operations queued on their
-        pages instead of one per tensor (a layer's states, say)."""
-        if not isinstance(write, bool):
-            raise InvalidRequest(f"lease: write must be True or False, got {write!r}")
-        return self._data.lease_many(_tensors(tensors, "lease_many"), tier, write)
+        pages instead of one per tensor (a layer's states, say). ``split``: lend a tensor whose
+        pages are not adjacent as ``Lease.pieces`` (one alias per run) instead of a merged copy."""
+        for name, flag in (("write", write), ("split", split)):
+            if not isinstance(flag, bool):
+                raise InvalidRequest(f"lease: {name} must be True or False, got {flag!r}")
+        return self._lend.lease_many(_tensors(tensors, "lease_many"), tier, write, split)
 
     def tier_of(self, t: PagedTensor) -> str | None:
         """``PagedTensor.tier``: the home tier, None while in flight or split over tiers."""
