@@ -249,8 +249,9 @@ def run_row(name: str, cfg: GPTConfig, state: dict, idx, tgt, row: dict, args, e
             e_times.append(te)
             p_times.append(tp)
             same.append(le == lp)
-            # a trace after every timed pair: per-op medians over them (median_durations)
-            traces.append(trace(traced_model, fwd_bwd))
+            # a trace after every timed pair (as the engine traces: its optimizer model), per-op
+            # medians over them (median_durations)
+            traces.append(trace(traced_model, fwd_bwd, options=engine.pager.trace_options))
             traced_model.zero_grad(set_to_none=True)
         after = engine.stats()
         engine_plan, engine_trace = engine.pager.last_plan, engine.pager.last_trace

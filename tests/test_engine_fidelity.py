@@ -10,6 +10,7 @@ import torch
 
 import pagemem
 from conftest import engine_gpu_budget
+from pagemem.engine.bank import ParamBank
 from pagemem.models.gpt import GPT, GPTConfig
 
 PAGE = 64 * 1024
@@ -108,7 +109,13 @@ def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tie
         return out
 
     monkeypatch.setattr(pagemem.PageStore, "lease_many", spy)
-    got, stats = through_engine(model, 50, HP, tmp_path, optimizer_tier)  # updates overlap backward
+    copied_grads = []
+    accumulate = ParamBank.accumulate_grad
+    monkeypatch.setattr(ParamBank, "accumulate_grad", lambda bank, i, *a, **kw: (copied_grads.append(i),
+                                                                                  accumulate(bank, i, *a, **kw)))
+    # updates overlap backward (by default for states on the gpu: see below)
+    got, stats = through_engine(model, 50, HP, tmp_path, optimizer_tier,
+                                overlap_update=None if optimizer_tier == "gpu" else True)
     if optimizer_tier == "gpu":
         # fp32 beside states on the gpu: the parameters are views of the master pages, which never
         # move; the gpu holds 16 bytes per parameter (master, gradient sums, two moments), as
@@ -117,6 +124,9 @@ def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tie
         assert stats["evictions"] == 0 and not stats["moved_bytes"]
         assert stats["tiers"]["gpu"]["used_bytes"] <= 16 * n + 4 * PAGE
         assert stats["tiers"]["cpu"]["used_bytes"] == 0
+        # from the second step on each parameter is stepped in its gradient hook, from autograd's
+        # gradient: nothing is copied into the gradient pages after the first backward
+        assert len(copied_grads) == len(list(model.parameters()))
     else:
         assert stats["evictions"] > 0  # the parameters really moved in and out of the gpu tier
     if optimizer_tier == "nvme":

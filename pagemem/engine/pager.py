@@ -96,8 +96,10 @@ class Pager:
         self._page_bytes = self.store.page_bytes
         self.use_plans = executor == "plan"
         self.plan_tier = optimizer_tier if optimizer_tier in ("cpu", "nvme") else "cpu"
-        # pages on the gpu at rest (optimizer states kept there): not the plan's to use
+        # pages on the gpu at rest (optimizer states kept there): not the plan's to use, nor in
+        # its trace (a plan would count them again, or cache them on the gpu a second time)
         self.static_gpu_pages = self.residency.used_pages
+        self.trace_options = TraceOptions(optimizer_model="none" if optimizer_tier == "gpu" else "master_adam")
         self.arena_pages: dict[tuple, int] = {}
         """Per signature with a plan, the arena its planned iterations need."""
         self.arena_resizes = 0
@@ -176,7 +178,7 @@ class Pager:
         self._op_pages = []
         self._recording = Recording(self.model, self.clock, layers=self.bank.units,
                                     param_nbytes=self.bank.param_nbytes,
-                                    options=TraceOptions(optimizer_model="master_adam"))
+                                    options=self.trace_options)
 
     def _start_demand(self, reserve: int) -> None:
         self.mode = "demand"

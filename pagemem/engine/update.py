@@ -9,7 +9,9 @@ it is exact, a parameter is updated during backward (see the Note in ``overlap_e
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -20,6 +22,9 @@ from pagemem.engine.config import EngineConfig
 from pagemem.errors import InvalidRequest
 from pagemem.store import PageStore
 
+
+_DONE: Future = Future()
+_DONE.set_result(None)
 
 Piece = tuple[int, Chunk]
 """``(first element, chunk)``: a run of a parameter's elements whose four states are each one
@@ -115,9 +120,19 @@ class Updater:
                 f"parameter {self.bank.params[i][0]!r} got a second gradient in this backward after it was "
                 "updated (in the previous iteration it got one): the gradient structure changed between "
                 "iterations; pass overlap_update=False to update only in step()")
-        self.bank.accumulate_grad(i, grad, first=i not in self._has_grad)
+        first = i not in self._has_grad
         self._has_grad.add(i)
-        if self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap_exact():
+        early = self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap_exact()
+        if early and first and self.config.optimizer_tier == "gpu":
+            # [Note: updates in the hook] states on the gpu are stepped right here, on the stream
+            # autograd runs on, from the gradient autograd made: no copy into the gradient pages
+            # (which it would only be read back from) and no worker thread; that gradient is
+            # freed when the hook returns, as the trace recorded
+            self._update_one(i, self.hyper(), grad)
+            self._early[i] = _DONE
+            return
+        self.bank.accumulate_grad(i, grad, first=first)
+        if early:
             self._early[i] = self.adam.submit(self._update_one, i, self.hyper())
 
     def overlap_exact(self) -> bool:
@@ -129,14 +144,21 @@ class Updater:
         updating it at once gives the same bits as updating it in ``step()``. Optimizer states on
         nvme are fetched and written back whole, in ``step()``."""
         cfg = self.config
-        wanted = self.store.cuda if cfg.overlap_update is None else cfg.overlap_update
+        if cfg.overlap_update is None:  # see EngineConfig: where it costs no cores that backward uses
+            wanted = self.store.cuda or cfg.optimizer_tier == "gpu"
+        else:
+            wanted = cfg.overlap_update
         return (wanted and cfg.max_grad_norm is None and self.scaler.scale is None
                 and cfg.optimizer_tier != "nvme")
 
-    def _update_one(self, i: int, hp: AdamW) -> None:
-        """Parameter ``i``'s AdamW update and compute-copy refresh, on a CPU worker."""
+    def _update_one(self, i: int, hp: AdamW, grad: torch.Tensor | None = None) -> None:
+        """Parameter ``i``'s AdamW update and compute-copy refresh (on a CPU worker, or in the
+        hook), from its gradient pages or from ``grad``."""
         [(_, pieces)], leases = self._chunks([i])
         try:
+            if grad is not None:
+                flat = grad.detach().reshape(-1).to(torch.float32)
+                pieces = [(s, dataclasses.replace(c, grad=flat[s:s + c.param.numel()])) for s, c in pieces]
             self._step_and_refresh(i, pieces, hp, None, None)
             self.steps[i] += 1
         finally:
