@@ -4,6 +4,7 @@ model's parameters paged through a gpu tier far smaller than its states."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -331,3 +332,43 @@ def test_gradient_sums_live_beside_optimizer_states_kept_on_the_gpu(tmp_path, op
         states = {t.tier for layer in engine.bank.layers for t in layer.master + layer.exp_avg}
     assert tiers == {grad_tier}
     assert states == {optimizer_tier}
+
+
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "gpu"])
+def test_a_learning_rate_schedule_matches_with_updates_during_backward(tmp_path, optimizer_tier):
+    """An lr scheduler drives ``engine.optimizer`` as it drives a torch optimizer, stepped after
+    ``step()``; updates made during backward (on by default for states on the gpu) read the
+    scheduled lr. Changing it between backward and ``step()`` is warned about: those updates
+    are already done."""
+    model = small_gpt()
+    warm = lambda s: min(1.0, (s + 1) / 4) * 0.9 ** s  # noqa: E731 (a warm-up, then decay)
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref_model.parameters(), fused=True, **HP)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(opt, warm)
+    data = list(batches(12))
+    for x, y in data:
+        loss_of(ref_model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_sched.step()
+    n = sum(p.numel() for p in model.parameters())
+    budget = gpu_budget(model) + ((-(-16 * n // PAGE) + 4) * PAGE if optimizer_tier == "gpu" else 0)
+    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model))
+    cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier=optimizer_tier,
+                               overlap_update=None if optimizer_tier == "gpu" else True)
+    with pagemem.Engine(model, cfg) as engine:
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # scheduled after step(): nothing to warn
+            for x, y in data:
+                engine.backward(loss_of(engine, x, y))
+                engine.step()
+                sched.step()
+        assert engine.stats()["overlapped_updates"] > 0
+        got = engine.state_dict()
+        for k in ref_model.state_dict():
+            assert torch.equal(got[k], ref_model.state_dict()[k]), k
+        engine.backward(loss_of(engine, *data[0]))
+        engine.optimizer.param_groups[0]["lr"] *= 0.5
+        with pytest.warns(RuntimeWarning, match="param_groups changed between backward and step"):
+            engine.step()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -99,6 +100,7 @@ class Updater:
         self._fires_prev: dict[int, int] = {}
         self._fires_now: dict[int, int] = {}
         self._early: dict[int, Any] = {}
+        self._early_hp: AdamW | None = None
         self._final = False
 
     # ------------------------------------------------------------------ during backward
@@ -107,6 +109,7 @@ class Updater:
         """A backward starts; ``final``: the last of this step's accumulation."""
         self._final = final
         self._fires_now = {}
+        self._early_hp = None
 
     def end_backward(self) -> None:
         if self._final:
@@ -123,17 +126,24 @@ class Updater:
         first = i not in self._has_grad
         self._has_grad.add(i)
         early = self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap_exact()
-        if early and first and self.config.optimizer_tier == "gpu":
-            # [Note: updates in the hook] states on the gpu are stepped right here, on the stream
-            # autograd runs on, from the gradient autograd made: no copy into the gradient pages
-            # (which it would only be read back from) and no worker thread; that gradient is
-            # freed when the hook returns, as the trace recorded
-            self._update_one(i, self.hyper(), grad)
+        if early and first and self.config.optimizer_tier == "gpu" and grad.dtype == torch.float32:
+            # [Note: updates in the hook] fp32 states on the gpu are stepped right here, on the
+            # stream autograd runs on, from the gradient autograd made: no copy into the gradient
+            # pages (which it would only be read back from) and no worker thread; that gradient
+            # is freed when the hook returns, as the trace recorded. (A bf16/fp16 gradient goes
+            # through the fp32 pages: casting it here would allocate what the trace never saw.)
+            self._update_one(i, self._hyper_now(), grad)
             self._early[i] = _DONE
             return
         self.bank.accumulate_grad(i, grad, first=first)
         if early:
-            self._early[i] = self.adam.submit(self._update_one, i, self.hyper())
+            self._early[i] = self.adam.submit(self._update_one, i, self._hyper_now())
+
+    def _hyper_now(self) -> AdamW:
+        """The hyperparameters of this backward's early updates, read once at the first of them."""
+        if self._early_hp is None:
+            self._early_hp = self.hyper()
+        return self._early_hp
 
     def overlap_exact(self) -> bool:
         """[Note: which updates may overlap backward] A parameter's update needs only its own
@@ -141,8 +151,11 @@ class Updater:
         every update) is on. Its gradient is final once its hook fired as many times as in the
         previous iteration's last backward (once: the accumulation hook fires once per backward
         however often the parameter is used); after that no backward node reads its value. Then
-        updating it at once gives the same bits as updating it in ``step()``. Optimizer states on
-        nvme are fetched and written back whole, in ``step()``."""
+        updating it at once gives the same bits as updating it in ``step()``, with the
+        hyperparameters ``param_groups`` hold when backward starts updating (an lr scheduler steps
+        after ``step()``; a change made between backward and ``step()`` is warned about, since
+        those updates are done). Optimizer states on nvme are fetched and written back whole, in
+        ``step()``."""
         cfg = self.config
         if cfg.overlap_update is None:  # see EngineConfig: where it costs no cores that backward uses
             wanted = self.store.cuda or cfg.optimizer_tier == "gpu"
@@ -157,7 +170,7 @@ class Updater:
         [(_, pieces)], leases = self._chunks([i])
         try:
             if grad is not None:
-                flat = grad.detach().reshape(-1).to(torch.float32)
+                flat = grad.detach().reshape(-1)
                 pieces = [(s, dataclasses.replace(c, grad=flat[s:s + c.param.numel()])) for s, c in pieces]
             self._step_and_refresh(i, pieces, hp, None, None)
             self.steps[i] += 1
@@ -193,6 +206,10 @@ class Updater:
         cfg = self.config
         hp = self.hyper()
         early, self._early = self._early, {}
+        if early and hp != self._early_hp:
+            warnings.warn("pagemem: param_groups changed between backward and step(); the updates made during "
+                          "backward used the values before the change (pass overlap_update=False to read them "
+                          "in step())", RuntimeWarning, stacklevel=4)
         self.overlapped_updates += len(early)
         wait_all(list(early.values()))
         touched = sorted(self._has_grad - set(early))
@@ -271,7 +288,7 @@ class Updater:
         views = {i: [self.bank.lasting_view(kind, i) for kind in kinds] for i in params}
         pieces = {i: [[(0, v)] for v in vs] for i, vs in views.items() if all(v is not None for v in vs)}
         leased = [i for i in params if i not in pieces]
-        leases = self._leases_of([self.bank.where(i) for i in leased])
+        leases = self._leases_of([self.bank.where(i) for i in leased]) if leased else []
         for n, i in enumerate(leased):
             pieces[i] = [x.pieces for x in leases[4 * n:4 * n + 4]]
         return [(i, aligned(*pieces[i])) for i in params], leases
