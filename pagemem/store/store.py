@@ -1,15 +1,13 @@
 """PageStore: tensors in fixed-size pages across the gpu, cpu and nvme tiers.
 
 The store is the facade over its parts: ``queue`` (the lock and the per-page operation order),
-``placement`` (moves, copies, dropped copies), ``data`` (reads, writes, views and leases) and
-``transfer`` (the one path page bytes take between tiers). It owns the page table and the
-lifecycle: allocation, free, close.
+``placement`` (moves, copies, dropped copies), ``data`` (reads and writes), ``lending`` (views
+and leases), ``transfer`` (the one path page bytes take between tiers) and ``specs`` (argument
+checks). It owns the page table and the lifecycle: allocation, free, close.
 """
 
 from __future__ import annotations
 
-import math
-import operator
 import weakref
 from functools import partial
 from typing import Iterable, Sequence
@@ -18,10 +16,11 @@ import torch
 
 from pagemem.config import StoreConfig
 from pagemem.errors import InvalidRequest, OutOfMemory
-from pagemem.store.data import DataPath, check_dtype
+from pagemem.store.data import DataPath
 from pagemem.store.lending import Lender
 from pagemem.store.handle import MoveHandle
 from pagemem.store.layout import pack
+from pagemem.store.specs import TensorSpec, check_spec, iterable, tensors_of
 from pagemem.store.lease import Lease
 from pagemem.store.ordering import Op
 from pagemem.store.pages import IntentKind, Page, PageIds
@@ -33,10 +32,6 @@ from pagemem.store.transfer import Mover
 from pagemem.tiers import Tier, build_tiers
 from pagemem.units import format_bytes
 
-TensorSpec = tuple[Sequence[int], torch.dtype]
-
-_MAX_BYTES = 1 << 62
-"""No tensor may claim more bytes than this (element counts past int64 would wrap in torch)."""
 
 
 class PageStore:
@@ -206,7 +201,7 @@ class PageStore:
         dest = self._tiers[tier]
         if after is not None and not isinstance(after, PagedTensor):
             raise InvalidRequest(f"after: must be a PagedTensor or None, got {type(after).__name__}")
-        checked = [_check_spec(spec) for spec in _iterable(specs, "specs")]
+        checked = [check_spec(spec) for spec in iterable(specs, "specs")]
         sizes = [nbytes for _, _, nbytes in checked]
         pb = self.page_bytes
         with self._queue.lock:
@@ -276,11 +271,11 @@ class PageStore:
     def page_count(self, tensors: PagedTensor | Iterable[PagedTensor]) -> int:
         """How many distinct pages ``tensors`` occupy (what ``pages=`` ranges index)."""
         with self._queue.lock:
-            return len({page.id for t in _tensors(tensors, "page_count") for page in t.page_refs})
+            return len({page.id for t in tensors_of(tensors, "page_count") for page in t.page_refs})
 
     def _place(self, kind: IntentKind, tensors, tier: str, select: range | None = None) -> MoveHandle:
         dest = self._tiers[tier]
-        tensors = _tensors(tensors, kind)
+        tensors = tensors_of(tensors, kind)
         if select is not None and not isinstance(select, range):
             raise InvalidRequest(f"pages: expected a range of page positions, got {type(select).__name__}")
         with self._queue.lock:
@@ -377,7 +372,7 @@ class PageStore:
         for name, flag in (("write", write), ("split", split)):
             if not isinstance(flag, bool):
                 raise InvalidRequest(f"lease: {name} must be True or False, got {flag!r}")
-        return self._lend.lease_many(_tensors(tensors, "lease_many"), tier, write, split)
+        return self._lend.lease_many(tensors_of(tensors, "lease_many"), tier, write, split)
 
     def tier_of(self, t: PagedTensor) -> str | None:
         """``PagedTensor.tier``: the home tier, None while in flight or split over tiers."""
@@ -423,43 +418,3 @@ def _check_weak(store_ref: "weakref.ref[PageStore]", t: PagedTensor) -> None:
     if store is None:
         raise InvalidRequest("the store is gone")
     store._check(t)
-
-
-def _iterable(value, name: str) -> list:
-    try:
-        return list(value)
-    except TypeError:
-        raise InvalidRequest(f"{name}: expected an iterable, got {type(value).__name__}") from None
-
-
-def _tensors(value, what: str) -> list[PagedTensor]:
-    """One PagedTensor or an iterable of them, as a list; InvalidRequest for anything else."""
-    tensors = [value] if isinstance(value, PagedTensor) else _iterable(value, "tensors")
-    for t in tensors:
-        if not isinstance(t, PagedTensor):
-            raise InvalidRequest(f"{what}: expected PagedTensors, got {type(t).__name__}")
-    return tensors
-
-
-def _check_spec(spec: object) -> tuple[torch.Size, torch.dtype, int]:
-    try:
-        shape, dtype = spec  # type: ignore[misc]
-    except (TypeError, ValueError):
-        raise InvalidRequest(f"a tensor spec is (shape, dtype), got {spec!r}") from None
-    dtype = check_dtype(dtype)
-    if isinstance(shape, int):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise InvalidRequest(f"shape must be a sequence of ints, got {shape!r}") from None
-    if not all(hasattr(d, "__index__") and not isinstance(d, bool) for d in dims):
-        raise InvalidRequest(f"shape must hold non-negative ints, got {shape!r}")
-    dims = tuple(operator.index(d) for d in dims)
-    if any(d < 0 for d in dims):
-        raise InvalidRequest(f"shape must hold non-negative ints, got {shape!r}")
-    nbytes = math.prod(dims) * dtype.itemsize
-    if nbytes > _MAX_BYTES or any(d >= 1 << 63 for d in dims):
-        raise InvalidRequest(f"shape {dims} of {dtype} needs {nbytes} bytes, more than any tier can "
-                             f"hold (at most {_MAX_BYTES})")
-    return torch.Size(dims), dtype, nbytes
