@@ -67,6 +67,16 @@ def test_sharing_rejects_bad_world_sizes():
             base().sharing(bad)
 
 
+def test_rate_per_resource_tier_and_rank():
+    hw = base()
+    assert hw.rate("h2d", "gpu", 8) == 1e9 and hw.rate("network", None, 8) == 3e9
+    assert hw.rate("ssd_read", None, 4) == pytest.approx(4e9 / 4)
+    assert hw.rate("adam", "gpu", 8) == 7e9 and hw.rate("adam", "cpu", 16) == pytest.approx(6e9 / 8)
+    assert hw.rate("memory", "gpu", 8) == 9e11 and hw.rate("memory", "cpu", 2) == pytest.approx(1e11 / 2)
+    with pytest.raises(ConfigError, match="resource"):
+        hw.rate("pcie", "gpu", 1)
+
+
 def test_json_round_trip(tmp_path):
     hw = base(compute_scale=0.5, facts={"source": "test", "nested": {"a": [1, 2]}})
     path = tmp_path / "hw.json"

@@ -11,8 +11,9 @@ One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
   trace's op durations: 1 for a trace timed on, or synthesised for, this hardware);
 - per server, shared by the ranks on it: ``ssd_read_bytes_per_s``, ``ssd_write_bytes_per_s``,
   ``cpu_adam_elements_per_s`` and ``host_memory_bytes_per_s`` (bytes read + written per second
-  by a host ``copy_``: the compute copy refreshed after a CPU update). ``ranks_per_server`` ranks share a server; with
-  ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``;
+  by a host ``copy_``: the compute copy refreshed after a CPU update). ``ranks_per_server``
+  ranks share a server; with ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``
+  (:meth:`HardwareProfile.rate`);
 - ``shared_processor``: streams (of ``STREAMS``) that are one processor, so at most one of them
   runs at a time. Empty on a real GPU, where compute, each copy direction and the CPU's Adam are
   separate engines. Without CUDA the ``gpu`` tier is a host stand-in: its compute, the memcpys

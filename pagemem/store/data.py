@@ -36,16 +36,24 @@ def check_dtype(dtype: object) -> torch.dtype:
     return dtype
 
 
-def source_bytes(t: PagedTensor, src: object) -> torch.Tensor:
-    """``src`` as contiguous bytes for ``t``, with conjugate and negative bits resolved."""
+def source_bytes(t: PagedTensor, src: object, start: int | None = None) -> torch.Tensor:
+    """``src`` as contiguous bytes for ``t`` (with ``start``: for its flat elements ``start ..``;
+    ``src`` of any shape then), with conjugate and negative bits resolved."""
     if not isinstance(src, torch.Tensor):
         raise InvalidRequest(f"copy_ needs a torch.Tensor, got {type(src).__name__}")
     if src.is_quantized or src.layout != torch.strided or src.device.type == "meta":
         raise InvalidRequest(f"copy_: the source must be a dense strided tensor with data, got "
                              f"{src.layout} {src.dtype} on {src.device}")
-    if src.shape != t.shape or src.dtype != t.dtype:
+    if start is None and (src.shape != t.shape or src.dtype != t.dtype):
         raise InvalidRequest(
             f"copy_: source is {tuple(src.shape)} {src.dtype}, tensor is {tuple(t.shape)} {t.dtype}")
+    if start is not None:
+        if src.dtype != t.dtype:
+            raise InvalidRequest(f"write: source dtype {src.dtype} differs from the tensor's {t.dtype}")
+        room = t.nbytes // t.dtype.itemsize - src.numel()
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= room:
+            raise InvalidRequest(f"write: start must be an integer in [0, {room}] for {src.numel()} elements "
+                                 f"into {t.nbytes // t.dtype.itemsize}, got {start!r}")
     src = src.detach().resolve_conj().resolve_neg().contiguous()
     return src.reshape(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8)
 
@@ -101,12 +109,9 @@ class DataPath:
         """``src`` into every copy of ``t``; with ``start``, into elements ``start ..`` of its
         flat elements only (``src`` of any shape, ``t``'s dtype)."""
         self.check(t)
-        if start is None:
-            self.write_bytes(t, source_bytes(t, src))
-        else:
-            data = range_bytes(t, src, start)
-            offset = start * t.dtype.itemsize
-            self.write_bytes(t, data, (offset, offset + data.numel()))
+        data = source_bytes(t, src, start)
+        offset = (start or 0) * t.dtype.itemsize
+        self.write_bytes(t, data, None if start is None else (offset, offset + data.numel()))
 
     def write_bytes(self, t: PagedTensor, data, span: tuple[int, int] | None = None) -> None:
         """Write ``data`` (sliced by byte positions: a uint8 tensor, or ``lending.PieceBytes``) over the
@@ -237,20 +242,6 @@ class DataPath:
         gpu = self.tiers.gpu
         if self.tiers.cuda and any(t is gpu for t in tiers):
             torch.cuda.current_stream(gpu.device).synchronize()
-
-
-def range_bytes(t: PagedTensor, src: object, start: int) -> torch.Tensor:
-    """``src``'s bytes for elements ``start ..`` of ``t``, checked (see ``source_bytes``)."""
-    if not isinstance(src, torch.Tensor) or src.layout != torch.strided or src.device.type == "meta":
-        raise InvalidRequest(f"write: the source must be a dense strided torch.Tensor with data, got {src!r:.80}")
-    if src.dtype != t.dtype:
-        raise InvalidRequest(f"write: source dtype {src.dtype} differs from the tensor's {t.dtype}")
-    n = t.nbytes // t.dtype.itemsize
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= n - src.numel():
-        raise InvalidRequest(f"write: start must be an integer in [0, {n - src.numel()}] for {src.numel()} "
-                             f"elements into {n}, got {start!r}")
-    src = src.detach().resolve_conj().resolve_neg().contiguous()
-    return src.reshape(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def _clipped(t: PagedTensor, span: tuple[int, int] | None) -> list[tuple[Page, int, int, int]]:

@@ -56,7 +56,7 @@ class Lender:
                 alias = self._alias(t, tier, lifetime=True)
             return alias
 
-        return self.data.queue.exclusive(t.page_refs, body, lambda: self.check(t))
+        return self.queue.exclusive(t.page_refs, body, lambda: self.check(t))
 
     def lease_many(self, ts: list[PagedTensor], tier_name: str | None, write: bool,
                    split: bool = False) -> list[Lease]:
