@@ -17,13 +17,13 @@ from pagemem.tracer import CostModel, synthetic_transformer
 
 RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
          "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "flops_per_s",
-         "hbm_bytes_per_s", "host_memory_bytes_per_s", "compute_scale")
+         "hbm_bytes_per_s", "host_memory_bytes_per_s", "ssd_host_bytes_per_s", "compute_scale")
 
 
 def base(**kw) -> HardwareProfile:
     d = dict(name="t", h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, ssd_read_bytes_per_s=4e9,
              ssd_write_bytes_per_s=5e9, cpu_adam_elements_per_s=6e9, gpu_adam_elements_per_s=7e9, flops_per_s=8e12,
-             hbm_bytes_per_s=9e11, host_memory_bytes_per_s=1e11, ranks_per_server=8)
+             hbm_bytes_per_s=9e11, host_memory_bytes_per_s=1e11, ssd_host_bytes_per_s=2e10, ranks_per_server=8)
     d.update(kw)
     return HardwareProfile(**d)
 
@@ -73,6 +73,7 @@ def test_rate_per_resource_tier_and_rank():
     assert hw.rate("ssd_read", None, 4) == pytest.approx(4e9 / 4)
     assert hw.rate("adam", "gpu", 8) == 7e9 and hw.rate("adam", "cpu", 16) == pytest.approx(6e9 / 8)
     assert hw.rate("memory", "gpu", 8) == 9e11 and hw.rate("memory", "cpu", 2) == pytest.approx(1e11 / 2)
+    assert hw.rate("ssd_host", "cpu", 4) == pytest.approx(2e10 / 4)
     with pytest.raises(ConfigError, match="resource"):
         hw.rate("pcie", "gpu", 1)
 

@@ -19,13 +19,14 @@ from pagemem.tracer import synthetic_transformer
 PAGE = 4096
 KNOBS = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
          "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "hbm_bytes_per_s",
-         "host_memory_bytes_per_s")
+         "host_memory_bytes_per_s", "ssd_host_bytes_per_s")
 
 
 def profile(**kw) -> HardwareProfile:
     rates = dict(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, ssd_read_bytes_per_s=5e8,
                  ssd_write_bytes_per_s=4e8, cpu_adam_elements_per_s=1e9, gpu_adam_elements_per_s=1e10,
-                 flops_per_s=1e12, hbm_bytes_per_s=1e11, host_memory_bytes_per_s=3e10, ranks_per_server=8,
+                 flops_per_s=1e12, hbm_bytes_per_s=1e11, host_memory_bytes_per_s=3e10, ssd_host_bytes_per_s=7e8,
+                 ranks_per_server=8,
                  compute_scale=1.0)
     rates.update(kw)
     return HardwareProfile("test", **rates)
@@ -68,6 +69,8 @@ def expected_busy(p, tr, hw) -> dict[str, float]:
             "h2d": moved["h2d"] / hw.h2d_bytes_per_s, "d2h": moved["d2h"] / hw.d2h_bytes_per_s,
             "network": moved["network"] / hw.network_bytes_per_s,
             "ssd": moved["ssd_read"] / (hw.ssd_read_bytes_per_s / share) + moved["ssd_write"] / (hw.ssd_write_bytes_per_s / share),
+            # the CPU's share of every disk byte, beside the transfer
+            "io": (moved["ssd_read"] + moved["ssd_write"]) / (hw.ssd_host_bytes_per_s / share),
             "cpu": el["cpu"] / (hw.cpu_adam_elements_per_s / share) + refresh["cpu"] / (hw.host_memory_bytes_per_s / share)}
 
 
@@ -216,7 +219,10 @@ def test_chrome_export_is_valid_json_with_one_event_per_task_and_op(tmp_path):
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     ops = sum(op.phase != "step" for op in SMALL.ops)
     stream_tasks = sum(t.operation not in ("release", "compute") for t in p.tasks)
-    assert len(xs) == s.iterations * (ops + stream_tasks)
+    disk = sum(t.target.kind == "optim" and t.operation in ("move_to_cpu", "offload") for t in p.tasks)
+    assert disk  # each disk transfer has its CPU share beside it, on the io track
+    assert sum(e["name"].endswith("(host)") for e in xs) == s.iterations * disk
+    assert len(xs) == s.iterations * (ops + stream_tasks + disk)
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert sorted(names.values()) == sorted(STREAMS)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 and e["tid"] in names for e in xs)

@@ -10,15 +10,17 @@ One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
   synthetic traces with, :meth:`HardwareProfile.cost_model`), ``compute_scale`` (multiplies a
   trace's op durations: 1 for a trace timed on, or synthesised for, this hardware);
 - per server, shared by the ranks on it: ``ssd_read_bytes_per_s``, ``ssd_write_bytes_per_s``,
-  ``cpu_adam_elements_per_s`` and ``host_memory_bytes_per_s`` (bytes read + written per second
-  by a host ``copy_``: the compute copy refreshed after a CPU update). ``ranks_per_server``
+  ``cpu_adam_elements_per_s``, ``host_memory_bytes_per_s`` (bytes read + written per second
+  by a host ``copy_``: the compute copy refreshed after a CPU update) and
+  ``ssd_host_bytes_per_s`` (disk bytes per second of CPU time: the host's share of disk I/O). ``ranks_per_server``
   ranks share a server; with ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``
   (:meth:`HardwareProfile.rate`);
 - ``shared_processor``: streams (of ``STREAMS``) that are one processor, so at most one of them
   runs at a time. Empty on a real GPU, where compute, each copy direction and the CPU's Adam are
   separate engines. Without CUDA the ``gpu`` tier is a host stand-in: its compute, the memcpys
-  that stand for PCIe and CPU Adam all run on the same cores and memory bus (``pagemem profile``
-  then sets ``("compute", "h2d", "d2h", "cpu")``), so their work adds up instead of overlapping.
+  that stand for PCIe, the CPU side of disk I/O and CPU Adam all run on the same cores and memory
+  bus (``pagemem profile`` then sets ``("compute", "h2d", "d2h", "io", "cpu")``), so their work
+  adds up instead of overlapping.
 
 Profiles ship as JSON in ``pagemem/sched/profiles/`` (``HardwareProfile.builtin(name)``):
 ``a100-server`` (the paper's server, from :meth:`HardwareProfile.a100_server`) and
@@ -44,11 +46,11 @@ PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profile
 
 _RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
           "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s",
-          "flops_per_s", "hbm_bytes_per_s", "host_memory_bytes_per_s", "compute_scale")
+          "flops_per_s", "hbm_bytes_per_s", "host_memory_bytes_per_s", "ssd_host_bytes_per_s", "compute_scale")
 
-STREAMS: tuple[str, ...] = ("compute", "h2d", "d2h", "network", "ssd", "cpu")
+STREAMS: tuple[str, ...] = ("compute", "h2d", "d2h", "network", "ssd", "io", "cpu")
 """The simulator's streams (see :mod:`pagemem.sched.simulate`)."""
-HOST_STAND_IN_SHARED: tuple[str, ...] = ("compute", "h2d", "d2h", "cpu")
+HOST_STAND_IN_SHARED: tuple[str, ...] = ("compute", "h2d", "d2h", "io", "cpu")
 """``shared_processor`` of a machine without CUDA (see the module docs)."""
 
 ADAM_BYTES_PER_ELEMENT = 26
@@ -84,6 +86,10 @@ class HardwareProfile:
     host_memory_bytes_per_s: float
     """Sustained host-memory bandwidth of one server (bytes read + written by a ``copy_``; shared
     by its ranks): the compute-copy refresh after a CPU update."""
+    ssd_host_bytes_per_s: float
+    """Disk bytes per second of the host's CPU time (XXH3 checksums, I/O submission and
+    completion; shared by a server's ranks): the CPU share of a disk transfer, charged on the
+    ``io`` stream while the transfer runs on ``ssd``."""
     ranks_per_server: int = 8
     compute_scale: float = 1.0
     """Multiplies every op duration of a trace (1: the trace was timed on this hardware)."""
@@ -142,7 +148,10 @@ class HardwareProfile:
             return self.gpu_adam_elements_per_s if on_gpu else self.cpu_adam_per_rank(world_size)
         if resource == "memory":
             return self.hbm_bytes_per_s if on_gpu else self.host_memory_per_rank(world_size)
-        raise ConfigError(f"resource: must be one of h2d, d2h, network, ssd_read, ssd_write, adam, memory; got {resource!r}")
+        if resource == "ssd_host":
+            return self.ssd_host_bytes_per_s / self.sharing(world_size)
+        raise ConfigError(f"resource: must be one of h2d, d2h, network, ssd_read, ssd_write, adam, memory, "
+                          f"ssd_host; got {resource!r}")
 
     def cost_model(self) -> CostModel:
         """The roofline model that gives a synthetic trace this GPU's op durations."""
@@ -162,7 +171,7 @@ class HardwareProfile:
             f"compute scale {self.compute_scale:g}",
             f"  per server: SSD read {self.ssd_read_bytes_per_s / g:.2f} GB/s, write "
             f"{self.ssd_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s, "
-            f"memory {self.host_memory_bytes_per_s / g:.1f} GB/s",
+            f"memory {self.host_memory_bytes_per_s / g:.1f} GB/s, disk I/O on the CPU {self.ssd_host_bytes_per_s / g:.2f} GB/s",
             *([f"  one processor, one task at a time: {', '.join(self.shared_processor)}"]
               if self.shared_processor else []),
         ])
@@ -259,6 +268,7 @@ class HardwareProfile:
             flops_per_s=0.6 * 312e12,
             hbm_bytes_per_s=hbm,
             host_memory_bytes_per_s=0.6 * dram,
+            ssd_host_bytes_per_s=40e9,
             ranks_per_server=8,
             facts={
                 "source": "ANGEL-PTM (VLDB 2023) §4.2-4.3, §5, §6.1 and Table 3; assumptions below",
@@ -279,6 +289,8 @@ class HardwareProfile:
                     "hbm_bytes_per_s": "85% of the A100-40GB's 1555 GB/s",
                     "gpu_adam_elements_per_s": "memory-bound: hbm_bytes_per_s / 26 bytes per element",
                     "host_memory_bytes_per_s": "60% of 16 channels x DDR4-2933 (375 GB/s)",
+                    "ssd_host_bytes_per_s": "XXH3 at about 20 GB/s per core, two of the 96 cores busy with disk I/O: "
+                                            "not a limit next to the 3.5 GB/s SSD",
                     "cpu_adam_elements_per_s": "memory-bound: 60% of 16 channels x DDR4-2933 (375 GB/s) / 26 bytes "
                                                "per element; Table 3's '4 x EPYC 7K62' read as 2 sockets (Rome is "
                                                "at most 2P; 32 DIMMs = 2 sockets x 8 channels x 2)",

@@ -251,12 +251,21 @@ def costs(task: Task, setting: Setting) -> tuple[tuple[str, int], ...]:
     """``(resource, amount)`` terms of a task, in order (see ``RESOURCES``): bytes of a transfer,
     elements of an ``adam`` step, bytes of ``memory`` traffic. Empty: it takes no time."""
     eff = effect_of(task)
-    if eff is None:
-        return ()
+    return _amounts(task, setting, eff.cost) if eff is not None else ()
+
+
+def host_cost(task: Task, setting: Setting) -> tuple[str, int] | None:
+    """``(resource, amount)`` the task costs on the ``io`` stream while it runs (the CPU's share
+    of a disk transfer), or None."""
+    eff = effect_of(task)
+    return _amounts(task, setting, (eff.host,))[0] if eff is not None and eff.host else None
+
+
+def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]:
     L = task.target.layer
     layer = setting.layout.layers[L]
     out = []
-    for resource, unit in eff.cost:
+    for resource, unit in terms:
         if unit == "shard":
             amount = layer.shard_elements
         elif unit == "refresh":  # no compute copy of its own (its parameters are the master): nothing

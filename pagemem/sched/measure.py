@@ -8,7 +8,8 @@ which was written before timing:
 - ``host_memory``: that host ``memcpy``, bytes read + written (twice the bytes copied).
 - ``ssd_read`` / ``ssd_write``: ``PageStore`` moves of cpu tensors of one 4 MiB page each to the
   nvme tier under ``nvme_path`` and back, at I/O depth 8, O_DIRECT, checksums on, after one
-  untimed pass that lays the file out (as ``benchmarks/bench_nvme.py`` does).
+  untimed pass that lays the file out (as ``benchmarks/bench_nvme.py`` does); ``ssd_host``:
+  the bytes of those moves per second of the process's CPU time.
 - ``cpu_adam``: ``torch.optim.AdamW(fused=True)`` (``foreach`` where fused is not available) on
   one fp32 CPU parameter of ``adam_elements`` elements with its gradient set; the rate is
   elements per second of ``step()``. ``gpu_adam`` is the same on the GPU, or the CPU rate without
@@ -85,7 +86,8 @@ def cuda_copy(nbytes: int, repeats: int = 5) -> tuple[float, float]:
 
 def nvme(path: str, nbytes: int, repeats: int = 3, depth: int = DEPTH) -> tuple[float, float, dict[str, Any]]:
     """(read, write) bytes per second of ``PageStore`` moves between the cpu and nvme tiers, and
-    the nvme tier's description."""
+    the nvme tier's description, with ``host_bytes_per_s``: bytes moved per second of this
+    process's CPU time (every thread: checksums, submission, completion)."""
     from pagemem import PageStore, StoreConfig
 
     pages = max(1, nbytes // PAGE)
@@ -99,6 +101,7 @@ def nvme(path: str, nbytes: int, repeats: int = 3, depth: int = DEPTH) -> tuple[
             t.copy_(torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g))
         store.move(tensors, "nvme").wait()  # lay the file out: steady state from here
         store.move(tensors, "cpu").wait()
+        cpu0 = time.process_time()
         for _ in range(repeats):
             t0 = time.perf_counter()
             store.move(tensors, "nvme").wait()
@@ -106,8 +109,10 @@ def nvme(path: str, nbytes: int, repeats: int = 3, depth: int = DEPTH) -> tuple[
             t0 = time.perf_counter()
             store.move(tensors, "cpu").wait()
             reads.append(size / (time.perf_counter() - t0))
+        cpu = time.process_time() - cpu0
         info = {k: v for k, v in store.tier("nvme").describe().items() if k != "files"}
     info["samples_read"], info["samples_write"] = reads, writes
+    info["host_bytes_per_s"] = 2 * repeats * size / max(cpu, 1e-9)
     return statistics.median(reads), statistics.median(writes), info
 
 
@@ -322,7 +327,9 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
     how["ssd"] = (f"PageStore cpu <-> nvme moves of {nvme_n} bytes in 4 MiB pages, depth {DEPTH}, O_DIRECT, "
                   f"checksums on, under {nvme_path}")
     how["ssd_backend"] = info
-    say(f"ssd read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s")
+    how["ssd_host"] = "the same moves: bytes read and written per second of this process's CPU time"
+    say(f"ssd read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s, "
+        f"{info['host_bytes_per_s'] / 1e9:.2f} GB per CPU second")
 
     cpu_adam, impl = adam(adam_elements, "cpu", repeats)
     how["cpu_adam"] = f"torch.optim.AdamW({impl}) step on {adam_elements} fp32 elements, {torch.get_num_threads()} threads"
@@ -350,8 +357,8 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
     facts = machine_facts()
     facts["disk"] = disk
     if not cuda:
-        how["shared_processor"] = ("no CUDA: the gpu tier's compute, the copies that stand for PCIe and CPU Adam "
-                                   "share this machine's cores, one task at a time")
+        how["shared_processor"] = ("no CUDA: the gpu tier's compute, the copies that stand for PCIe, the CPU side "
+                                   "of disk I/O and CPU Adam share this machine's cores, one task at a time")
     facts["method"] = how
     facts["repeats"] = repeats
     return HardwareProfile(
@@ -360,6 +367,7 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
         ssd_read_bytes_per_s=read, ssd_write_bytes_per_s=write,
         cpu_adam_elements_per_s=cpu_adam, gpu_adam_elements_per_s=gpu_adam,
         flops_per_s=flops, hbm_bytes_per_s=hbm, host_memory_bytes_per_s=2 * host,
+        ssd_host_bytes_per_s=info["host_bytes_per_s"],
         ranks_per_server=torch.cuda.device_count() if cuda else 1,
         shared_processor=() if cuda else HOST_STAND_IN_SHARED, facts=facts)
 

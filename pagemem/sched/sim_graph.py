@@ -19,7 +19,7 @@ from pagemem.sched.hardware import HardwareProfile
 from pagemem.sched.plan import Plan
 from pagemem.sched.sim_result import TIERS
 from pagemem.sched.deps import links
-from pagemem.sched.holdings import Key, Setting, costs, effects, paused_gc
+from pagemem.sched.holdings import Key, Setting, costs, effects, host_cost, paused_gc
 from pagemem.sched.tasks import Task
 from pagemem.sched.windows import Usage
 from pagemem.tracer import Trace
@@ -170,6 +170,15 @@ class _Builder:
                              alloc, {}, [], True), (reserve, 0))
         self.nodes[node].deps.extend(self.waits(i))
         self.node_of[i] = node
+        host = host_cost(task, self.setting)
+        if host and host[1]:
+            # the CPU's share of a disk transfer (checksums, submission) runs on its own stream
+            # beside the transfer; the task is done when both are (a zero-time join)
+            resource, amount = host
+            cpu = self.add(Node(f"{_name(task)} (host)", "io", amount / self.hw.rate(resource, task.tier, self.W),
+                                {}, {}, self.waits(i), True), (reserve, 0))
+            self.node_of[i] = self.add(Node(f"{_name(task)} (done)", None, 0.0, {}, {}, [(node, 0), (cpu, 0)],
+                                            False))
         self.hold(i, node)
         return node
 

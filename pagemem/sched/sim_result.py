@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pagemem.errors import PageMemError
-from pagemem.sched.hardware import HardwareProfile
+from pagemem.sched.hardware import STREAMS, HardwareProfile
 from pagemem.units import format_bytes
 
-STREAMS: tuple[str, ...] = ("compute", "h2d", "d2h", "network", "ssd", "cpu")
 TIERS = ("gpu", "cpu")
 """The tiers the simulation accounts in bytes."""
 

@@ -23,6 +23,9 @@ d2h       ``offload`` of a gradient page               page bytes / ``d2h_bytes_
 network   ``all_gather``, ``reduce_scatter``           (W - 1) page bytes / ``network_bytes_per_s``
 ssd       ``move_to_cpu`` (read), ``offload`` of       optimizer bytes / the rank's share of the
           optimizer states (write-back)                server's SSD read / write bandwidth
+io        the CPU's share of each of those (checksums, optimizer bytes / the rank's share of
+          submission), beside the transfer; the task  ``ssd_host_bytes_per_s``
+          is done when both are
 cpu       ``update`` on cpu                            shard elements / the rank's share of the
                                                        server's CPU Adam rate + refresh bytes /
                                                        its share of ``host_memory_bytes_per_s``

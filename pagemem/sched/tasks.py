@@ -69,8 +69,9 @@ all_gather     param.j  network                   network: W - 1 pages
 compute        layer    (the model's own ops)     -
 reduce_scatter grad.j   network                   network: W - 1 pages
 offload        grad.j   d2h                       d2h: 1 page
-offload        optim    ssd (the write-back)      ssd_write: the optim pages
-move_to_cpu    optim    ssd                       ssd_read: the optim pages
+offload        optim    ssd (the write-back)      ssd_write: the optim pages; at the same time on
+                        and io                    io, ssd_host: the optim pages
+move_to_cpu    optim    ssd and io                ssd_read: the optim pages; ssd_host on io
 update         layer    cpu; compute on the gpu   adam: the shard's elements, then memory: the
                                                   refresh of ``param@home`` (read the fp32 master
                                                   shard, write the parameter shard; none where
@@ -115,9 +116,9 @@ OPERATIONS: tuple[str, ...] = ("move_to_gpu", "move_to_cpu", "all_gather", "comp
 TargetKind = Literal["param", "grad", "fullgrad", "optim", "layer"]
 TIERS: tuple[str, ...] = ("gpu", "cpu", "nvme")
 TRANSFERS: tuple[str, ...] = ("h2d", "d2h", "ssd_read", "ssd_write", "network")
-RESOURCES: tuple[str, ...] = (*TRANSFERS, "adam", "memory")
+RESOURCES: tuple[str, ...] = (*TRANSFERS, "adam", "memory", "ssd_host")
 """What a task's cost is counted in: bytes of a transfer, Adam elements, bytes of memory traffic
-(read + written) on the tier the task runs on."""
+(read + written) on the tier the task runs on, disk bytes the host's CPU handles."""
 MASTER_BYTES_PER_ELEMENT = 4
 """The fp32 master weights the ``optim`` holding keeps per parameter element."""
 
@@ -208,6 +209,9 @@ class Effect:
     """``(resource, unit)`` terms, run one after the other: a transfer (``TRANSFERS``) of a
     holding's pages, ``("adam", "shard")`` (an Adam step over the shard's elements), ``("memory",
     "refresh")`` (the compute copy written from the master weights)."""
+    host: tuple[str, str] | None = None
+    """A cost on the ``io`` stream at the same time: the CPU's share of a disk transfer
+    (``("ssd_host", holding)``: checksums, submission)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -233,9 +237,11 @@ EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
     Effect("offload", "grad", ("cpu",), takes=(Hold("grad", "T"),), reads=(Hold("grad", "gpu"),),
            stream="d2h", cost=(("d2h", "grad"),)),
     Effect("offload", "optim", ("home",), reads=(Hold("optim", "cpu", paged=False),),
-           writes=(Hold("optim", "T", paged=False),), stream="ssd", cost=(("ssd_write", "optim"),)),
+           writes=(Hold("optim", "T", paged=False),), stream="ssd", cost=(("ssd_write", "optim"),),
+           host=("ssd_host", "optim")),
     Effect("move_to_cpu", "optim", ("cpu",), takes=(Hold("optim", "cpu", paged=False),),
-           reads=(Hold("optim", "home", paged=False),), stream="ssd", cost=(("ssd_read", "optim"),)),
+           reads=(Hold("optim", "home", paged=False),), stream="ssd", cost=(("ssd_read", "optim"),),
+           host=("ssd_host", "optim")),
     Effect("update", "layer", ("cpu", "gpu"), reads=(Hold("grad", "T"), Hold("optim", "T", paged=False)),
            writes=(Hold("optim", "T", paged=False), Hold("param", "home")), after_grads=True,
            stream="cpu", gpu_stream="compute", cost=(("adam", "shard"), ("memory", "refresh"))),
