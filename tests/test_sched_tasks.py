@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import pagemem.sched.tasks as tasks_mod
 from pagemem.errors import ConfigError
 from pagemem.sched import EFFECTS, OPERATIONS, InfeasiblePlan, Plan, Setting, Target, Task, effects, plan, validate
-from pagemem.sched.holdings import costs
+from pagemem.sched.holdings import costs, host_cost
 from pagemem.sched.windows import Usage
 from pagemem.tracer import synthetic_transformer
 
@@ -87,6 +87,10 @@ def test_what_each_task_costs_follows_the_layout():
     assert cost("move_to_gpu", "param", 0, "gpu") == (("h2d", PAGE),)
     assert cost("all_gather", "param", 0) == (("network", 3 * PAGE),)
     assert cost("move_to_cpu", "optim", tier="cpu") == (("ssd_read", lay.optim_pages * PAGE),)
+    # a disk transfer also costs the CPU its share (checksums, submission), beside it on io
+    assert host_cost(Task("move_to_cpu", Target("optim", 2), 0, "cpu"), s) == ("ssd_host", lay.optim_pages * PAGE)
+    assert host_cost(Task("offload", Target("optim", 2), 0, "nvme"), s) == ("ssd_host", lay.optim_pages * PAGE)
+    assert host_cost(Task("move_to_gpu", Target("param", 2, 0), 0, "gpu"), s) is None
     assert cost("compute", "layer", tier="gpu") == () and cost("release", "param", tier="gpu") == ()
     # an update: Adam over the shard, then the compute copy written from the fp32 master weights
     assert cost("update", "layer", tier="cpu") == (("adam", lay.shard_elements),
