@@ -13,9 +13,10 @@ unit:
   step overwrites them).
 In fp32 with the optimizer states on the gpu, the compute copy *is* the master (see
 ``ParamBank.compute_is_master``). The optimizer states of consecutive layers are chained with
-``after=`` (they share boundary pages: 99.9% utilization), since they move together at the update; each layer's compute group
-starts on fresh pages, so that evicting a layer never drags a resident neighbour's page (this
-costs the partly filled last page of each layer; ``stats()`` reports what it comes to).
+``after=`` (they share boundary pages: 99.9% utilization), since they move together at the
+update; each layer's compute group starts on fresh pages, so that evicting a layer never drags
+a resident neighbour's page (this costs the partly filled last page of each layer; ``stats()``
+reports what it comes to).
 
 Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``residency.py``'s job.
 """

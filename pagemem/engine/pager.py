@@ -92,8 +92,8 @@ class Pager:
         self.residency = Residency(bank)
         self.store = bank.store
         self._gpu = self.store.tier("gpu")
-        self._budget_pages = self.store.config.pages("gpu")
         self._page_bytes = self.store.page_bytes
+        self._budget_pages = self.residency.budget_bytes // self._page_bytes
         self.use_plans = executor == "plan"
         self.plan_tier = optimizer_tier if optimizer_tier in ("cpu", "nvme") else "cpu"
         # pages on the gpu at rest (optimizer states kept there): not the plan's to use, nor in

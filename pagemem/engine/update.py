@@ -4,7 +4,7 @@
 fp32 gradient pages, and updates the fp32 master weights and Adam moments with torch's fused
 AdamW kernel on CPU workers (or on the gpu, for states kept there), then refreshes the compute
 copy. Loss scaling follows ``torch.amp.GradScaler``; clipping follows ``clip_grad_norm_``. Where
-it is exact, a parameter is updated during backward (see the Note in ``overlap_exact``).
+it is exact, a parameter is updated during backward (see the Note in ``Updater._overlap_exact``).
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ class Updater:
         self._early: dict[int, Any] = {}
         self._early_hp: AdamW | None = None
         self._final = False
+        self.overlap = self._overlap_exact()
+        """Updates may run during backward (fixed by the configuration: see the Note)."""
 
     # ------------------------------------------------------------------ during backward
 
@@ -125,7 +127,7 @@ class Updater:
                 "iterations; pass overlap_update=False to update only in step()")
         first = i not in self._has_grad
         self._has_grad.add(i)
-        early = self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap_exact()
+        early = self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap
         if early and first and self.config.optimizer_tier == "gpu" and grad.dtype == torch.float32:
             # [Note: updates in the hook] fp32 states on the gpu are stepped right here, on the
             # stream autograd runs on, from the gradient autograd made: no copy into the gradient
@@ -145,7 +147,7 @@ class Updater:
             self._early_hp = self.hyper()
         return self._early_hp
 
-    def overlap_exact(self) -> bool:
+    def _overlap_exact(self) -> bool:
         """[Note: which updates may overlap backward] A parameter's update needs only its own
         gradient, unless clipping (the global norm) or loss scaling (an overflow anywhere skips
         every update) is on. Its gradient is final once its hook fired as many times as in the

@@ -21,8 +21,8 @@ which was written before timing:
   (bytes read + written per second), for synthetic traces built with the profile's cost model.
 
 Without CUDA the machine counts as one rank per server (``ranks_per_server = 1``), and the
-gpu tier's compute, the host copies standing for h2d / d2h and CPU Adam as one processor
-(``shared_processor``): they run on the same cores.
+gpu tier's compute, the host copies standing for h2d / d2h, the CPU side of disk I/O and CPU
+Adam as one processor (``shared_processor``): they run on the same cores.
 """
 
 from __future__ import annotations
