@@ -24,7 +24,9 @@ simulator's prediction for that row: **the plan the engine followed**, simulated
 ``dev-vm`` profile with the op durations of traces of a third copy of the model (forward +
 backward, one after each timed pair of iterations so they see the same load; per op, the median
 over those traces; the engine's own warm-up durations include its demand paging). Goal: within 15% of the
-measured engine iteration. Neither number is adjusted to the other. A last block splits the
+measured engine iteration. Neither number is adjusted to the other: the profile's
+``window_host_seconds`` (the executor's host time per moved window) was measured by ``pagemem
+profile`` on another model, not in this run. A last block splits the
 engine's extra time over plain PyTorch by phase, beside what the simulator assumes is exposed.
 Every iteration also checks that the engine's loss equals plain PyTorch's bit for bit (fp32).
 
@@ -141,6 +143,8 @@ def stats_delta(after: dict, before: dict, n: int) -> dict:
         "gpu_wait_s": (after["gpu_wait_seconds"] - before["gpu_wait_seconds"]) / n,
         "evictions": (after["evictions"] - before["evictions"]) / n,
         "view_copies": (after.get("view_copies", 0) - before.get("view_copies", 0)) / n,
+        "executor_s": (after["executor_seconds"] - before["executor_seconds"]) / n,
+        "executor_releases": (after["executor_releases"] - before["executor_releases"]) / n,
     }
 
 
@@ -180,7 +184,9 @@ def predict(engine_plan, engine_trace, timed, hw: HardwareProfile) -> dict:
         return {"infeasible": "the engine made no plan (see its plan_note)"}
     tr = with_durations(engine_trace, timed)
     s = simulate(engine_plan, tr, hw)
+    windows = sum(t.operation == "release" and t.target.kind == "param" for t in engine_plan.tasks)
     return {
+        "executor_windows": windows, "executor_s": windows * hw.window_host_seconds,
         "budgets": engine_plan.budgets.as_dict(), "valid": validate(engine_plan, tr).ok,
         "iteration_s": s.iteration_time, "steady": s.steady,
         "gpu_idle": s.gpu_idle_fraction, "busy_s": dict(s.busy), "stalls_s": dict(s.stalls),
@@ -500,7 +506,12 @@ def main() -> None:
         if "iteration_s" in pr:
             pfb = pp["forward"] + pp["backward"]
             exposed = pr["iteration_s"] - pr["busy_s"]["compute"]
-            line += (f"; simulator: trace fwd+bwd - plain fwd+bwd {(pr['busy_s']['compute'] - pfb) * 1e3:+.0f} ms, "
+            pi = r["per_iteration"]
+            own = pi["executor_s"] - pi["move_seconds"].get("cpu->gpu", 0.0)  # inline copies are h2d
+            line += (f"; simulator: trace fwd+bwd - plain fwd+bwd "
+                     f"{(pr['busy_s']['compute'] - pr['executor_s'] - pfb) * 1e3:+.0f} ms, executor "
+                     f"{pr['executor_s'] * 1e3:.0f} ms for {pr['executor_windows']} windows (engine's own: "
+                     f"{own * 1e3:.0f} ms for {pi['executor_releases']:.0f}), "
                      f"exposed transfers/updates {exposed * 1e3:+.0f} ms (cpu adam {pr['busy_s']['cpu'] * 1e3:.0f} ms "
                      f"busy, overlapped with backward)")
         print(line)

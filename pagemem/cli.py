@@ -13,7 +13,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("trace", "pagemem.tracer.cli", "trace one training iteration of the GPT (or synthesise it) and write trace JSON files"),
     ("plan", "pagemem.sched.cli", "plan one training iteration: the task queue, its validated peak memory"),
     ("simulate", "pagemem.sched.simulate_cmd", "plan and simulate one training iteration on a hardware profile"),
-    ("profile", "pagemem.sched.profile_cmd", "measure this machine into a hardware profile for the simulator"),
+    ("profile", "pagemem.profile_cmd", "measure this machine into a hardware profile for the simulator"),
 ]
 
 

@@ -98,6 +98,11 @@ def test_planned_iterations_move_exactly_what_the_plan_moves():
     assert moves > 0  # pages really move every iteration
     moved = after["moved_bytes"]["cpu->gpu"] - before["moved_bytes"]["cpu->gpu"]
     assert moved == 4 * moves * PAGE  # one page per move_to_gpu task, nothing more, nothing less
+    # the executor gave back one unit per window the plan ends with a release (what the
+    # simulator charges its host time for), and spent host time doing so
+    windows = sum(t.operation == "release" and t.target.kind == "param" for t in plan.tasks)
+    assert windows and after["executor_releases"] - before["executor_releases"] == 4 * windows
+    assert after["executor_seconds"] > before["executor_seconds"] > 0
     assert 0 < after["gpu_peak_bytes"] <= after["gpu_budget_bytes"]
     assert after["gpu_peak_bytes_by_mode"]["plan"] <= plan.predicted_peak["gpu"]
     assert_same(got, ref)
@@ -284,3 +289,12 @@ def test_planned_iterations_run_in_a_gpu_arena_sized_from_the_plan(optimizer_tie
         assert most_pages == 0    # holds nothing more (it does not count the states twice)
     assert long["iterations"] == {"traced": 2, "planned": 4}
     assert_same(got, ref)
+
+
+def test_the_executor_host_time_per_window_is_measured_on_planned_iterations():
+    """``pagemem profile``'s ``window_host_seconds`` (the host stand-in): copies excluded."""
+    from pagemem.engine.measure import window_host_seconds
+
+    seconds, how = window_host_seconds(iterations=2, repeats=1)
+    assert 0 < seconds < 1 and how["samples_s"] == [seconds]
+    assert how["windows_per_iteration"] > 0 and how["iterations"] == 2

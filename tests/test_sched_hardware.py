@@ -11,7 +11,8 @@ import torch
 
 from pagemem.errors import ConfigError
 from pagemem.sched import HardwareProfile
-from pagemem.sched import measure, profile_cmd
+from pagemem import profile_cmd
+from pagemem.sched import measure
 from pagemem.sched.hardware import PROFILES_DIR
 from pagemem.tracer import CostModel, synthetic_transformer
 
@@ -74,12 +75,21 @@ def test_rate_per_resource_tier_and_rank():
     assert hw.rate("adam", "gpu", 8) == 7e9 and hw.rate("adam", "cpu", 16) == pytest.approx(6e9 / 8)
     assert hw.rate("memory", "gpu", 8) == 9e11 and hw.rate("memory", "cpu", 2) == pytest.approx(1e11 / 2)
     assert hw.rate("ssd_host", "cpu", 4) == pytest.approx(2e10 / 4)
+    # the executor's host time: windows per second, none charged (an infinite rate) at 0
+    assert hw.rate("window", "gpu", 8) == math.inf
+    assert base(window_host_seconds=0.002).rate("window", "gpu", 8) == pytest.approx(500)
     with pytest.raises(ConfigError, match="resource"):
         hw.rate("pcie", "gpu", 1)
 
 
+@pytest.mark.parametrize("bad", [-1e-3, math.inf, math.nan, "1ms", True])
+def test_window_host_seconds_is_a_finite_number_at_least_zero(bad):
+    with pytest.raises(ConfigError, match="window_host_seconds.*>= 0"):
+        base(window_host_seconds=bad)
+
+
 def test_json_round_trip(tmp_path):
-    hw = base(compute_scale=0.5, facts={"source": "test", "nested": {"a": [1, 2]}})
+    hw = base(compute_scale=0.5, window_host_seconds=7e-4, facts={"source": "test", "nested": {"a": [1, 2]}})
     path = tmp_path / "hw.json"
     hw.save(path)
     assert HardwareProfile.load(path) == hw
@@ -89,6 +99,8 @@ def test_json_round_trip(tmp_path):
         HardwareProfile.from_dict({**d, "format": "other"})
     with pytest.raises(ConfigError, match="version"):
         HardwareProfile.from_dict({**d, "version": 99})
+    # a profile written before the executor's host time was measured charges none
+    assert HardwareProfile.from_dict({k: v for k, v in d.items() if k != "window_host_seconds"}).window_host_seconds == 0
     with pytest.raises(ConfigError, match="host_memory_bytes_per_s.*pagemem profile"):  # written before the field
         HardwareProfile.from_dict({**{k: v for k, v in d.items() if k != "host_memory_bytes_per_s"}, "version": 1})
     with pytest.raises(ConfigError, match="unknown"):
@@ -176,6 +188,8 @@ def test_profile_command_measures_and_writes_json(tmp_path, capsys):
     hw = HardwareProfile.load(out)
     assert hw.name == "me" and hw.ranks_per_server == (torch.cuda.device_count() or 1)
     assert hw.facts["method"]["ssd_backend"]["io_depth"] == 8
+    # the executor's host time per moved window: measured by the engine on the host stand-in only
+    assert (hw.window_host_seconds > 0) != torch.cuda.is_available()
 
 
 def test_profile_command_shows_a_builtin_and_needs_out(capsys):

@@ -27,7 +27,7 @@ def profile(**kw) -> HardwareProfile:
                  ssd_write_bytes_per_s=4e8, cpu_adam_elements_per_s=1e9, gpu_adam_elements_per_s=1e10,
                  flops_per_s=1e12, hbm_bytes_per_s=1e11, host_memory_bytes_per_s=3e10, ssd_host_bytes_per_s=7e8,
                  ranks_per_server=8,
-                 compute_scale=1.0)
+                 compute_scale=1.0, window_host_seconds=1e-8)
     rates.update(kw)
     return HardwareProfile("test", **rates)
 
@@ -65,7 +65,10 @@ def expected_busy(p, tr, hw) -> dict[str, float]:
     # after each update, the compute copy written from the new fp32 master: read 4 B, write the param
     refresh = {tier: sum(4 * l.shard_elements + l.shard_bytes for l in ls) for tier, ls in updates.items()}
     ops = sum(op.duration for op in tr.ops if op.phase != "step") * hw.compute_scale
-    return {"compute": ops + el["gpu"] / hw.gpu_adam_elements_per_s + refresh["gpu"] / hw.hbm_bytes_per_s,
+    # the executor's host time for every window of a moved layer (one parameter release each)
+    windows = sum(t.operation == "release" and t.target.kind == "param" for t in p.tasks)
+    return {"compute": ops + el["gpu"] / hw.gpu_adam_elements_per_s + refresh["gpu"] / hw.hbm_bytes_per_s
+            + windows * hw.window_host_seconds,
             "h2d": moved["h2d"] / hw.h2d_bytes_per_s, "d2h": moved["d2h"] / hw.d2h_bytes_per_s,
             "network": moved["network"] / hw.network_bytes_per_s,
             "ssd": moved["ssd_read"] / (hw.ssd_read_bytes_per_s / share) + moved["ssd_write"] / (hw.ssd_write_bytes_per_s / share),
@@ -143,7 +146,7 @@ def test_compute_bound_plan_idles_for_the_exposed_transfers_only():
 
 
 def test_no_gpu_idle_with_instant_transfers_and_compute_scale_scales_the_iteration():
-    fast = {k: 1e30 for k in KNOBS}
+    fast = {k: 1e30 for k in KNOBS} | {"window_host_seconds": 0.0}  # no executor time either
     p = tight_plan(SMALL, world_size=4, optimizer_tier="nvme")
     compute = sum(op.duration for op in SMALL.ops if op.phase != "step")
     for scale in (1.0, 3.0):
@@ -222,7 +225,10 @@ def test_chrome_export_is_valid_json_with_one_event_per_task_and_op(tmp_path):
     disk = sum(t.target.kind == "optim" and t.operation in ("move_to_cpu", "offload") for t in p.tasks)
     assert disk  # each disk transfer has its CPU share beside it, on the io track
     assert sum(e["name"].endswith("(host)") for e in xs) == s.iterations * disk
-    assert len(xs) == s.iterations * (ops + stream_tasks + disk)
+    # the executor's host time of each window of a moved layer, on the compute track
+    windows = sum(t.operation == "release" and t.target.kind == "param" for t in p.tasks)
+    assert windows and sum(e["name"].startswith("executor window") for e in xs) == s.iterations * windows
+    assert len(xs) == s.iterations * (ops + stream_tasks + disk + windows)
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert sorted(names.values()) == sorted(STREAMS)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 and e["tid"] in names for e in xs)

@@ -31,6 +31,7 @@ memory do.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from pagemem.engine.bank import ParamBank
@@ -113,12 +114,24 @@ def _append(actions: list[Action], act: Action) -> None:
     actions.append(act)
 
 
+@dataclass
+class ExecutorTotals:
+    """What the executors of one engine did, summed over its planned iterations."""
+
+    seconds: float = 0.0
+    """Host time spent following plans at op edges (the actions and their checks; copies that run
+    inline, as on the host stand-in, included: ``Engine.stats()`` has their own seconds)."""
+    releases: int = 0
+    """Units given back by a plan's ``release``: one per window of a layer the plan moves."""
+
+
 class Executor:
     """Runs one schedule's actions as the clock numbers the ops of an iteration."""
 
-    def __init__(self, schedule: Schedule, residency: Residency) -> None:
+    def __init__(self, schedule: Schedule, residency: Residency, totals: ExecutorTotals | None = None) -> None:
         self.schedule = schedule
         self.residency = residency
+        self.totals = totals if totals is not None else ExecutorTotals()
         self.diverged_at: int | None = None
         self.n_ops = 0
         """Ops of this iteration that matched the trace so far."""
@@ -140,6 +153,13 @@ class Executor:
     def on_op(self, op_id: int, edge: str, op: Op) -> None:
         if self.diverged or op.event == "step":
             return
+        t0 = time.perf_counter()
+        try:
+            self._on_op(op_id, edge, op)
+        finally:
+            self.totals.seconds += time.perf_counter() - t0
+
+    def _on_op(self, op_id: int, edge: str, op: Op) -> None:
         sched = self.schedule
         if edge == "start":
             if op_id >= len(sched.expected) or sched.expected[op_id] != (op.event, op.name):
@@ -176,3 +196,4 @@ class Executor:
             res.bank.stage_states(act.unit)
         else:
             res.release(act.unit)
+            self.totals.releases += 1

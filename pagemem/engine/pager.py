@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from pagemem.engine.bank import ParamBank
-from pagemem.engine.executor import Executor, PlanMismatch, Schedule
+from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule
 from pagemem.engine.residency import Residency
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.sched import InfeasiblePlan, Plan, plan, validate
@@ -123,6 +123,7 @@ class Pager:
         self._sig: tuple | None = None
         self._recording: Recording | None = None
         self._executor: Executor | None = None
+        self.executor_totals = ExecutorTotals()
         self._reserve = 0
         self._op_pages: list[int] = []
         self._warned: set[str] = set()
@@ -163,7 +164,7 @@ class Pager:
                 return
             self._size_arena(self.arena_pages[sig])
             self.mode = "plan"
-            self._executor = Executor(schedule, self.residency)
+            self._executor = Executor(schedule, self.residency, self.executor_totals)
             self._executor.begin()
             self.iterations["planned"] += 1
             return
@@ -332,6 +333,7 @@ class Pager:
             "arena_resizes": self.arena_resizes,
             "fetches": res.fetches, "prefetches": res.prefetches, "evictions": res.evictions,
             "misses": res.misses, "gpu_wait_seconds": res.wait_seconds,
+            "executor_seconds": self.executor_totals.seconds, "executor_releases": self.executor_totals.releases,
             "plan": None if p is None else {
                 "tasks": len(p.tasks), "counts": dict(p.counts()), "cached_layers": len(p.cached_layers),
                 "predicted_gpu_peak_bytes": p.predicted_peak["gpu"], "min_gpu_bytes": p.min_gpu_bytes,

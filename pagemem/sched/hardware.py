@@ -15,6 +15,12 @@ One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
   ``ssd_host_bytes_per_s`` (disk bytes per second of CPU time: the host's share of disk I/O). ``ranks_per_server``
   ranks share a server; with ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``
   (:meth:`HardwareProfile.rate`);
+- ``window_host_seconds``: host time the engine's executor spends on each window of a layer the
+  plan moves (staging its pages, binding its parameters as views, releasing them), on the thread
+  that runs the model: charged on the ``compute`` stream at the window's release. Measured by
+  ``pagemem profile`` without CUDA (the host stand-in, where that thread *is* the compute); on a
+  GPU the host queues its work ahead of the device, where this is hidden unless the host falls
+  behind (not modelled: GPU profiles keep 0);
 - ``shared_processor``: streams (of ``STREAMS``) that are one processor, so at most one of them
   runs at a time. Empty on a real GPU, where compute, each copy direction and the CPU's Adam are
   separate engines. Without CUDA the ``gpu`` tier is a host stand-in: its compute, the memcpys
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -92,6 +99,9 @@ class HardwareProfile:
     ``io`` stream while the transfer runs on ``ssd``."""
     ranks_per_server: int = 8
     compute_scale: float = 1.0
+    window_host_seconds: float = 0.0
+    """Executor host time per window of a moved layer, on the compute stream (see the module docs;
+    0: none charged)."""
     """Multiplies every op duration of a trace (1: the trace was timed on this hardware)."""
     shared_processor: tuple[str, ...] = ()
     """Streams that run one task at a time between them (see the module docs)."""
@@ -104,6 +114,10 @@ class HardwareProfile:
         for name in _RATES:
             object.__setattr__(self, name, check_rate(name, getattr(self, name)))
         check_int("ranks_per_server", self.ranks_per_server, 1)
+        w = self.window_host_seconds
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"window_host_seconds: must be a finite number >= 0, got {w!r}")
+        object.__setattr__(self, "window_host_seconds", float(w))
         shared = self.shared_processor
         if (isinstance(shared, str) or not isinstance(shared, (tuple, list))
                 or any(s not in STREAMS for s in shared) or len(set(shared)) != len(shared)):
@@ -150,8 +164,10 @@ class HardwareProfile:
             return self.hbm_bytes_per_s if on_gpu else self.host_memory_per_rank(world_size)
         if resource == "ssd_host":
             return self.ssd_host_bytes_per_s / self.sharing(world_size)
+        if resource == "window":  # windows per second of the executor's host time
+            return 1.0 / self.window_host_seconds if self.window_host_seconds else math.inf
         raise ConfigError(f"resource: must be one of h2d, d2h, network, ssd_read, ssd_write, adam, memory, "
-                          f"ssd_host; got {resource!r}")
+                          f"ssd_host, window; got {resource!r}")
 
     def cost_model(self) -> CostModel:
         """The roofline model that gives a synthetic trace this GPU's op durations."""
@@ -172,6 +188,7 @@ class HardwareProfile:
             f"  per server: SSD read {self.ssd_read_bytes_per_s / g:.2f} GB/s, write "
             f"{self.ssd_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s, "
             f"memory {self.host_memory_bytes_per_s / g:.1f} GB/s, disk I/O on the CPU {self.ssd_host_bytes_per_s / g:.2f} GB/s",
+            f"  executor host time per moved window: {self.window_host_seconds * 1e3:.3g} ms",
             *([f"  one processor, one task at a time: {', '.join(self.shared_processor)}"]
               if self.shared_processor else []),
         ])
@@ -182,6 +199,7 @@ class HardwareProfile:
         d = {"format": FORMAT, "version": VERSION, "name": self.name}
         d.update({k: getattr(self, k) for k in _RATES})
         d["ranks_per_server"] = self.ranks_per_server
+        d["window_host_seconds"] = self.window_host_seconds
         d["shared_processor"] = list(self.shared_processor)
         d["facts"] = dict(self.facts)
         return d
@@ -291,6 +309,7 @@ class HardwareProfile:
                     "host_memory_bytes_per_s": "60% of 16 channels x DDR4-2933 (375 GB/s)",
                     "ssd_host_bytes_per_s": "XXH3 at about 20 GB/s per core, two of the 96 cores busy with disk I/O: "
                                             "not a limit next to the 3.5 GB/s SSD",
+                    "window_host_seconds": "0: the host queues the executor's work ahead of the GPU",
                     "cpu_adam_elements_per_s": "memory-bound: 60% of 16 channels x DDR4-2933 (375 GB/s) / 26 bytes "
                                                "per element; Table 3's '4 x EPYC 7K62' read as 2 sockets (Rome is "
                                                "at most 2P; 32 DIMMs = 2 sockets x 8 channels x 2)",

@@ -261,6 +261,13 @@ def host_cost(task: Task, setting: Setting) -> tuple[str, int] | None:
     return _amounts(task, setting, (eff.host,))[0] if eff is not None and eff.host else None
 
 
+def executor_cost(task: Task, setting: Setting) -> tuple[str, int] | None:
+    """``(resource, amount)`` of the executor's host time the task costs on the ``compute``
+    stream (a window of a moved layer), or None."""
+    eff = effect_of(task)
+    return _amounts(task, setting, (eff.executor,))[0] if eff is not None and eff.executor else None
+
+
 def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]:
     L = task.target.layer
     layer = setting.layout.layers[L]
@@ -268,6 +275,8 @@ def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]
     for resource, unit in terms:
         if unit == "shard":
             amount = layer.shard_elements
+        elif unit == "window":
+            amount = 1
         elif unit == "refresh":  # no compute copy of its own (its parameters are the master): nothing
             amount = layer.shard_bytes + MASTER_BYTES_PER_ELEMENT * layer.shard_elements if layer.shard_bytes else 0
         else:

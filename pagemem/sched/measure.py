@@ -19,6 +19,9 @@ which was written before timing:
   The profile keeps the lower of the two.
 - ``flops`` / ``hbm``: a square matmul (bf16 8192 on CUDA, fp32 2048 on CPU) and a device copy
   (bytes read + written per second), for synthetic traces built with the profile's cost model.
+- ``window_host_seconds``: without CUDA, what ``window_host`` measures (the engine's executor, a
+  layer above this one: ``pagemem profile`` passes ``pagemem.engine.measure.window_host_seconds``);
+  0 with CUDA, or when none is given.
 
 Without CUDA the machine counts as one rank per server (``ranks_per_server = 1``), and the
 gpu tier's compute, the host copies standing for h2d / d2h, the CPU side of disk I/O and CPU
@@ -293,9 +296,11 @@ def _disk(path: str) -> dict[str, Any]:
 def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes: int | str = "1GiB",
             copy_bytes: int | str = "256MiB", adam_elements: int = 16_000_000,
             network_bytes: int | str = "64MiB", repeats: int = 3,
-            log: Callable[[str], None] | None = None) -> HardwareProfile:
+            log: Callable[[str], None] | None = None,
+            window_host: Callable[[], tuple[float, dict[str, Any]]] | None = None) -> HardwareProfile:
     """Measure this machine (see the module docs); ``nvme_path`` is a directory on the drive to
-    test (default: a temporary directory). Takes a minute or two."""
+    test (default: a temporary directory). Takes a minute or two. ``window_host``: measures the
+    executor's host seconds per moved window, and says how (used without CUDA)."""
     say = log or (lambda _msg: None)
     check_int("adam_elements", adam_elements, 1)
     check_int("repeats", repeats, 1)
@@ -354,6 +359,13 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
         f"host copy of {copy_n} bytes, bytes read + written (no GPU)"
     say(f"matmul {flops / 1e12:.3f} TFLOP/s, memory {hbm / 1e9:.2f} GB/s")
 
+    window = 0.0
+    if window_host is not None and not cuda:
+        window, how["window_host"] = window_host()
+        say(f"executor host time {window * 1e3:.3f} ms per moved window")
+    else:
+        how["window_host"] = "0: the host queues the executor's work ahead of the GPU" if cuda else "not measured"
+
     facts = machine_facts()
     facts["disk"] = disk
     if not cuda:
@@ -367,7 +379,7 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
         ssd_read_bytes_per_s=read, ssd_write_bytes_per_s=write,
         cpu_adam_elements_per_s=cpu_adam, gpu_adam_elements_per_s=gpu_adam,
         flops_per_s=flops, hbm_bytes_per_s=hbm, host_memory_bytes_per_s=2 * host,
-        ssd_host_bytes_per_s=info["host_bytes_per_s"],
+        ssd_host_bytes_per_s=info["host_bytes_per_s"], window_host_seconds=window,
         ranks_per_server=torch.cuda.device_count() if cuda else 1,
         shared_processor=() if cuda else HOST_STAND_IN_SHARED, facts=facts)
 

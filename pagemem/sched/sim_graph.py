@@ -19,7 +19,7 @@ from pagemem.sched.hardware import HardwareProfile
 from pagemem.sched.plan import Plan
 from pagemem.sched.sim_result import TIERS
 from pagemem.sched.deps import links
-from pagemem.sched.holdings import Key, Setting, costs, effects, host_cost, paused_gc
+from pagemem.sched.holdings import Key, Setting, costs, effects, executor_cost, host_cost, paused_gc
 from pagemem.sched.tasks import Task
 from pagemem.sched.windows import Usage
 from pagemem.tracer import Trace
@@ -191,6 +191,14 @@ class _Builder:
         for k in self.fx[i].frees:
             free[k.tier] = free.get(k.tier, 0) + self.held.pop(k, 0)
         self.nodes[node].free = free or {task.tier or "gpu": 0}
+        executor = executor_cost(task, self.setting)
+        if executor and executor[1]:
+            # the executor's host time for the window this release ends, on the thread that runs
+            # the model: the compute stream, before the next op (memory is given back meanwhile)
+            resource, amount = executor
+            seconds = amount / self.hw.rate(resource, task.tier, self.W)
+            if seconds:
+                self.add(Node(f"executor window {task.target}", "compute", seconds, {}, {}, [], True), (run, 0))
 
 
 def _name(task: Task) -> str:

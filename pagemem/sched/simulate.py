@@ -16,8 +16,10 @@ stream    tasks                                        seconds per task
 compute   the trace's ops in order; ``update`` of      ``op.duration * compute_scale`` (ops of
           layers cached on the gpu (GPU Adam kernels   the ``step`` phase take 0: the queue's
           share the GPU, so they run here, before the  updates replace them); shard elements /
-          op that triggers them)                       ``gpu_adam_elements_per_s`` + refresh
-                                                       bytes / ``hbm_bytes_per_s``
+          op that triggers them); the executor's host  ``gpu_adam_elements_per_s`` + refresh
+          time for each window of a moved layer, after bytes / ``hbm_bytes_per_s``;
+          the op that ends it (the thread that runs    ``window_host_seconds`` per window
+          the model runs it)
 h2d       ``move_to_gpu``                              page bytes / ``h2d_bytes_per_s``
 d2h       ``offload`` of a gradient page               page bytes / ``d2h_bytes_per_s``
 network   ``all_gather``, ``reduce_scatter``           (W - 1) page bytes / ``network_bytes_per_s``

@@ -76,7 +76,10 @@ update         layer    cpu; compute on the gpu   adam: the shard's elements, th
                                                   refresh of ``param@home`` (read the fp32 master
                                                   shard, write the parameter shard; none where
                                                   the layer has no separate compute copy)
-release        any      none (takes no time)      -
+release        param    none; beside it, compute  window: one, the executor's host time for the
+                        (the executor's thread)   window it ends (stage, bind, release), on the
+                                                  thread that runs the model
+release        other    none (takes no time)      -
 ============== ======== ========================= =============================================
 
 The table applied to one task of one plan -- which pages of which layer on which tier -- is
@@ -116,9 +119,10 @@ OPERATIONS: tuple[str, ...] = ("move_to_gpu", "move_to_cpu", "all_gather", "comp
 TargetKind = Literal["param", "grad", "fullgrad", "optim", "layer"]
 TIERS: tuple[str, ...] = ("gpu", "cpu", "nvme")
 TRANSFERS: tuple[str, ...] = ("h2d", "d2h", "ssd_read", "ssd_write", "network")
-RESOURCES: tuple[str, ...] = (*TRANSFERS, "adam", "memory", "ssd_host")
+RESOURCES: tuple[str, ...] = (*TRANSFERS, "adam", "memory", "ssd_host", "window")
 """What a task's cost is counted in: bytes of a transfer, Adam elements, bytes of memory traffic
-(read + written) on the tier the task runs on, disk bytes the host's CPU handles."""
+(read + written) on the tier the task runs on, disk bytes the host's CPU handles, windows of a
+moved layer the executor handles."""
 MASTER_BYTES_PER_ELEMENT = 4
 """The fp32 master weights the ``optim`` holding keeps per parameter element."""
 
@@ -212,6 +216,10 @@ class Effect:
     host: tuple[str, str] | None = None
     """A cost on the ``io`` stream at the same time: the CPU's share of a disk transfer
     (``("ssd_host", holding)``: checksums, submission)."""
+    executor: tuple[str, str] | None = None
+    """A cost on the ``compute`` stream after the trigger op, beside the task: the executor's host
+    time on the thread that runs the model (``("window", "window")``: one window of a moved
+    layer)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -245,7 +253,8 @@ EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
     Effect("update", "layer", ("cpu", "gpu"), reads=(Hold("grad", "T"), Hold("optim", "T", paged=False)),
            writes=(Hold("optim", "T", paged=False), Hold("param", "home")), after_grads=True,
            stream="cpu", gpu_stream="compute", cost=(("adam", "shard"), ("memory", "refresh"))),
-    Effect("release", "param", ("gpu",), frees=(_PARAM, _GATHERED), issued="end"),
+    Effect("release", "param", ("gpu",), frees=(_PARAM, _GATHERED), issued="end",
+           executor=("window", "window")),
     Effect("release", "fullgrad", ("gpu",), frees=(Hold("fullgrad", "gpu", paged=False),), issued="end"),
     Effect("release", "grad", ("gpu", "cpu"), frees=(Hold("grad", "T"),), issued="end"),
     Effect("release", "optim", ("copy",), frees=(Hold("optim", "T", paged=False),), issued="end"),

@@ -1,5 +1,6 @@
 """``pagemem profile``: measure this machine's bandwidths and rates into a hardware profile JSON
-(see :mod:`pagemem.sched.measure`), or print a built-in profile."""
+(see :mod:`pagemem.sched.measure`), or print a built-in profile. It lives above the layers: the
+executor's host time per window is measured by the engine (:mod:`pagemem.engine.measure`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagemem.engine.measure import window_host_seconds
     from pagemem.errors import PageMemError
     from pagemem.sched.hardware import HardwareProfile
     from pagemem.sched.measure import measure
@@ -35,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         profile = measure(args.nvme_path, name=args.name, nvme_bytes=args.nvme_bytes, copy_bytes=args.copy_bytes,
                           adam_elements=args.adam_elements, network_bytes=args.network_bytes,
-                          repeats=args.repeats, log=lambda msg: print(f"  {msg}", flush=True))
+                          repeats=args.repeats, log=lambda msg: print(f"  {msg}", flush=True),
+                          window_host=lambda: window_host_seconds(repeats=args.repeats))
     except PageMemError as e:
         print(f"pagemem profile: {e}", file=sys.stderr)
         return 2
