@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import pagemem.sched.tasks as tasks_mod
 from pagemem.errors import ConfigError
 from pagemem.sched import EFFECTS, OPERATIONS, InfeasiblePlan, Plan, Setting, Target, Task, effects, plan, validate
-from pagemem.sched.holdings import costs, host_cost
+from pagemem.sched.holdings import costs, executor_cost, host_cost
 from pagemem.sched.windows import Usage
 from pagemem.tracer import synthetic_transformer
 
@@ -91,6 +91,10 @@ def test_what_each_task_costs_follows_the_layout():
     assert host_cost(Task("move_to_cpu", Target("optim", 2), 0, "cpu"), s) == ("ssd_host", lay.optim_pages * PAGE)
     assert host_cost(Task("offload", Target("optim", 2), 0, "nvme"), s) == ("ssd_host", lay.optim_pages * PAGE)
     assert host_cost(Task("move_to_gpu", Target("param", 2, 0), 0, "gpu"), s) is None
+    # the executor's host time: one window per release of a layer's parameters, nothing else
+    assert executor_cost(Task("release", Target("param", 2), 5, "gpu"), s) == ("window", 1)
+    assert executor_cost(Task("release", Target("grad", 2), 5, "cpu"), s) is None
+    assert executor_cost(Task("move_to_gpu", Target("param", 2, 0), 0, "gpu"), s) is None
     assert cost("compute", "layer", tier="gpu") == () and cost("release", "param", tier="gpu") == ()
     # an update: Adam over the shard, then the compute copy written from the fp32 master weights
     assert cost("update", "layer", tier="cpu") == (("adam", lay.shard_elements),

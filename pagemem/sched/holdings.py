@@ -257,15 +257,19 @@ def costs(task: Task, setting: Setting) -> tuple[tuple[str, int], ...]:
 def host_cost(task: Task, setting: Setting) -> tuple[str, int] | None:
     """``(resource, amount)`` the task costs on the ``io`` stream while it runs (the CPU's share
     of a disk transfer), or None."""
-    eff = effect_of(task)
-    return _amounts(task, setting, (eff.host,))[0] if eff is not None and eff.host else None
+    return _beside(task, setting, "host")
 
 
 def executor_cost(task: Task, setting: Setting) -> tuple[str, int] | None:
     """``(resource, amount)`` of the executor's host time the task costs on the ``compute``
     stream (a window of a moved layer), or None."""
+    return _beside(task, setting, "executor")
+
+
+def _beside(task: Task, setting: Setting, column: str) -> tuple[str, int] | None:
     eff = effect_of(task)
-    return _amounts(task, setting, (eff.executor,))[0] if eff is not None and eff.executor else None
+    term = getattr(eff, column) if eff is not None else None
+    return _amounts(task, setting, (term,))[0] if term else None
 
 
 def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]:
