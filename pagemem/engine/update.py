@@ -27,12 +27,12 @@ from pagemem.store import PageStore
 _DONE: Future = Future()
 _DONE.set_result(None)
 
-Piece = tuple[int, Chunk]
+StatePiece = tuple[int, Chunk]
 """``(first element, chunk)``: a run of a parameter's elements whose four states are each one
 view of page memory."""
 
 
-def aligned(master: list, grad: list, exp_avg: list, exp_avg_sq: list) -> list[Piece]:
+def aligned(master: list, grad: list, exp_avg: list, exp_avg_sq: list) -> list[StatePiece]:
     """The four states' pieces (``(first element, flat view)`` each, as ``Lease.pieces``) cut at
     every piece boundary of any of them, so that each run is one view of each state. Boundaries
     fall on page boundaries of 256-byte-aligned tensors: multiples of 64 elements, which keeps
@@ -180,12 +180,12 @@ class Updater:
             for lease in leases:
                 lease.release()
 
-    def _update_params(self, group: list[tuple[int, list[Piece]]], hp: AdamW, scale: float | None,
+    def _update_params(self, group: list[tuple[int, list[StatePiece]]], hp: AdamW, scale: float | None,
                        coef: float | None) -> None:
         for i, pieces in group:
             self._step_and_refresh(i, pieces, hp, scale, coef)
 
-    def _step_and_refresh(self, i: int, pieces: list[Piece], hp: AdamW, scale: float | None,
+    def _step_and_refresh(self, i: int, pieces: list[StatePiece], hp: AdamW, scale: float | None,
                           coef: float | None) -> None:
         """Parameter ``i``'s update (one fused call over its pieces), then its compute copy
         written from the new master weights, on the same worker (the refresh runs on every
@@ -244,7 +244,7 @@ class Updater:
                 coef = self._clip_coefficient([[c.grad for _, c in ps] for _, ps in chunks], scale)
             # one task per unit: its parameters share pages, so their refreshes would queue for
             # each other on different workers; the largest units go first (the workers even out)
-            by_unit: dict[int, list[tuple[int, list[Piece]]]] = {}
+            by_unit: dict[int, list[tuple[int, list[StatePiece]]]] = {}
             for i, ps in chunks:
                 by_unit.setdefault(self.bank.layer_of[i], []).append((i, ps))
             groups = sorted(by_unit.values(), key=lambda g: -sum(c.param.numel() for _, ps in g for _, c in ps))
@@ -282,7 +282,7 @@ class Updater:
 
     # ------------------------------------------------------------------ helpers
 
-    def _chunks(self, params: list[int]) -> tuple[list[tuple[int, list[Piece]]], list]:
+    def _chunks(self, params: list[int]) -> tuple[list[tuple[int, list[StatePiece]]], list]:
         """Flat fp32 master weights, gradient and moments of each parameter, as pieces that are
         views of page memory: the bank's lasting views where it has them, else split leases
         (returned: release them when done), never a merged copy."""

@@ -192,13 +192,11 @@ class _Builder:
             free[k.tier] = free.get(k.tier, 0) + self.held.pop(k, 0)
         self.nodes[node].free = free or {task.tier or "gpu": 0}
         executor = executor_cost(task, self.setting)
-        if executor and executor[1]:
+        seconds = executor[1] / self.hw.rate(executor[0], task.tier, self.W) if executor else 0.0
+        if seconds:
             # the executor's host time for the window this release ends, on the thread that runs
             # the model: the compute stream, before the next op (memory is given back meanwhile)
-            resource, amount = executor
-            seconds = amount / self.hw.rate(resource, task.tier, self.W)
-            if seconds:
-                self.add(Node(f"executor window {task.target}", "compute", seconds, {}, {}, [], True), (run, 0))
+            self.add(Node(f"executor window {task.target}", "compute", seconds, {}, {}, [], True), (run, 0))
 
 
 def _name(task: Task) -> str:
