@@ -24,6 +24,7 @@ Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``reside
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -31,6 +32,10 @@ from torch import nn
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore
 from pagemem.store.layout import pack
+
+
+ModuleInit = Callable[[str, nn.Module], None]
+"""Sets the values of one module's own parameters in place: ``init(name, module)``."""
 
 
 @dataclass
@@ -130,9 +135,13 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
 
 class ParamBank:
     def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype, optimizer_tier: str,
-                 unit_bytes: int | None = None, values: bool = True) -> None:
+                 unit_bytes: int | None = None, values: bool = True, init: ModuleInit | None = None) -> None:
         """``values``: copy the parameters' values into the pages; False for a model on ``meta``
-        whose values will come from a checkpoint (the pages start as zeros)."""
+        whose values will come from a checkpoint (the pages start as zeros) or from ``init``.
+        ``init``: for a model on ``meta``, called as ``init(name, module)`` on every module that
+        owns parameters, one module at a time, its own parameters materialized on the cpu (in
+        their original dtype, uninitialized) and every other module's not: it sets their values,
+        which go into the pages before the next module's are made (see ``fill_from_init``)."""
         self.store = store
         self.compute_dtype = compute_dtype
         self.optimizer_tier = optimizer_tier
@@ -148,9 +157,12 @@ class ParamBank:
         ``compute_pages`` 0), so a plan only schedules compute around them."""
         self._lasting: dict[tuple[str, int], torch.Tensor | None] = {}
         meta = any(p.is_meta for p in model.parameters())
+        if init is not None and (values or not meta):
+            raise InvalidRequest("init: initializes a model built on 'meta'; this model's parameters "
+                                 "already have values")
         if meta and values:
-            raise InvalidRequest("the model's parameters are on 'meta' (no values): load them with "
-                                 "pagemem.Engine.load(checkpoint, model)")
+            raise InvalidRequest("the model's parameters are on 'meta' (no values): pass init= to the "
+                                 "Engine, or load them with pagemem.Engine.load(checkpoint, model)")
         if meta:
             materialize_meta(model, self._gpu_device())
         self.params, module_specs = owning_layers(model)
@@ -193,22 +205,52 @@ class ParamBank:
                 groups[kind].append(group)
         if self.compute_is_master:
             groups["compute"] = groups["master"]
+        for li, (name, idx) in enumerate(layer_specs):
+            for k, i in enumerate(idx):
+                self.layer_of[i], self.position[i] = li, k
+            self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
+                                     groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
         with torch.no_grad():
-            for li, (name, idx) in enumerate(layer_specs):
-                for k, i in enumerate(idx):
-                    self.layer_of[i], self.position[i] = li, k
-                    p = self.params[i][1]
-                    src = p.detach().to("cpu") if values else torch.zeros(p.shape)
-                    groups["master"][li][k].copy_(src.float())
-                    if not self.compute_is_master:
-                        groups["compute"][li][k].copy_(src.to(compute_dtype))
-                    zeros = torch.zeros(src.shape)
-                    groups["exp_avg"][li][k].copy_(zeros)
-                    groups["exp_avg_sq"][li][k].copy_(zeros)
-                self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
-                                         groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
+            if init is not None:
+                self.fill_from_init(model, module_specs, init)
+            else:
+                for i, (_, p) in enumerate(self.params):
+                    self.fill(i, p.detach().to("cpu") if values else torch.zeros(p.shape))
             for _, p in self.params:
                 p.data = placeholder(p.shape, compute_dtype, self._gpu_device())
+
+    def fill(self, i: int, value: torch.Tensor) -> None:
+        """Parameter ``i``'s first value: into its master and compute copies, with zero moments."""
+        layer, k = self.where(i)
+        layer.master[k].copy_(value.float())
+        if not self.compute_is_master:
+            layer.compute[k].copy_(value.to(self.compute_dtype))
+        zeros = torch.zeros(value.shape)
+        layer.exp_avg[k].copy_(zeros)
+        layer.exp_avg_sq[k].copy_(zeros)
+
+    def fill_from_init(self, model: nn.Module, module_specs: list[tuple[str, list[int]]],
+                       init: ModuleInit) -> None:
+        """[Note: initializing a model on meta] Host memory holds one module's parameters at a
+        time, never the model: each owning module's parameters get cpu memory, ``init`` sets
+        them, they go into the pages, and the memory is dropped (a tied parameter is set by its
+        first owner). This is how a model larger than host memory gets its first values."""
+        for mname, idx in module_specs:
+            module = model.get_submodule(mname)
+            own = dict(module.named_parameters(recurse=False))
+            for i in idx:
+                p = self.params[i][1]
+                p.data = torch.empty(p.shape, dtype=self.original_dtype[i])
+            init(mname, module)
+            after = dict(module.named_parameters(recurse=False))
+            for i in idx:
+                name, p = self.params[i]
+                replaced = not any(q is p for q in after.values()) and any(q is p for q in own.values())
+                if replaced or p.device.type != "cpu" or p.dtype != self.original_dtype[i]:
+                    raise InvalidRequest(f"init: {name} must be set in place (same Parameter, on the "
+                                         f"cpu, {self.original_dtype[i]}); init({mname!r}, ...) replaced it")
+                self.fill(i, p.detach())
+                p.data = placeholder(p.shape, self.original_dtype[i], torch.device("cpu"))
 
     def _gpu_device(self) -> torch.device:
         return self.store.tier("gpu").device

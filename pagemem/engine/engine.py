@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pagemem.engine.adam import PagedOptimizer
-from pagemem.engine.bank import ParamBank
+from pagemem.engine.bank import ModuleInit, ParamBank
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.pager import Pager
 from pagemem.engine.update import Updater
@@ -35,7 +35,16 @@ from pagemem.tracer.clock import OpClock
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: EngineConfig, *, _values: bool = True) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, *, init: ModuleInit | None = None,
+                 _values: bool = True) -> None:
+        """Take over ``model``'s parameters: from here on they live in the store's pages.
+
+        A model too large for host memory is built on the ``meta`` device (``with
+        torch.device("meta"): model = ...``) and given ``init``: ``init(name, module)`` sets the
+        values of one module's own parameters in place, and is called on each module that owns
+        parameters, one at a time, so host memory never holds the whole model (for example
+        ``lambda name, m: m.reset_parameters()``, or ``pagemem.models.gpt.init_module(cfg)``).
+        Or build it on ``meta`` and resume it with :meth:`load`."""
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, EngineConfig):
@@ -46,7 +55,8 @@ class Engine:
         try:
             gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
             self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
-                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 16), values=_values)
+                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 16),
+                                  values=_values and init is None, init=init)
         except BaseException:
             self.store.close()
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,27 @@ def gpt_config(name: str, **overrides: object) -> GPTConfig:
     return GPTConfig(**fields)  # type: ignore[arg-type]
 
 
+def init_module(cfg: GPTConfig) -> Callable[[str, nn.Module], None]:
+    """GPT-2's initialization of one module's own parameters, in place: Linear and Embedding
+    weights normal(0, 0.02), the residual output projections' (``*.proj``) scaled by
+    1 / sqrt(2 * layers), biases zero, LayerNorms at identity. :class:`GPT` applies it to each
+    module that owns parameters, in module order; ``pagemem.Engine(meta_gpt, config,
+    init=init_module(cfg))`` does the same to a GPT built on ``meta`` (the same weights for the
+    same seed)."""
+    proj_std = 0.02 / math.sqrt(2 * cfg.layers)
+
+    def init(name: str, module: nn.Module) -> None:
+        with torch.no_grad():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=proj_std if name.endswith("proj") else 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    return init
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -136,24 +158,26 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.wpe = nn.Embedding(cfg.seq, cfg.hidden)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        if cfg.tie_embeddings:
+        device = torch.get_default_device()
+        with torch.device("meta"):  # no memory, no random draws: init_module draws every value
+            self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
+            self.wpe = nn.Embedding(cfg.seq, cfg.hidden)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+            self.ln_f = nn.LayerNorm(cfg.hidden)
+            self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if device.type != "meta":
+            self.to_empty(device=device)
+        if cfg.tie_embeddings:  # after to_empty, which gives each parameter its own memory
             self.head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.layers))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        if device.type == "meta":
+            return
+        init = init_module(cfg)
+        seen: set[int] = set()
+        for name, module in self.named_modules():  # the order pagemem.Engine(init=) follows
+            own = [id(p) for p in module.parameters(recurse=False) if id(p) not in seen]
+            if own:
+                seen.update(own)
+                init(name, module)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, s = idx.shape
