@@ -33,7 +33,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=nbytes // 2, cpu_bytes=16 * nbytes + 64 * PAGE,
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=nbytes // 2, cpu_bytes=16 * nbytes + 64 * PAGE,
                                 nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=args.nvme)
     cfg = pagemem.EngineConfig(store=store, optimizer_tier="nvme", adam_threads=1,
                                optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1))

@@ -31,7 +31,7 @@ def make(tmp_path, seed=0, optimizer_tier="nvme"):
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
     gpu = nbytes // 2 if optimizer_tier != "gpu" else 4 * nbytes + 64 * PAGE  # states + activations
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=16 * nbytes + 64 * PAGE,
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=16 * nbytes + 64 * PAGE,
                                 nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=str(nvme))
     return model, pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, adam_threads=1,
                                        optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1))

@@ -78,7 +78,7 @@ def through_engine(model, steps: int, hp: dict, tmp_path, optimizer_tier="cpu", 
     if optimizer_tier == "gpu":  # the states and gradient sums stay there, beside the paged parameters
         n = sum(p.numel() for p in model.parameters())
         budget += (-(-16 * n // PAGE) + 4) * PAGE
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model),
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model),
                                 nvme_bytes=8 * state_bytes(model) if optimizer_tier == "nvme" else 0,
                                 nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None,
                                 copy_threads=copy_threads)
@@ -193,7 +193,7 @@ def test_activation_checkpointing_matches(tmp_path):
 def test_evicted_parameters_keep_shape_and_dtype(tmp_path):
     model = small_gpt()
     shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_budget(model), cpu_bytes=8 * state_bytes(model))
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu_budget(model), cpu_bytes=8 * state_bytes(model))
     with pagemem.Engine(model, pagemem.EngineConfig(store=store)) as engine:
         idx, targets = next(batches(1))
         engine.backward(loss_of(engine, idx, targets))
@@ -244,7 +244,7 @@ def engine_mixed(model, steps: int, hp: dict, dtype: torch.dtype, overflow_at: t
     budget = gpu_budget(model)
     if cfg.get("optimizer_tier") == "gpu":  # room for the states and gradient sums
         budget += (-(-16 * sum(p.numel() for p in model.parameters()) // PAGE) + 4) * PAGE
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model))
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model))
     config = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**hp), compute_dtype=dtype,
                                   adam_threads=2, **cfg)
     with pagemem.Engine(model, config) as engine:
@@ -297,7 +297,7 @@ def test_a_change_of_sequence_length_still_matches(tmp_path):
     ref_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref_model.parameters(), fused=True, **HP)
     run(ref_model, lambda: (opt.step(), opt.zero_grad(set_to_none=True)), lambda loss: loss.backward())
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_budget(model), cpu_bytes=8 * state_bytes(model))
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu_budget(model), cpu_bytes=8 * state_bytes(model))
     with pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP),
                                                     overlap_update=True)) as engine:
         with pytest.warns(RuntimeWarning, match="traced and planned again"):
@@ -319,7 +319,7 @@ def test_gradient_sums_live_beside_optimizer_states_kept_on_the_gpu(tmp_path, op
     gpu get their gradient sums there (no round trip through the cpu), others get them on the cpu."""
     model = small_gpt()
     n = sum(p.numel() for p in model.parameters())
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_budget(model) + (-(-16 * n // PAGE) + 4) * PAGE,
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu_budget(model) + (-(-16 * n // PAGE) + 4) * PAGE,
                                 cpu_bytes=8 * state_bytes(model),
                                 nvme_bytes=8 * state_bytes(model) if optimizer_tier == "nvme" else 0,
                                 nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
@@ -353,7 +353,7 @@ def test_a_learning_rate_schedule_matches_with_updates_during_backward(tmp_path,
         ref_sched.step()
     n = sum(p.numel() for p in model.parameters())
     budget = gpu_budget(model) + ((-(-16 * n // PAGE) + 4) * PAGE if optimizer_tier == "gpu" else 0)
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model))
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model))
     cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier=optimizer_tier,
                                overlap_update=None if optimizer_tier == "gpu" else True)
     with pagemem.Engine(model, cfg) as engine:

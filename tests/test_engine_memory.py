@@ -42,7 +42,7 @@ def test_two_hundred_iterations_leak_nothing_and_stay_under_budget(tmp_path):
         return torch.nn.functional.cross_entropy(m(data[:, :-1]).reshape(-1, 128), data[:, 1:].reshape(-1))
 
     budget = engine_gpu_budget(model, lambda m: loss_of(m).backward(), PAGE, 0.5)
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=16 * nbytes + 64 * PAGE,
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=16 * nbytes + 64 * PAGE,
                                 nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=str(tmp_path))
     cfg = pagemem.EngineConfig(store=store, optimizer_tier="nvme", adam_threads=2)
     g = torch.Generator().manual_seed(1)

@@ -14,7 +14,7 @@ CFG = GPTConfig(layers=3, hidden=64, heads=4, vocab=128, seq=32)
 
 
 def config(budget: int, optimizer_tier: str = "cpu", compute_dtype=torch.float32) -> pagemem.EngineConfig:
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=64 << 20, copy_threads=0)
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=64 << 20, copy_threads=0)
     return pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, compute_dtype=compute_dtype,
                                 adam_threads=1, optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1))
 

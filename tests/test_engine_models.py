@@ -27,7 +27,7 @@ def run_both(model, step_loss, steps: int, budget_fraction: int = 3):
         opt.zero_grad(set_to_none=True)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     budget = engine_gpu_budget(model, lambda m: step_loss(m, 0).backward(), PAGE, 1 / budget_fraction)
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=40 * nbytes + 64 * PAGE)
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=40 * nbytes + 64 * PAGE)
     with pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP),
                                                     adam_threads=2)) as engine:
         for s in range(steps):

@@ -44,7 +44,7 @@ def budget_for(model, fraction: float = 1 / 3) -> int:
 
 def make_engine(model, gpu_bytes: int, **cfg) -> pagemem.Engine:
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_bytes, cpu_bytes=16 * nbytes + 64 * PAGE)
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu_bytes, cpu_bytes=16 * nbytes + 64 * PAGE)
     return pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP),
                                                       adam_threads=2, **cfg))
 
@@ -148,13 +148,13 @@ def test_executor_demand_never_traces():
     assert stats["fetches"] > 0
     assert_same(got, ref)
     with pytest.raises(pagemem.ConfigError, match="executor"):
-        pagemem.EngineConfig(store=pagemem.StoreConfig(gpu_bytes=PAGE, cpu_bytes=PAGE), executor="eager")
+        pagemem.EngineConfig(store=pagemem.StoreConfig(gpu_backend="host", gpu_bytes=PAGE, cpu_bytes=PAGE), executor="eager")
 
 
 def test_amsgrad_is_refused_not_half_run():
     """The engine keeps no max_exp_avg_sq pages: AMSGrad is a clear error at construction, and
     at the step when a param group turns it on, before anything changes."""
-    store = pagemem.StoreConfig(gpu_bytes=PAGE, cpu_bytes=PAGE)
+    store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=PAGE, cpu_bytes=PAGE)
     with pytest.raises(pagemem.ConfigError, match="amsgrad"):
         pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(amsgrad=True))
     model = small_gpt()

@@ -46,11 +46,11 @@ def window_host_seconds(iterations: int = 8, repeats: int = 3) -> tuple[float, d
         return Engine(model, EngineConfig(store=store, optimizer_tier="cpu", compute_dtype=torch.float32))
 
     def iterate(e: Engine) -> None:
-        e.backward(e(idx, tgt))
+        e.backward(e(idx.to(e.device), tgt.to(e.device)))
         e.step()
 
     with engine(cpu_bytes) as probe:  # room for everything: the trace a budget is chosen from
-        probe.backward(probe(idx, tgt))
+        probe.backward(probe(idx.to(probe.device), tgt.to(probe.device)))
         least = least_gpu_bytes(probe.pager.last_trace.with_non_model_peak_reserved(), page_bytes=PAGE)
     gpu_bytes = -(-least // PAGE) * PAGE
     samples, windows = [], 0

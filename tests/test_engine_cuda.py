@@ -1,0 +1,132 @@
+"""The engine on a real GPU trains exactly as plain PyTorch doing the same arithmetic on it.
+
+The other engine tests run on the host stand-in (``gpu_backend="host"``), where every path but
+CUDA's runs. These train on the CUDA gpu tier, its arena resized to the plan, pages staged on
+copy streams, gradients copied back, CPU Adam beside the GPU, and compare bit for bit with a
+reference that does the same arithmetic: forward and backward on the GPU with the same weights
+and batches, and the update where the engine makes it (fused AdamW on the GPU for states on
+the ``gpu``; fused AdamW on the CPU over fp32 master weights, the gradients copied there, for
+states on ``cpu`` or ``nvme``: what ZeRO-Offload and torchao's CPU-offload optimizer do).
+Attention runs in SDPA's math kernel on both sides and cuBLAS with a fixed workspace, so that
+equal inputs give equal bits."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import pagemem
+from pagemem.models.gpt import GPT, GPTConfig
+from pagemem.sched import least_gpu_bytes
+from pagemem.tracer import trace
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PAGE = 64 * 1024
+HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+STEPS = 12
+
+
+@pytest.fixture(autouse=True)
+def same_bits(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def small_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=3, hidden=64, heads=4, vocab=128, seq=32))
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        x = torch.randint(0, 128, (4, 33), generator=g)
+        yield x[:, :-1].contiguous().cuda(), x[:, 1:].contiguous().cuda()
+
+
+def loss_of(model, idx, targets) -> torch.Tensor:
+    return model(idx, targets)
+
+
+def reference(model: GPT, compute_dtype: torch.dtype, optimizer_tier: str) -> dict[str, torch.Tensor]:
+    """Plain PyTorch, the engine's arithmetic: compute in ``compute_dtype`` on the GPU; the fp32
+    master weights and AdamW on the GPU (``gpu``) or on the CPU (``cpu``, ``nvme``)."""
+    params = list(model.parameters())
+    device = "cuda" if optimizer_tier == "gpu" else "cpu"
+    master = [p.detach().to(device=device, dtype=torch.float32).clone().requires_grad_() for p in params]
+    model.to(device="cuda", dtype=compute_dtype)
+    opt = torch.optim.AdamW(master, fused=True, **HP)
+    for idx, targets in batches(STEPS):
+        loss_of(model, idx, targets).backward()
+        for m, p in zip(master, params):
+            m.grad = p.grad.to(device=device, dtype=torch.float32)
+            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(master, params):
+                p.copy_(m.to(device="cuda", dtype=compute_dtype))
+    names = [n for n, _ in model.named_parameters()]
+    return {n: m.detach().cpu() for n, m in zip(names, master)}
+
+
+def cuda_budget(model: GPT, param_fraction: float = 1 / 3) -> int:
+    """The least the scheduler accepts for a trace on the GPU (its allocator's non-model bytes),
+    plus a fraction of the parameters: pages move every iteration."""
+    twin = copy.deepcopy(model).cuda()
+    idx, targets = next(batches(1))
+    tr = trace(twin, lambda: loss_of(twin, idx, targets).backward()).with_non_model_peak_reserved()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return -(-(least_gpu_bytes(tr, page_bytes=PAGE) + int(params * param_fraction)) // PAGE) * PAGE
+
+
+@pytest.mark.parametrize("optimizer_tier,compute_dtype", [("gpu", torch.float32), ("cpu", torch.float32),
+                                                          ("nvme", torch.float32), ("cpu", torch.bfloat16)])
+def test_training_on_the_gpu_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tier, compute_dtype):
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    model = small_gpt()
+    expected = reference(copy.deepcopy(model), compute_dtype, optimizer_tier)
+    n = sum(p.numel() for p in model.parameters())
+    budget = cuda_budget(model) + ((-(-16 * n // PAGE) + 4) * PAGE if optimizer_tier == "gpu" else 0)
+    store = pagemem.StoreConfig(gpu_backend="cuda", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=64 * n * 4 + (8 << 20),
+                                nvme_bytes=32 * n + (8 << 20) if optimizer_tier == "nvme" else 0,
+                                nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
+    cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier=optimizer_tier,
+                               compute_dtype=compute_dtype, adam_threads=2)
+    with pagemem.Engine(model, cfg) as engine:
+        assert engine.device.type == "cuda" and engine.store.cuda
+        for idx, targets in batches(STEPS):
+            engine.backward(loss_of(engine, idx, targets))
+            engine.step()
+        got = engine.state_dict()
+        stats = engine.stats()
+    assert stats["iterations"] == {"traced": 1, "planned": STEPS - 1}, stats["iterations"]
+    assert stats["misses"] == 0 and stats["replans"] == 0
+    assert 0 < stats["gpu_peak_bytes"] <= stats["gpu_budget_bytes"]
+    if optimizer_tier != "gpu":
+        assert stats["evictions"] > 0  # the parameters really moved in and out of the GPU
+    for k, v in expected.items():
+        assert torch.equal(got[k].float(), v), k
+
+
+def test_the_gpu_tier_is_device_memory_the_plan_resizes():
+    model = small_gpt()
+    budget = cuda_budget(model)
+    store = pagemem.StoreConfig(gpu_backend="cuda", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=64 << 20)
+    with pagemem.Engine(model, pagemem.EngineConfig(store=store)) as engine:
+        assert engine.store.tier("gpu").buffer(0).is_cuda
+        for idx, targets in batches(3):
+            engine.backward(loss_of(engine, idx, targets))
+            engine.step()
+        stats = engine.stats()
+        assert stats["iterations"] == {"traced": 1, "planned": 2}
+        assert 0 < stats["gpu_arena_bytes"] < budget  # planned iterations run in an arena sized from the plan
+        assert engine.store.tier("gpu").buffer(0).is_cuda  # still device memory after the resize
+        assert all(p.is_cuda for p in model.parameters())
