@@ -342,7 +342,7 @@ def largest(args, spec: dict) -> dict:
     if pm and ds:
         print(f"\ngoal pagemem >= {GOAL_PARAMS}x DeepSpeed's parameters: "
               f"{'met' if pm >= GOAL_PARAMS * ds else 'NOT met'} ({pm / ds:.2f}x)")
-    if pm and limit:
+    if pm and limit and spec["offload"] == "nvme":
         print(f"goal pagemem >= {GOAL_LIMIT:.0%} of the machine's limit: "
               f"{'met' if pm >= GOAL_LIMIT * limit else 'NOT met'} ({pm / limit:.0%})")
     return {"largest": found, "machine_limit_params": limit}
