@@ -134,6 +134,33 @@ def test_view_refused_when_pages_are_not_adjacent(store):
     assert same_bytes(z.to_torch(), d)  # merged into a contiguous buffer
 
 
+def test_view_many_views_every_tensor_or_pins_none(store):
+    group = store.allocate_group([((PAGE // 4,), torch.float32), ((10,), torch.int64), ((0,), torch.float32)],
+                                 tier="cpu")
+    views = store.view_many(group)
+    assert [tuple(v.shape) for v in views] == [(PAGE // 4,), (10,), (0,)]
+    views[0].fill_(3.0)
+    views[1].copy_(torch.arange(10))
+    assert torch.all(group[0].to_torch() == 3.0) and torch.equal(group[1].to_torch(), torch.arange(10))
+    with pytest.raises(pagemem.InvalidRequest, match="pinned"):  # each view pins its pages
+        store.move(group[:2], "nvme")
+    del views
+    store.move(group, "nvme").wait()
+    # one tensor on pages that are not adjacent: nothing is viewed, nothing stays pinned
+    singles = [store.allocate((PAGE,), torch.uint8, tier="gpu") for _ in range(8)]
+    for x in singles[::2]:
+        x.free()
+    scattered = store.allocate((2 * PAGE,), torch.uint8, tier="gpu")
+    fine = store.allocate((PAGE // 2,), torch.uint8, tier="cpu")
+    views_before = store.stats().views
+    with pytest.raises(pagemem.InvalidRequest, match="tensor 1's pages are not adjacent"):
+        store.view_many([fine, scattered])
+    assert store.stats().views == views_before  # checked before any was made
+    fine.move("nvme").wait()  # not pinned by the refused call
+    with pytest.raises(pagemem.InvalidRequest, match="expected PagedTensors"):
+        store.view_many([fine, torch.zeros(1)])
+
+
 def test_to_torch_is_an_independent_copy(store):
     t = store.allocate((100,), torch.int32, tier="gpu")
     t.copy_(torch.arange(100, dtype=torch.int32))

@@ -229,10 +229,14 @@ class Residency:
 
     def _bind_views(self, layer: Layer) -> None:
         params = self.bank.params
-        for i, t in zip(layer.params, layer.compute):
+        try:  # one store call for the unit (a view each costs a queue entry)
+            views: list = self.store.view_many(layer.compute, "gpu")
+        except InvalidRequest:  # some on scattered slots: those get a lease each, below
+            views = [None] * len(layer.compute)
+        for i, t, view in zip(layer.params, layer.compute, views):
             p = params[i][1]
             try:
-                p.data = t.view("gpu")
+                p.data = view if view is not None else t.view("gpu")
             except InvalidRequest:  # scattered slots: a merged copy of the gpu pages (stats().view_copies)
                 if self.home_on_gpu:  # a copy would go stale: updates write the master pages
                     raise InvalidRequest(f"parameter {params[i][0]!r}: its master pages are not adjacent on the "

@@ -39,24 +39,33 @@ class Lender:
             self.check(t)
             return self._alias_tier(t, None) is not None and not any(p.intents for p in t.page_refs)
 
-    def view(self, t: PagedTensor, tier_name: str | None = None) -> torch.Tensor:
+    def view_many(self, ts: list[PagedTensor], tier_name: str | None = None) -> list[torch.Tensor]:
+        """Views of ``ts`` taken under one operation (one wait, one queue entry), all or none:
+        every tensor is checked before any is pinned."""
         want = self._memory_tier(tier_name)
+        pages = {id(p): p for t in ts for p in t.page_refs}
 
-        def body() -> torch.Tensor:
-            if t.nbytes == 0:
-                return torch.empty(t.shape, dtype=t.dtype)
-            with self.queue.lock:
+        def check() -> None:
+            for t in ts:
                 self.check(t)
-                tier = self._alias_tier(t, want)
-                if tier is None:
-                    raise InvalidRequest(
-                        f"view(): the tensor's pages are not adjacent in one memory tier (tiers {copy_tiers(t)}); "
-                        "use to_torch() for a copy, lease() for a pinned copy, or move it to a memory tier first")
-                refuse_torn(t)
-                alias = self._alias(t, tier, lifetime=True)
-            return alias
 
-        return self.queue.exclusive(t.page_refs, body, lambda: self.check(t))
+        def body() -> list[torch.Tensor]:
+            with self.queue.lock:
+                check()
+                tiers = []
+                for n, t in enumerate(ts):
+                    tier = self._alias_tier(t, want) if t.nbytes else None
+                    if t.nbytes and tier is None:
+                        which = f"tensor {n}'s" if len(ts) > 1 else "the tensor's"
+                        raise InvalidRequest(
+                            f"view(): {which} pages are not adjacent in one memory tier (tiers {copy_tiers(t)}); "
+                            "use to_torch() for a copy, lease() for a pinned copy, or move it to a memory tier first")
+                    refuse_torn(t)
+                    tiers.append(tier)
+                return [self._alias(t, tier, lifetime=True) if tier is not None
+                        else torch.empty(t.shape, dtype=t.dtype) for t, tier in zip(ts, tiers)]
+
+        return self.queue.exclusive(list(pages.values()), body, check)
 
     def lease_many(self, ts: list[PagedTensor], tier_name: str | None, write: bool,
                    split: bool = False) -> list[Lease]:

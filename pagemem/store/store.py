@@ -353,7 +353,13 @@ class PageStore:
 
     def view(self, t: PagedTensor, tier: str | None = None) -> torch.Tensor:
         """A zero-copy view pinning ``t``'s pages for its lifetime (``PagedTensor.view``)."""
-        return self._lend.view(t, tier)
+        return self.view_many([t], tier)[0]
+
+    def view_many(self, tensors: Iterable[PagedTensor], tier: str | None = None) -> list[torch.Tensor]:
+        """``view`` of several tensors at once (a layer's parameters, say): one wait for the
+        operations queued on their pages instead of one per tensor. All or none: raises
+        ``InvalidRequest``, pinning nothing, if any of them cannot be viewed."""
+        return self._lend.view_many(tensors_of(tensors, "view_many"), tier)
 
     def viewable(self, t: PagedTensor) -> bool:
         return self._lend.viewable(t)
