@@ -27,7 +27,7 @@ def test_public_surface_round_trip(tmp_path):
         assert t.tier == "nvme"
         assert torch.equal(t.to_torch(), src)
         t.move("gpu").wait()
-        assert t.tier == "gpu" and torch.equal(t.to_torch(), src)
+        assert t.tier == "gpu" and torch.equal(t.to_torch().cpu(), src)  # read on the gpu tier's device
         ts = store.allocate_group([((4096,), torch.float32), ((64, 64), torch.bfloat16)], tier="cpu")
         assert [x.shape for x in ts] == [torch.Size([4096]), torch.Size([64, 64])]
         t.free()
@@ -166,7 +166,7 @@ def test_to_torch_is_an_independent_copy(store):
     t.copy_(torch.arange(100, dtype=torch.int32))
     out = t.to_torch()
     out.zero_()
-    assert torch.equal(t.to_torch(), torch.arange(100, dtype=torch.int32))
+    assert torch.equal(t.to_torch().cpu(), torch.arange(100, dtype=torch.int32))
 
 
 def test_tier_is_none_while_a_move_is_in_flight(store):

@@ -51,3 +51,38 @@ def test_refused_resizes_name_the_reason_and_change_nothing(make_store):
     assert store.tier("gpu").capacity == 8 and high.tier == "gpu"
     store.resize("gpu", 2)
     assert store.tier("gpu").capacity == 2
+
+
+@pytest.mark.parametrize("second_fails", [False, True])
+def test_a_resize_that_cannot_hold_both_arenas_parks_the_pages_on_the_host(make_store, monkeypatch, second_fails):
+    """A gpu arena that takes most of the device cannot be shrunk by taking the new one first:
+    the used slots wait on the host while the old one is given back. If even then the new one
+    cannot be had, the old size is taken again: nothing changes but the error."""
+    from pagemem.tiers.memory import MemoryTier
+
+    store = make_store(gpu_bytes=8 * PAGE)
+    a = store.allocate((2 * PAGE + 100,), torch.uint8, tier="gpu")
+    data = random_tensor(a.shape, a.dtype, 3)
+    a.copy_(data)
+    tier = store.tier("gpu")
+    real = MemoryTier._new_arena
+    calls = []
+
+    def new_arena(self, pages):
+        calls.append((pages, self.arena.closed))
+        if not self.arena.closed or (second_fails and pages == 4):  # both at once: no room
+            raise MemoryError("no room for both arenas")
+        return real(self, pages)
+
+    monkeypatch.setattr(MemoryTier, "_new_arena", new_arena)
+    if second_fails:
+        with pytest.raises(pagemem.OutOfMemory):
+            store.resize("gpu", 4)
+        assert calls == [(4, False), (4, True), (8, True)] and tier.capacity == 8
+    else:
+        store.resize("gpu", 4)
+        assert calls == [(4, False), (4, True)] and tier.capacity == 4
+    assert same_bytes(a.to_torch(), data) and a.tier == "gpu"
+    b = store.allocate((PAGE,), torch.uint8, tier="gpu")  # the slots above the used ones are free
+    b.copy_(random_tensor(b.shape, b.dtype, 4))
+    assert same_bytes(a.to_torch(), data)

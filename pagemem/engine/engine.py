@@ -141,7 +141,7 @@ class Engine:
 
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
-        master weights cast to each parameter's original dtype, buffers as they are."""
+        master weights on the host (wherever their pages are), buffers as they are."""
         index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=True).items():
@@ -150,7 +150,7 @@ class Engine:
                 out[key] = value.detach().clone()
             else:
                 layer, k = self.bank.where(i)
-                out[key] = layer.master[k].to_torch()
+                out[key] = layer.master[k].to_torch().cpu()  # on the host, wherever the pages are
         return out
 
     def save(self, directory: str) -> str:

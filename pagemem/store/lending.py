@@ -62,8 +62,8 @@ class Lender:
                             "use to_torch() for a copy, lease() for a pinned copy, or move it to a memory tier first")
                     refuse_torn(t)
                     tiers.append(tier)
-                return [self._alias(t, tier, lifetime=True) if tier is not None
-                        else torch.empty(t.shape, dtype=t.dtype) for t, tier in zip(ts, tiers)]
+                return [self._alias(t, tier, lifetime=True) if tier is not None else self._empty(t, want)
+                        for t, tier in zip(ts, tiers)]
 
         return self.queue.exclusive(list(pages.values()), body, check)
 
@@ -91,6 +91,11 @@ class Lender:
 
         return self.queue.exclusive(list(pages.values()), body, check)
 
+    def _empty(self, t: PagedTensor, want: Tier | None) -> torch.Tensor:
+        """A tensor with no bytes, on the device of the memory tier asked for (or its home's)."""
+        tier = want or self.tiers[t.home]
+        return torch.empty(t.shape, dtype=t.dtype, device=tier.device if tier.resident else "cpu")
+
     def _memory_tier(self, tier_name: str | None) -> Tier | None:
         want = self.tiers[tier_name] if tier_name is not None else None
         if want is not None and not want.resident:
@@ -107,7 +112,7 @@ class Lender:
                 if t.nbytes:
                     tensor = self._alias(t, tier, lifetime=False)
                 else:
-                    tensor = torch.empty(t.shape, dtype=t.dtype)
+                    tensor = self._empty(t, tier)
                     self._pin(t)
                 pieces = [(0, tensor.reshape(-1))] if split else None
                 return Lease(t, tier.name, tensor, False, write, self._end_alias, self._closed, pieces)

@@ -80,7 +80,7 @@ class HostArena:
 
 def _cuda_host_register(ptr: int, nbytes: int) -> bool:
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    err = cudart.cudaHostRegister(ptr, nbytes, 1)  # cudaHostRegisterPortable: pinned for every device
     if err != cudart.cudaError.success:
         warnings.warn(
             f"pagemem: could not pin {format_bytes(nbytes)} of host memory ({err}); "
@@ -109,6 +109,9 @@ class CudaArena:
         self.device = device
         self.closed = False
         free, total = torch.cuda.mem_get_info(device) if nbytes else (0, 0)
+        if nbytes > free:  # blocks the caching allocator keeps but does not use count as taken
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(device)
         if nbytes > free:
             raise MemoryError(
                 f"gpu_bytes={format_bytes(nbytes)} does not fit on {device}: "

@@ -134,7 +134,7 @@ class CudaCopyEngine:
                 if after is not None:
                     stream.wait_event(after)
                 dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # a host wait sleeps instead of spinning a core
                 event.record(stream)
                 # enqueue under the lock so events reach the waiter in stream order
                 self._waiters[stream].push(event, done)

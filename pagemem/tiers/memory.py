@@ -44,7 +44,7 @@ class MemoryTier(Tier):
         pass it to ``release``. None for host memory (host accesses are complete on return)."""
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # a host wait sleeps instead of spinning a core
         event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -92,10 +92,13 @@ class MemoryTier(Tier):
         if top >= pages:
             raise ValueError(f"{self.name}: slot {top} is in use; cannot shrink to {pages} slots")
         old = self.arena
-        nbytes = pages * self.page_bytes
-        new = CudaArena(nbytes, old.device) if isinstance(old, CudaArena) else HostArena(nbytes, pin=old.pinned)
+        keep = (top + 1) * self.page_bytes  # the bytes of every used slot
         try:
-            keep = (top + 1) * self.page_bytes  # the bytes of every used slot
+            new = self._new_arena(pages)
+        except MemoryError:
+            self._resize_parked(pages, keep)
+            return
+        try:
             if keep:
                 new.tensor[:keep].copy_(old.tensor[:keep])
                 if new.tensor.is_cuda:
@@ -106,6 +109,33 @@ class MemoryTier(Tier):
             raise
         self.arena = new
         old.close()
+
+    def _new_arena(self, pages: int) -> HostArena | CudaArena:
+        old = self.arena
+        nbytes = pages * self.page_bytes
+        return CudaArena(nbytes, old.device) if isinstance(old, CudaArena) else HostArena(nbytes, pin=old.pinned)
+
+    def _resize_parked(self, pages: int, keep: int) -> None:
+        """[Note: resizing a full device] Old and new arena cannot both be held (an arena that
+        takes most of a GPU, shrunk to its plan): the used slots' bytes wait in host memory while
+        the old arena is given back and the new one taken. If the new one still cannot be had, an
+        arena of the old size is taken again and the bytes put back (changing nothing), and the
+        MemoryError is raised."""
+        old = self.arena
+        parked = old.tensor[:keep].to("cpu", copy=True)  # waits for the device
+        old_pages = self.capacity
+        old.close()
+        try:
+            new = self._new_arena(pages)
+        except MemoryError:
+            self.arena = self._new_arena(old_pages)
+            self.arena.tensor[:keep].copy_(parked)
+            raise
+        new.tensor[:keep].copy_(parked)
+        if new.tensor.is_cuda:
+            torch.cuda.synchronize(new.tensor.device)
+        self.slots.resize(pages)
+        self.arena = new
 
     def describe(self) -> dict:
         return {"backend": self.backend, "device": str(self.device), "copies": self.copier.name}
