@@ -7,7 +7,8 @@ other's):
 - ``plain``: the model on the GPU, ``torch.autocast(bfloat16)``, ``torch.optim.AdamW(fused=True)``
   (PyTorch's documented mixed-precision recipe; fp32 weights: 16 B per parameter on the GPU);
 - ``pagemem``: ``pagemem.Engine``, compute dtype bf16, optimizer states on ``--offload`` (cpu or
-  nvme), the gpu budget the GPU's free memory less ``--gpu-margin``; the model is built on
+  nvme), the gpu budget ``--gpu-fraction`` of the GPU's free memory (the first iteration needs
+  its activations beside the budget: see run_pagemem's Note); the model is built on
   ``meta`` and initialized into pages one module at a time (``Engine(init=)``);
 - ``deepspeed``: ZeRO-3 with parameters and optimizer states offloaded to ``--offload``, in the
   configuration DeepSpeed documents for it (``ds_config`` below: bf16, pinned buffers, overlapped
@@ -123,7 +124,10 @@ def run_pagemem(spec: dict, cfg, n_params: int) -> dict:
     from pagemem.models.gpt import GPT, init_module
 
     cuda = torch.cuda.is_available()
-    gpu_bytes = spec["gpu_bytes"] or (torch.cuda.mem_get_info()[0] - spec["gpu_margin"] if cuda else 0)
+    # [Note: the warm-up's headroom] the first iteration runs with the arena at the whole budget
+    # (pagemem/engine/pager.py, the Note on the gpu budget): on CUDA its activations need room
+    # beside it, so the budget is a share of the free memory, not all of it
+    gpu_bytes = spec["gpu_bytes"] or (int(torch.cuda.mem_get_info()[0] * spec["gpu_fraction"]) if cuda else 0)
     if not gpu_bytes:
         raise SystemExit("pagemem: --gpu-bytes is needed without CUDA (the stand-in's budget)")
     nvme = spec["offload"] == "nvme"
@@ -376,8 +380,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-activations", action="store_true", help="recompute each block in backward")
-    ap.add_argument("--gpu-bytes", type=int, default=0, help="pagemem's gpu budget (default: free GPU memory - margin)")
-    ap.add_argument("--gpu-margin", type=int, default=2 << 30, help="GPU bytes left to CUDA's own needs")
+    ap.add_argument("--gpu-bytes", type=int, default=0, help="pagemem's gpu budget (default: --gpu-fraction of the free GPU memory)")
+    ap.add_argument("--gpu-fraction", type=float, default=0.6,
+                    help="share of the free GPU memory that is pagemem's budget; the rest is the first iteration's headroom")
     ap.add_argument("--host-fraction", type=float, default=0.85, help="most of the available host memory pagemem pins")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per system run")
     ap.add_argument("--largest", action="store_true", help="find the largest GPT each system trains")
@@ -403,7 +408,7 @@ def main() -> None:
     spec = {"model": args.model, "shape": shape, "batch": args.batch, "seq": args.seq, "offload": args.offload,
             "nvme_path": args.nvme_path, "warmup": args.warmup, "iters": args.iters, "lr": args.lr, "seed": args.seed,
             "checkpoint_activations": args.checkpoint_activations, "gpu_bytes": args.gpu_bytes,
-            "gpu_margin": args.gpu_margin, "host_fraction": args.host_fraction}
+            "gpu_fraction": args.gpu_fraction, "host_fraction": args.host_fraction}
     print(f"machine: {json.dumps(machine())}")
     try:
         if args.largest:

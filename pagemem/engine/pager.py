@@ -35,8 +35,8 @@ sizes the arena from the plan and leaves the rest of the budget to the allocator
   that one iteration needs headroom beside the budget for its activations.
 The measured peak (``stats()["gpu_peak_bytes"]``) is, per op, the arena sized from a plan (else
 the pages in use) plus the non-model bytes: recorded by the tracer in warm-up, the trace's in a
-planned iteration, the reserve on demand. (On CUDA the caching allocator's own figure belongs
-beside it; that path has not run yet.)
+planned iteration, the reserve on demand. On CUDA the tracer reads the non-model bytes from the
+caching allocator's peak per op less the arena (which torch allocated); that path has not run yet.
 """
 
 from __future__ import annotations
@@ -177,9 +177,10 @@ class Pager:
         self.mode = "warmup"
         self.residency.new_iteration()
         self._op_pages = []
+        cuda = self._gpu.device if self.store.cuda else None  # non-model bytes from the allocator there
         self._recording = Recording(self.model, self.clock, layers=self.bank.units,
-                                    param_nbytes=self.bank.param_nbytes,
-                                    options=self.trace_options)
+                                    param_nbytes=self.bank.param_nbytes, options=self.trace_options,
+                                    cuda_device=cuda, device_model_bytes=self._gpu.capacity * self._page_bytes)
 
     def _start_demand(self, reserve: int) -> None:
         self.mode = "demand"

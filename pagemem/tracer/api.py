@@ -180,14 +180,17 @@ class Recording:
 
     ``layers`` fixes the layers (module path, indices into ``clock.params``; each parameter in
     exactly one); ``param_nbytes`` the bytes each parameter occupies where the executor keeps it
-    (default: ``numel * itemsize``). The iteration's optimizer step is not recorded: end the
+    (default: ``numel * itemsize``). With ``cuda_device``, non-model bytes are the caching
+    allocator's peak per op less the model's device bytes: the parameters' sizes, or
+    ``device_model_bytes`` where the executor keeps the model in memory of its own (a page arena
+    allocated through torch, parameters that are views of it or placeholders). The iteration's optimizer step is not recorded: end the
     recording before it; ``options.optimizer_model`` models it.
     """
 
     def __init__(self, model: nn.Module, clock: OpClock, *,
                  layers: Sequence[tuple[str, Sequence[int]]] | None = None,
                  param_nbytes: Sequence[int] | None = None, options: TraceOptions | None = None,
-                 cuda_device: torch.device | None = None) -> None:
+                 cuda_device: torch.device | None = None, device_model_bytes: int | None = None) -> None:
         if _tracing:
             raise TraceError("trace() is already running; traces cannot nest")
         if not clock.installed:
@@ -200,7 +203,7 @@ class Recording:
         if self._nbytes is not None and len(self._nbytes) != len(self._params):
             raise ConfigError(f"param_nbytes: expected {len(self._params)} entries, got {len(self._nbytes)}")
         self._cuda = cuda_device
-        self._session = LiveSession(model, self._params, cuda_device, clock=clock)
+        self._session = LiveSession(model, self._params, cuda_device, clock=clock, device_model_bytes=device_model_bytes)
         self._t0 = time.perf_counter()
         self._session.start(None)
         self._open = True

@@ -56,7 +56,8 @@ class LiveSession:
     """Installs the hooks, owns the recorder, and collects optimizer states."""
 
     def __init__(self, model: nn.Module, params: Sequence[tuple[str, nn.Parameter]],
-                 cuda_device: torch.device | None, clock: OpClock | None = None) -> None:
+                 cuda_device: torch.device | None, clock: OpClock | None = None,
+                 device_model_bytes: int | None = None) -> None:
         """``clock``: an installed clock someone else owns (an executor), listened to but never
         installed or removed here; ``params`` must then be the clock's."""
         self.model = model
@@ -83,7 +84,8 @@ class LiveSession:
         self._cuda = cuda_device
         self._track_outputs = cuda_device is None
         if cuda_device is not None:
-            self._param_bytes = sum(p.numel() * p.element_size() for _, p in self.params if p.is_cuda)
+            self._param_bytes = (device_model_bytes if device_model_bytes is not None else
+                                 sum(p.numel() * p.element_size() for _, p in self.params if p.is_cuda))
             self._grad_bytes: dict[int, int] = {}
             self._grad_total = 0
             self._optim_bytes = 0
