@@ -137,3 +137,14 @@ def test_the_gpu_tier_is_device_memory_the_plan_resizes():
         assert 0 < stats["gpu_arena_bytes"] < budget  # planned iterations run in an arena sized from the plan
         assert engine.store.tier("gpu").buffer(0).is_cuda  # still device memory after the resize
         assert all(p.is_cuda for p in model.parameters())
+
+
+def test_work_given_to_the_adam_workers_runs_on_the_callers_stream():
+    """Updates of states kept on the gpu run on CPU workers: their kernels must queue behind the
+    caller's (the gradient accumulated into the pages), on the caller's stream, not the worker's."""
+    from pagemem.engine.adam import CpuAdam
+
+    side = torch.cuda.Stream()
+    with CpuAdam(2) as adam, torch.cuda.stream(side):
+        got = adam.submit(torch.cuda.current_stream).result()
+    assert got == side

@@ -250,6 +250,11 @@ def wait_all(futures: Sequence[Future]) -> list[Any]:
     return [f.result() for f in futures]
 
 
+def _on_stream(stream: "torch.cuda.Stream", fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    with torch.cuda.stream(stream):
+        return fn(*args, **kwargs)
+
+
 class CpuAdam:
     """AdamW updates of page views on ``threads`` workers (default: the usable cores), each with
     one torch thread. CPU chunks run on the workers; CUDA chunks are enqueued on the current
@@ -266,7 +271,11 @@ class CpuAdam:
         return self._workers.threads
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        """Run any callable on a worker (one torch thread)."""
+        """Run any callable on a worker (one torch thread). CUDA work it launches goes on the
+        caller's current stream, after what the caller queued there (torch's current stream is
+        per thread: a worker's own would be the device's default stream)."""
+        if torch.cuda.is_initialized():
+            return self._workers.submit(_on_stream, torch.cuda.current_stream(), fn, *args, **kwargs)
         return self._workers.submit(fn, *args, **kwargs)
 
     def step_chunk(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
