@@ -3,6 +3,7 @@ process is killed at a random moment (during a save included); corrupt checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import subprocess
@@ -77,6 +78,23 @@ def test_resume_in_process_is_bit_identical(tmp_path):
         assert engine.global_step == 4
 
     resume_and_compare(str(tmp_path / "ckpt"), fresh, None, 8, expected, at_step_4)
+
+
+def test_resume_with_optimizer_states_kept_on_the_gpu_is_bit_identical(tmp_path):
+    """A budget with room: the plan keeps units on the gpu with their optimizer states; the save
+    reads those states there, and the resumed engine (states home until its first plan places
+    them again) trains on exactly as the uninterrupted one."""
+    model, cfg = make(tmp_path, optimizer_tier="cpu")
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, gpu_bytes=6 * nbytes))
+    with pagemem.Engine(model, cfg) as engine:
+        train(engine, 3)
+        assert engine.stats()["gpu_state_units"] > 0
+        engine.save(str(tmp_path / "ckpt"))
+        train(engine, 7)
+        expected = engine.state_dict()
+    fresh, _ = make(tmp_path, seed=5)
+    resume_and_compare(str(tmp_path / "ckpt"), fresh, cfg, 7, expected)
 
 
 def test_a_corrupt_checkpoint_is_refused(tmp_path):

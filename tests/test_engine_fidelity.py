@@ -313,6 +313,40 @@ def test_a_change_of_sequence_length_still_matches(tmp_path):
         assert torch.equal(got[k], v), k
 
 
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme"])
+def test_states_of_units_the_plan_keeps_on_the_gpu_are_updated_there_bit_identically(tmp_path, optimizer_tier):
+    """A budget with room beside the paged units: the plan caches a unit on the gpu (its update
+    runs there), and the engine keeps that unit's optimizer states and gradient sums on the gpu,
+    the others' on the optimizer tier; training is still bit-identical to plain PyTorch."""
+    model = small_gpt()
+    idx, targets = next(batches(1))
+    budget = engine_gpu_budget(model, lambda m: loss_of(m, idx, targets).backward(), PAGE, 3.0)
+    ref = reference(copy.deepcopy(model), 20, HP)
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model),
+                                nvme_bytes=8 * state_bytes(model) if optimizer_tier == "nvme" else 0,
+                                nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
+    cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier=optimizer_tier,
+                               adam_threads=2, overlap_update=True)
+    with pagemem.Engine(model, cfg) as engine:
+        for s, (x, y) in enumerate(batches(20)):
+            engine.backward(loss_of(engine, x, y))
+            engine.step()
+            if s == 1:  # the first planned iteration placed them
+                on_gpu = [li for li, t in enumerate(engine.bank.state_tiers) if t == "gpu"]
+                engine.updater.flush()
+                tiers = [({t.tier for t in layer.master + layer.exp_avg_sq}, {t.tier for t in layer.grad})
+                         for layer in engine.bank.layers]
+        stats = engine.stats()
+        got = engine.state_dict()
+    assert 0 < len(on_gpu) < len(tiers) and stats["gpu_state_units"] == len(on_gpu)
+    for li, (states, grads) in enumerate(tiers):
+        home = "gpu" if li in on_gpu else optimizer_tier
+        assert states == {home} and grads == {"gpu" if li in on_gpu else "cpu"}, li
+    assert_followed_the_plan(stats, 20)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+
+
 @pytest.mark.parametrize("optimizer_tier,grad_tier", [("gpu", "gpu"), ("cpu", "cpu"), ("nvme", "cpu")])
 def test_gradient_sums_live_beside_optimizer_states_kept_on_the_gpu(tmp_path, optimizer_tier, grad_tier):
     """A GPU's fused AdamW needs the gradient on the device with the states: states kept on the

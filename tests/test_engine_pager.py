@@ -229,19 +229,21 @@ def test_a_forward_without_backward_is_no_trace_and_leaves_nothing_resident():
 
 
 def test_units_the_plan_keeps_on_the_gpu_have_one_copy_there_and_train_exactly():
-    """A budget that holds every unit: the plan caches them, the engine settles them (the gpu copy
-    is the only one, so the update writes one copy), and evicting them moves them home intact."""
+    """A budget that holds every unit with its optimizer states and gradient sums (fp32: 4 + 16
+    bytes per parameter): the plan caches them, the engine settles them (the gpu copy is the
+    only one, so the update writes one copy), and evicting them moves them home intact."""
     steps = [(batch(32, s), True) for s in range(4)]
     ref, _ = plain_run(small_gpt(), steps)
     model = small_gpt()
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    with make_engine(model, 4 * nbytes + budget_for(model, 1.0)) as engine:
+    with make_engine(model, 6 * nbytes + budget_for(model, 1.0)) as engine:
         cpu = engine.store.tier("cpu")
         engine_run(engine, steps[:2])
         cached = engine.pager.last_plan.cached_layers
         assert len(cached) == len(engine.bank.layers)
         layers = engine.bank.layers
         assert all(l.settled and l.resident for l in layers)
+        assert engine.bank.state_tiers == ["gpu"] * len(layers)  # their updates run on the gpu
         home_pages = sum(engine.store.page_count(l.compute) for l in layers)
         used = cpu.used_pages
         engine.pager.residency.release_all()  # every unit goes home, its only copy moved

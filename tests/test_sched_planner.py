@@ -113,6 +113,27 @@ def test_roomy_gpu_caches_every_layer_and_moves_nothing():
     assert validate(p, tr).ok
 
 
+def test_cached_layers_are_counted_at_the_state_pages_the_executor_keeps():
+    """An executor that keeps more pages for a cached layer's states than the trace's (gradient
+    sums beside them) says so: what the plan holds plus those extra pages stays within the
+    budget, so the planner caches fewer layers where the budget is tight."""
+    tr = synthetic_transformer(layers=4, hidden=64, ffn=256, heads=4, seq=16, batch=2, vocab=128)
+    need = min_gpu(tr, world_size=1, page_bytes=PAGE)
+    layers = plan(tr, {"gpu": "1GiB", **ROOMY}, page_bytes=PAGE).layout.layers
+    more = {l.index: 2 * l.optim_pages for l in layers}
+    fewer_somewhere = False
+    for budget in range(need, need + sum(l.param_pages + more[l.index] for l in layers) * PAGE, 8 * PAGE):
+        base = plan(tr, {"gpu": budget, **ROOMY}, page_bytes=PAGE)
+        p = plan(tr, {"gpu": budget, **ROOMY}, page_bytes=PAGE, cached_state_pages=more)
+        extra = sum(more[L] - layers[L].optim_pages for L in p.cached_layers) * PAGE
+        assert validate(p, tr).peak["gpu"] + extra <= budget, budget
+        assert len(p.cached_layers) <= len(base.cached_layers)
+        fewer_somewhere |= len(p.cached_layers) < len(base.cached_layers)
+    assert fewer_somewhere
+    with pytest.raises(pagemem.ConfigError, match=r"cached_state_pages\[0\]"):
+        plan(tr, {"gpu": need, **ROOMY}, page_bytes=PAGE, cached_state_pages={0: -1})
+
+
 def test_tight_gpu_caches_nothing_and_prefetches_within_budget():
     tr = synthetic_transformer(layers=4, hidden=64, ffn=256, heads=4, seq=16, batch=2, vocab=128)
     need = min_gpu(tr, world_size=2, optimizer_tier="nvme", page_bytes=PAGE)

@@ -51,7 +51,7 @@ class Layer:
     exp_avg: list[PagedTensor]
     exp_avg_sq: list[PagedTensor]
     grad: list[PagedTensor] = field(default_factory=list)
-    """fp32 gradient sums on ``ParamBank.grad_tier`` (valid for the parameters that got a
+    """fp32 gradient sums on ``ParamBank.grad_tier_of(index)`` (valid for the parameters that got a
     gradient this step)."""
     leases: list[Lease] = field(default_factory=list)
     ptrs: list[int] = field(default_factory=list)
@@ -145,9 +145,6 @@ class ParamBank:
         self.store = store
         self.compute_dtype = compute_dtype
         self.optimizer_tier = optimizer_tier
-        self.grad_tier = "gpu" if optimizer_tier == "gpu" else "cpu"
-        """Where the fp32 gradient sums live: beside optimizer states kept on the gpu (a GPU's
-        fused AdamW needs all its tensors on the device), else on the cpu."""
         self.compute_is_master = compute_dtype == torch.float32 and optimizer_tier == "gpu"
         """[Note: the compute copy is the master] fp32 compute with the optimizer states on the
         gpu: a compute copy would hold the master's bits on the same tier, so the parameters are
@@ -182,6 +179,9 @@ class ParamBank:
             for i, start, end in zip(idx, layout.starts, ends):
                 self.param_nbytes[i] = 0 if self.compute_is_master else end - start
         self.layers: list[Layer] = []
+        self.state_tiers: list[str] = [optimizer_tier] * len(layer_specs)
+        """Where each unit's optimizer states are: ``optimizer_tier``, or the gpu while a plan
+        keeps the unit there (``place_states``)."""
         self.layer_of: list[int] = [0] * len(self.params)
         self.position: list[int] = [0] * len(self.params)
         """Where parameter ``i`` sits in its unit's lists (see ``where``)."""
@@ -193,7 +193,7 @@ class ParamBank:
         for kind, dtype, tier in (("compute", compute_dtype, "cpu"), ("master", torch.float32, optimizer_tier),
                                   ("exp_avg", torch.float32, optimizer_tier),
                                   ("exp_avg_sq", torch.float32, optimizer_tier),
-                                  ("grad", torch.float32, self.grad_tier)):
+                                  ("grad", torch.float32, "gpu" if optimizer_tier == "gpu" else "cpu")):
             tail = None
             groups[kind] = []
             if kind == "compute" and self.compute_is_master:
@@ -267,6 +267,8 @@ class ParamBank:
         """Start copying unit ``li``'s optimizer states to the cpu ahead of their update (the
         plan's ``move_to_cpu optim``); no room on the cpu leaves them to be read at the update."""
         layer = self.layers[li]
+        if self.state_tiers[li] != "nvme":
+            return
         try:
             self.store.copy(layer.master + layer.exp_avg + layer.exp_avg_sq, "cpu")
         except OutOfMemory:
@@ -301,7 +303,7 @@ class ParamBank:
         x = self.lasting_view("grad", i)
         if x is None:
             layer, k = self.where(i)
-            with layer.grad[k].lease(self.grad_tier) as x:
+            with layer.grad[k].lease(self.grad_tier_of(layer.index)) as x:
                 _accumulate(x, grad, first)
         else:
             _accumulate(x.view(grad.shape), grad, first)
@@ -309,11 +311,63 @@ class ParamBank:
     def drop_lasting_views(self, tier: str) -> None:
         """Forget the lasting views of pages on ``tier`` (they pin them: before the store resizes
         the tier); they are made again at their next use."""
-        self._lasting = {key: v for key, v in self._lasting.items() if self.tier_of(key[0]) != tier}
+        self._lasting = {key: v for key, v in self._lasting.items()
+                         if self.tier_of(key[0], self.layer_of[key[1]]) != tier}
 
-    def tier_of(self, kind: str) -> str:
-        """Where the ``grad`` or optimizer-state (``master``, ``exp_avg``, ``exp_avg_sq``) pages live."""
-        return self.grad_tier if kind == "grad" else self.optimizer_tier
+    def tier_of(self, kind: str, li: int) -> str:
+        """Where unit ``li``'s ``grad`` or optimizer-state (``master``, ``exp_avg``,
+        ``exp_avg_sq``) pages live."""
+        return self.grad_tier_of(li) if kind == "grad" else self.state_tiers[li]
+
+    def grad_tier_of(self, li: int) -> str:
+        """Where unit ``li``'s fp32 gradient sums live: beside its optimizer states on the gpu (a
+        GPU's fused AdamW needs all its tensors on the device), else on the cpu."""
+        return "gpu" if self.state_tiers[li] == "gpu" else "cpu"
+
+    # ------------------------------------------------------------------ states kept on the gpu
+
+    def gpu_state_pages(self, li: int) -> int:
+        """Gpu pages unit ``li``'s optimizer states and gradient sums take when ``place_states``
+        keeps them there (each kind on fresh pages); none where they are on the gpu at rest
+        (``optimizer_tier="gpu"``: counted with the pages at rest, not the plan's)."""
+        if self.optimizer_tier == "gpu":
+            return 0
+        sizes = [self.params[i][1].numel() * 4 for i in self.layers[li].params]
+        return 4 * pack(sizes, self.store.page_bytes).pages
+
+    def place_states(self, li: int, tier: str | None) -> bool:
+        """[Note: states a plan keeps on the gpu] Put unit ``li``'s optimizer states and gradient
+        sums on ``tier`` (``"gpu"`` for a unit the plan caches there, so that its update runs on
+        the gpu, as the plan's ``update`` task says; None: back on ``optimizer_tier``). The
+        states are copied into fresh pages there (each unit's on pages of its own: states of
+        neighbouring units share pages where they were allocated together, so moving pages
+        would split a neighbour) and the old ones freed. False, changing nothing, when the new
+        pages cannot be had. Call between updates (gradient sums are carried over too)."""
+        tier = tier or self.optimizer_tier
+        if self.state_tiers[li] == tier:
+            return True
+        layer = self.layers[li]
+        kinds = ("master", "exp_avg", "exp_avg_sq", "grad")
+        grad_tier = "gpu" if tier == "gpu" else "cpu"
+        new: dict[str, list[PagedTensor]] = {}
+        try:
+            for kind in kinds:
+                new[kind] = self.store.allocate_group([(t.shape, torch.float32) for t in getattr(layer, kind)],
+                                                      tier=grad_tier if kind == "grad" else tier)
+        except OutOfMemory:
+            for group in new.values():
+                for t in group:
+                    t.free()
+            return False
+        self._lasting = {key: v for key, v in self._lasting.items() if self.layer_of[key[1]] != li}
+        for kind in kinds:
+            old = getattr(layer, kind)
+            for src, dst in zip(old, new[kind]):
+                dst.copy_(src.to_torch())
+                src.free()
+            setattr(layer, kind, new[kind])
+        self.state_tiers[li] = tier
+        return True
 
     def lasting_view(self, kind: str, i: int) -> torch.Tensor | None:
         """A flat view of parameter ``i``'s ``grad`` or optimizer state (``master``, ``exp_avg``,
@@ -326,7 +380,7 @@ class ParamBank:
         key = (kind, i)
         if key not in self._lasting:
             layer, k = self.where(i)
-            tier = self.tier_of(kind)
+            tier = self.tier_of(kind, layer.index)
             view = None
             if tier != "nvme":
                 try:

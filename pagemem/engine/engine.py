@@ -215,6 +215,7 @@ class Engine:
             "view_copies": s.view_copies,
             "skipped_steps": self.updater.skipped_steps,
             "overlapped_updates": self.updater.overlapped_updates,
+            "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),
             "loss_scale": self.updater.scaler.scale,
         }
 

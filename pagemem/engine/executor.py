@@ -15,12 +15,14 @@ of each op (the task table, ``pagemem.sched.tasks``, says at which edge each tas
 and updates are the updater's (``update.py``): the engine's gradients are fp32 sums
 that autograd's gradient is added into as soon as it is ready (so the gpu holds it for less time
 than the plan's ``grad@gpu`` reserves), on the cpu, or on the gpu beside optimizer states kept
-there (``ParamBank.grad_tier``), and the update runs at ``step()``, or during
+there (``ParamBank.grad_tier_of``), and the update runs at ``step()``, or during
 backward when that is exact (``EngineConfig.overlap_update``); states on nvme are written back
-behind the next iteration. Layers the plan caches on the gpu
-keep their parameters resident across iterations, as their only copy (``Residency.settle``);
-their optimizer states stay on the optimizer tier (less gpu memory than the plan allows, never
-more).
+behind the next iteration. Layers the plan caches on the gpu keep their parameters resident
+across iterations, as their only copy (``Residency.settle``), and their optimizer states and
+gradient sums on the gpu (``ParamBank.place_states``), so that their update runs there, as the
+plan's ``update`` task says, where the budget has room for what the engine keeps beyond the
+plan's count (gradient sums, each kind on fresh pages: ``Schedule.gpu_states``); the others'
+stay on the optimizer tier.
 
 [Note: leaving the plan] Every op is checked against the trace the plan was made from (its event
 and module). At the first op that differs, or when the iteration ends early, the executor stops
@@ -67,20 +69,22 @@ class Schedule:
     """Units whose parameters stay on the gpu between iterations."""
     plan: Plan
     trace: Trace
+    cached_state_pages: tuple[tuple[int, int], ...] = ()
+    """(unit, pages the plan counts for its optimizer states on the gpu) of each cached unit, in
+    unit order."""
+    gpu_states: frozenset[int] = frozenset()
+    """Cached units whose optimizer states the engine keeps on the gpu (those the budget has
+    room for: see ``Pager._plan``)."""
 
     @classmethod
     def compile(cls, plan: Plan, trace: Trace, bank: ParamBank) -> "Schedule":
-        unit_of = {frozenset(idx): u for u, (_, idx) in enumerate(bank.units)}
-        to_unit: dict[int, int] = {}
+        to_unit = units_of_layers(trace, bank)
         for layer in trace.layers:
-            u = unit_of.get(frozenset(layer.tensor_ids))
-            if u is None:
-                raise PlanMismatch(f"the trace's layer {layer.name!r} is not one of the engine's units")
+            u = to_unit[layer.index]
             pages = bank.compute_pages(u)
             if plan.layout.layers[layer.index].param_pages != pages:
                 raise PlanMismatch(f"layer {layer.name!r}: the plan moves {plan.layout.layers[layer.index].param_pages}"
                                    f" pages, the engine's unit has {pages}")
-            to_unit[layer.index] = u
         n = plan.n_ops + 1
         start: list[list[Action]] = [[] for _ in range(n)]
         end: list[list[Action]] = [[] for _ in range(n)]
@@ -99,9 +103,23 @@ class Schedule:
             edge = end if task.issued_at_end else start
             _append(edge[task.trigger_id], act)
         expected = tuple((op.event, op.module) for op in trace.ops if op.phase != "step")
+        cached = sorted((to_unit[L], plan.layout.layers[L].optim_pages) for L in plan.cached_layers)
         return cls(tuple(map(tuple, start)), tuple(map(tuple, end)), expected,
                    tuple(op.non_model_bytes for op in trace.ops),
-                   frozenset(to_unit[L] for L in plan.cached_layers), plan, trace)
+                   frozenset(u for u, _ in cached), plan, trace, tuple(cached))
+
+
+def units_of_layers(trace: Trace, bank: ParamBank) -> dict[int, int]:
+    """The engine's unit of each of the trace's layers (by their parameters); ``PlanMismatch``
+    for a layer that is none."""
+    unit_of = {frozenset(idx): u for u, (_, idx) in enumerate(bank.units)}
+    out = {}
+    for layer in trace.layers:
+        u = unit_of.get(frozenset(layer.tensor_ids))
+        if u is None:
+            raise PlanMismatch(f"the trace's layer {layer.name!r} is not one of the engine's units")
+        out[layer.index] = u
+    return out
 
 
 def _append(actions: list[Action], act: Action) -> None:
@@ -142,13 +160,21 @@ class Executor:
 
     def begin(self) -> None:
         """Before op 0: only the cached units may be on the gpu; settle those that are not yet
-        (``Residency.settle``: the first planned iteration copies them, later ones find them)."""
+        (``Residency.settle``: the first planned iteration copies them, later ones find them),
+        and put the optimizer states the schedule keeps on the gpu there (``ParamBank.place_states``;
+        those of other units home)."""
         res, cached = self.residency, self.schedule.cached
         for u in res.resident_units():
             if u not in cached:
                 res.release(u)
         for u in sorted(cached):
             res.settle(u)
+        bank, on_gpu = res.bank, self.schedule.gpu_states
+        for u in range(len(bank.layers)):  # states going home first: their pages make room
+            if u not in on_gpu:
+                bank.place_states(u, None)
+        for u in sorted(on_gpu):
+            bank.place_states(u, "gpu")
 
     def on_op(self, op_id: int, edge: str, op: Op) -> None:
         if self.diverged or op.event == "step":

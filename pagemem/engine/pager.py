@@ -41,6 +41,7 @@ caching allocator's peak per op less the arena (which torch allocated); that pat
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import Counter, OrderedDict
 from typing import Any
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from pagemem.engine.bank import ParamBank
-from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule
+from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, units_of_layers
 from pagemem.engine.residency import Residency
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.sched import InfeasiblePlan, Plan, plan, validate
@@ -136,6 +137,8 @@ class Pager:
         if gpu.capacity == pages:
             return
         self.residency.release_all()
+        for u in range(len(self.bank.layers)):  # states a plan kept on the gpu go home (it re-places them)
+            self.bank.place_states(u, None)
         self.bank.drop_lasting_views("gpu")
         try:
             self.store.resize("gpu", pages)
@@ -228,7 +231,9 @@ class Pager:
         gpu = self.residency.budget_bytes - self.static_gpu_pages * pb
         budgets = {"gpu": gpu, "cpu": s.tier("cpu").capacity * pb, "nvme": s.tier("nvme").capacity * pb}
         try:  # the non-model peak reserved at every op (see the Note)
-            p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=1, optimizer_tier=self.plan_tier, page_bytes=pb)
+            state_pages = {L: self.bank.gpu_state_pages(u) for L, u in units_of_layers(trace, self.bank).items()}
+            p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=1, optimizer_tier=self.plan_tier,
+                     page_bytes=pb, cached_state_pages=state_pages)
             schedule = Schedule.compile(p, trace, self.bank)
         except (InfeasiblePlan, PlanMismatch) as exc:
             self.plan_note = str(exc)
@@ -236,9 +241,22 @@ class Pager:
             return None
         report = validate(p, trace)
         model_bytes = int((report.timeline["gpu"] - report.non_model).max(initial=0))
-        self.arena_pages[self._sig] = self.static_gpu_pages + -(-model_bytes // pb)
+        arena = self.static_gpu_pages + -(-model_bytes // pb)
+        # states of cached units on the gpu (the plan counted them as cached_state_pages; its
+        # validated timeline counts the trace's states): the difference is the arena's, as long
+        # as it fits beside the non-model peak
+        slack = self._budget_pages - arena - -(-int(report.non_model.max(initial=0)) // pb)
+        on_gpu = []
+        for u, counted in schedule.cached_state_pages:
+            extra = max(0, self.bank.gpu_state_pages(u) - counted)
+            if extra > slack:
+                break
+            slack -= extra
+            arena += extra
+            on_gpu.append(u)
+        self.arena_pages[self._sig] = arena
         self.last_plan, self.plan_note = p, None
-        return schedule
+        return dataclasses.replace(schedule, gpu_states=frozenset(on_gpu))
 
     # ------------------------------------------------------------------ ops
 

@@ -27,6 +27,9 @@ from pagemem.store import PageStore
 _DONE: Future = Future()
 _DONE.set_result(None)
 
+KINDS = ("master", "grad", "exp_avg", "exp_avg_sq")
+"""A parameter's four states, in ``Chunk``'s order."""
+
 StatePiece = tuple[int, Chunk]
 """``(first element, chunk)``: a run of a parameter's elements whose four states are each one
 view of page memory."""
@@ -128,7 +131,7 @@ class Updater:
         first = i not in self._has_grad
         self._has_grad.add(i)
         early = self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap
-        if early and first and self.config.optimizer_tier == "gpu" and grad.dtype == torch.float32:
+        if early and first and self.bank.state_tiers[self.bank.layer_of[i]] == "gpu" and grad.dtype == torch.float32:
             # [Note: updates in the hook] fp32 states on the gpu are stepped right here, on the
             # stream autograd runs on, from the gradient autograd made: no copy into the gradient
             # pages (which it would only be read back from) and no worker thread; that gradient
@@ -218,9 +221,9 @@ class Updater:
         if not touched:
             return bool(early)
         layers = sorted({self.bank.layer_of[i] for i in touched})
-        states = [t for li in layers for kind in ("master", "exp_avg", "exp_avg_sq")
-                  for t in getattr(self.bank.layers[li], kind)]
-        fetched = cfg.optimizer_tier == "nvme"
+        states = [t for li in layers if self.bank.state_tiers[li] == "nvme"
+                  for kind in ("master", "exp_avg", "exp_avg_sq") for t in getattr(self.bank.layers[li], kind)]
+        fetched = bool(states)
         if fetched:  # whole pages in and out: each page read once and written once
             self.flush()
             # [Note: optimizer states on nvme] the executor copied them to the cpu during backward
@@ -274,7 +277,8 @@ class Updater:
         gradient lent in pieces is joined for its norm (torch's reduction order is over the
         whole tensor)."""
         norms = wait_all([self.adam.submit(_norm, g) for g in grads])
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        device = norms[0].device  # units whose states are kept on the gpu have their norms there
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
         if scale is not None:
             total = total / scale
         coef = torch.clamp(self.config.max_grad_norm / (total + 1e-6), max=1.0)
@@ -286,8 +290,7 @@ class Updater:
         """Flat fp32 master weights, gradient and moments of each parameter, as pieces that are
         views of page memory: the bank's lasting views where it has them, else split leases
         (returned: release them when done), never a merged copy."""
-        kinds = ("master", "grad", "exp_avg", "exp_avg_sq")
-        views = {i: [self.bank.lasting_view(kind, i) for kind in kinds] for i in params}
+        views = {i: [self.bank.lasting_view(kind, i) for kind in KINDS] for i in params}
         pieces = {i: [[(0, v)] for v in vs] for i, vs in views.items() if all(v is not None for v in vs)}
         leased = [i for i in params if i not in pieces]
         leases = self._leases_of([self.bank.where(i) for i in leased]) if leased else []
@@ -297,21 +300,25 @@ class Updater:
 
     def _leases_of(self, where: list) -> list:
         """The four leases (master, grad, exp_avg, exp_avg_sq) of each (layer, k), in order, taken
-        with one store call per tier."""
-        tier = "gpu" if self.config.optimizer_tier == "gpu" else "cpu"
-        states = [t for layer, k in where for t in (layer.master[k], layer.exp_avg[k], layer.exp_avg_sq[k])]
-        grads = [layer.grad[k] for layer, k in where]
-        state_leases = self.store.lease_many(states, tier, split=True)
+        with one store call per tier (a unit's states and gradient sums are lent where its
+        gradient sums live: the gpu for states kept there, else the cpu, where states on nvme
+        were fetched)."""
+        by_tier: dict[str, list[int]] = {}
+        for n, (layer, _k) in enumerate(where):
+            by_tier.setdefault(self.bank.grad_tier_of(layer.index), []).append(n)
+        out: list = [None] * (4 * len(where))
+        taken: list = []
         try:
-            grad_leases = self.store.lease_many(grads, self.bank.grad_tier, split=True)
+            for tier, ns in by_tier.items():
+                tensors = [getattr(where[n][0], kind)[where[n][1]] for n in ns for kind in KINDS]
+                leases = self.store.lease_many(tensors, tier, split=True)
+                taken += leases
+                for j, n in enumerate(ns):
+                    out[4 * n:4 * n + 4] = leases[4 * j:4 * j + 4]
         except BaseException:
-            for lease in state_leases:
+            for lease in taken:
                 lease.release()
             raise
-        out = []
-        for n in range(len(where)):
-            m, a, v = state_leases[3 * n:3 * n + 3]
-            out += [m, grad_leases[n], a, v]
         return out
 
     # ------------------------------------------------------------------ state

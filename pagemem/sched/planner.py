@@ -59,16 +59,22 @@ class _Run:
 
 def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size: int = 1,
          optimizer_tier: str = "cpu", page_bytes: int | str = "4MiB", *, cache_optimizer: bool = True,
-         timeline: str = "segment") -> Plan:
+         timeline: str = "segment", cached_state_pages: Mapping[int, int] | None = None) -> Plan:
     """Plan one training iteration of ``trace`` on each of ``world_size`` ranks.
 
     ``budgets`` are per rank (``{"gpu": "8GiB", "cpu": "64GiB", "nvme": "1TiB"}``);
     ``optimizer_tier`` is where optimizer states live (``"cpu"`` or ``"nvme"``), except for layers
-    the planner caches on the gpu when ``cache_optimizer`` and the budget allow. Raises
+    the planner caches on the gpu when ``cache_optimizer`` and the budget allow.
+    ``cached_state_pages``: per layer, the gpu pages its optimizer states take where the executor
+    keeps a cached layer's states (default: the layout's ``optim_pages``; an engine that keeps
+    gradient sums beside them, or each kind on fresh pages, says more). Raises
     ``InfeasiblePlan`` (with ``min_gpu_bytes``) when no plan fits, ``ConfigError`` for bad input.
     """
     t0 = time.perf_counter()
     planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline)
+    for layer, pages in (cached_state_pages or {}).items():
+        check_int(f"cached_state_pages[{layer!r}]", pages, 0)
+    planner.cached_state_pages = dict(cached_state_pages or {})
     result = planner.run(cache_optimizer)
     result.planning_seconds = time.perf_counter() - t0
     return result
@@ -119,6 +125,7 @@ class _Planner:
             last_end[w.layer] = w.end
         # where each layer's gradients are reduced, offloaded and applied
         self.r = {g.layer: g.last + 1 for g in self.usage.grads if g is not None}
+        self.cached_state_pages: dict[int, int] = {}
 
     def taken(self, operation: str, kind: str, layer: int, tier: str = "gpu", **kw) -> int:
         """Pages on ``tier`` one such task takes (the task table's ``takes``)."""
@@ -288,7 +295,7 @@ class _Planner:
         for lay in self.layout.layers:
             if lay.index not in self.r:  # no gradients: nothing to update
                 continue
-            persistent = (lay.param_pages + lay.optim_pages) * pb
+            persistent = (lay.param_pages + self.cached_state_pages.get(lay.index, lay.optim_pages)) * pb
             changes = [(0, n + 1, persistent)]
             for run in by_layer.get(lay.index, []):
                 start = self.wins[run.w].start
