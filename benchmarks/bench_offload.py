@@ -89,6 +89,18 @@ def timed_loop(spec: dict, vocab: int, device, one_iteration) -> dict:
     return {"iteration_s": times[spec["warmup"]:], "losses": losses}
 
 
+def train_step(engine):
+    """One iteration of an engine with ``engine(x, y) -> loss``, ``backward``, ``step`` (pagemem's
+    and DeepSpeed's)."""
+    def one(idx, tgt):
+        loss = engine(idx, tgt)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return one
+
+
 def host_bytes_available() -> int:
     import psutil
 
@@ -146,14 +158,7 @@ def run_pagemem(spec: dict, cfg, n_params: int) -> dict:
     t0 = time.perf_counter()
     with pagemem.Engine(model, config, init=init_module(cfg)) as engine:
         build_s = time.perf_counter() - t0
-
-        def one(idx, tgt):
-            loss = engine(idx, tgt)
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-        out = timed_loop(spec, cfg.vocab, engine.device, one)
+        out = timed_loop(spec, cfg.vocab, engine.device, train_step(engine))
         stats = engine.stats()
     return {**out, "build_s": build_s, "gpu_budget_bytes": gpu_bytes, "cpu_bytes": cpu_bytes,
             "iterations": stats["iterations"], "pagemem_gpu_peak_bytes": stats.get("gpu_peak_bytes")}
@@ -188,7 +193,7 @@ def run_deepspeed(spec: dict, cfg) -> dict:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from pagemem.models.gpt import GPT, init_module
+    from pagemem.models.gpt import GPT, init_module, owning_modules
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
                        ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
@@ -199,23 +204,13 @@ def run_deepspeed(spec: dict, cfg) -> dict:
     with deepspeed.zero.Init(config_dict_or_path=conf, remote_device=spec["offload"], pin_memory=True):
         model = GPT(cfg)
     torch.manual_seed(spec["seed"])
-    init, seen = init_module(cfg), set()
-    for name, module in model.named_modules():  # GPT's own initialization, one module at a time
-        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-        if own:
-            seen.update(id(p) for p in own)
-            with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
-                init(name, module)
+    init = init_module(cfg)
+    for name, module, own in owning_modules(model):  # GPT's own initialization, one module at a time
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
+            init(name, module)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
     build_s = time.perf_counter() - t0
-
-    def one(idx, tgt):
-        loss = engine(idx, tgt)
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    out = timed_loop(spec, cfg.vocab, torch.device(get_accelerator().device_name()), one)
+    out = timed_loop(spec, cfg.vocab, torch.device(get_accelerator().device_name()), train_step(engine))
     return {**out, "build_s": build_s, "ds_config": conf}
 
 

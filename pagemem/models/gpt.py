@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,17 @@ def gpt_config(name: str, **overrides: object) -> GPTConfig:
         fields["ffn"] = 0
     fields.update(overrides)
     return GPTConfig(**fields)  # type: ignore[arg-type]
+
+
+def owning_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """Each module that owns parameters, with them, in module order; a parameter shared by
+    several modules (a tied embedding) belongs to the first."""
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        if own:
+            seen.update(id(p) for p in own)
+            yield name, module, own
 
 
 def init_module(cfg: GPTConfig) -> Callable[[str, nn.Module], None]:
@@ -172,12 +183,8 @@ class GPT(nn.Module):
         if device.type == "meta":
             return
         init = init_module(cfg)
-        seen: set[int] = set()
-        for name, module in self.named_modules():  # the order pagemem.Engine(init=) follows
-            own = [id(p) for p in module.parameters(recurse=False) if id(p) not in seen]
-            if own:
-                seen.update(own)
-                init(name, module)
+        for name, module, _own in owning_modules(self):  # the order pagemem.Engine(init=) follows
+            init(name, module)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, s = idx.shape
