@@ -118,6 +118,12 @@ def paging_units(modules: list[tuple[str, list[int]]], nbytes: list[int], cap: i
     return units
 
 
+def grad_tier_beside(state_tier: str) -> str:
+    """Where fp32 gradient sums live beside optimizer states on ``state_tier``: on the gpu with
+    states there (a GPU's fused AdamW needs all its tensors on the device), else on the cpu."""
+    return "gpu" if state_tier == "gpu" else "cpu"
+
+
 def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
     with torch.no_grad():
         if first:
@@ -193,7 +199,7 @@ class ParamBank:
         for kind, dtype, tier in (("compute", compute_dtype, "cpu"), ("master", torch.float32, optimizer_tier),
                                   ("exp_avg", torch.float32, optimizer_tier),
                                   ("exp_avg_sq", torch.float32, optimizer_tier),
-                                  ("grad", torch.float32, "gpu" if optimizer_tier == "gpu" else "cpu")):
+                                  ("grad", torch.float32, grad_tier_beside(optimizer_tier))):
             tail = None
             groups[kind] = []
             if kind == "compute" and self.compute_is_master:
@@ -237,7 +243,6 @@ class ParamBank:
         first owner). This is how a model larger than host memory gets its first values."""
         for mname, idx in module_specs:
             module = model.get_submodule(mname)
-            own = dict(module.named_parameters(recurse=False))
             for i in idx:
                 p = self.params[i][1]
                 p.data = torch.empty(p.shape, dtype=self.original_dtype[i])
@@ -245,7 +250,7 @@ class ParamBank:
             after = dict(module.named_parameters(recurse=False))
             for i in idx:
                 name, p = self.params[i]
-                replaced = not any(q is p for q in after.values()) and any(q is p for q in own.values())
+                replaced = not any(q is p for q in after.values())
                 if replaced or p.device.type != "cpu" or p.dtype != self.original_dtype[i]:
                     raise InvalidRequest(f"init: {name} must be set in place (same Parameter, on the "
                                          f"cpu, {self.original_dtype[i]}); init({mname!r}, ...) replaced it")
@@ -320,9 +325,8 @@ class ParamBank:
         return self.grad_tier_of(li) if kind == "grad" else self.state_tiers[li]
 
     def grad_tier_of(self, li: int) -> str:
-        """Where unit ``li``'s fp32 gradient sums live: beside its optimizer states on the gpu (a
-        GPU's fused AdamW needs all its tensors on the device), else on the cpu."""
-        return "gpu" if self.state_tiers[li] == "gpu" else "cpu"
+        """Where unit ``li``'s fp32 gradient sums live (``grad_tier_beside`` its states)."""
+        return grad_tier_beside(self.state_tiers[li])
 
     # ------------------------------------------------------------------ states kept on the gpu
 
@@ -348,7 +352,7 @@ class ParamBank:
             return True
         layer = self.layers[li]
         kinds = ("master", "exp_avg", "exp_avg_sq", "grad")
-        grad_tier = "gpu" if tier == "gpu" else "cpu"
+        grad_tier = grad_tier_beside(tier)
         new: dict[str, list[PagedTensor]] = {}
         try:
             for kind in kinds:
