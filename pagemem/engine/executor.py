@@ -20,9 +20,9 @@ backward when that is exact (``EngineConfig.overlap_update``); states on nvme ar
 behind the next iteration. Layers the plan caches on the gpu keep their parameters resident
 across iterations, as their only copy (``Residency.settle``), and their optimizer states and
 gradient sums on the gpu (``ParamBank.place_states``), so that their update runs there, as the
-plan's ``update`` task says, where the budget has room for what the engine keeps beyond the
-plan's count (gradient sums, each kind on fresh pages: ``Schedule.gpu_states``); the others'
-stay on the optimizer tier.
+plan's ``update`` task says (the planner counted them at what the engine keeps there:
+``plan(cached_state_pages=)``; ``Schedule.gpu_states`` are those the budget has room for); the
+others' stay on the optimizer tier.
 
 [Note: leaving the plan] Every op is checked against the trace the plan was made from (its event
 and module). At the first op that differs, or when the iteration ends early, the executor stops

@@ -74,8 +74,7 @@ def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size:
     planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline)
     for layer, pages in (cached_state_pages or {}).items():
         check_int(f"cached_state_pages[{layer!r}]", pages, 0)
-    planner.cached_state_pages = dict(cached_state_pages or {})
-    result = planner.run(cache_optimizer)
+    result = planner.run(cache_optimizer, cached_state_pages or {})
     result.planning_seconds = time.perf_counter() - t0
     return result
 
@@ -125,7 +124,6 @@ class _Planner:
             last_end[w.layer] = w.end
         # where each layer's gradients are reduced, offloaded and applied
         self.r = {g.layer: g.last + 1 for g in self.usage.grads if g is not None}
-        self.cached_state_pages: dict[int, int] = {}
 
     def taken(self, operation: str, kind: str, layer: int, tier: str = "gpu", **kw) -> int:
         """Pages on ``tier`` one such task takes (the task table's ``takes``)."""
@@ -133,11 +131,11 @@ class _Planner:
 
     # ------------------------------------------------------------------ driver
 
-    def run(self, cache_optimizer: bool) -> Plan:
+    def run(self, cache_optimizer: bool, cached_state_pages: Mapping[int, int] | None = None) -> Plan:
         self._mandatory_gpu()
         self._phase1()
         gathers = self._phase2() if self.W > 1 else {}
-        cached = self._cache() if cache_optimizer else []
+        cached = self._cache(cached_state_pages or {}) if cache_optimizer else []
         staging = self._cpu(set(cached))
         tasks = self._emit(gathers, set(cached), staging)
         peaks = {"gpu": self.gpu.max(0, self.n + 1), "cpu": self.cpu_peak, "nvme": self.nvme_used}
@@ -285,8 +283,9 @@ class _Planner:
 
     # ------------------------------------------------------------------ step 4: caching
 
-    def _cache(self) -> list[int]:
-        """Keep layers' model states on the gpu, earliest layers first, while the peak allows."""
+    def _cache(self, state_pages: Mapping[int, int]) -> list[int]:
+        """Keep layers' model states on the gpu, earliest layers first, while the peak allows
+        (a layer's optimizer states counted at ``state_pages``, default its ``optim_pages``)."""
         tl, pb, n = self.gpu, self.pb, self.n
         cached = []
         by_layer: dict[int, list[_Run]] = {}
@@ -295,7 +294,7 @@ class _Planner:
         for lay in self.layout.layers:
             if lay.index not in self.r:  # no gradients: nothing to update
                 continue
-            persistent = (lay.param_pages + self.cached_state_pages.get(lay.index, lay.optim_pages)) * pb
+            persistent = (lay.param_pages + state_pages.get(lay.index, lay.optim_pages)) * pb
             changes = [(0, n + 1, persistent)]
             for run in by_layer.get(lay.index, []):
                 start = self.wins[run.w].start
