@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pagemem.errors import InvalidRequest, OutOfMemory
+from pagemem.models.gpt import owning_modules
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore
 from pagemem.store.layout import pack
 
@@ -83,20 +84,13 @@ def materialize_meta(model: nn.Module, device: torch.device) -> None:
 
 def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, list[int]]]]:
     """The model's distinct parameters, and the modules (name, parameter indices) owning them,
-    in module order (a tied parameter belongs to its first owner)."""
+    in module order (a tied parameter belongs to its first owner: ``owning_modules``)."""
     params: list[tuple[str, nn.Parameter]] = []
-    index: dict[int, int] = {}
     modules = []
-    for mname, module in model.named_modules():
-        own = []
-        for pname, p in module.named_parameters(recurse=False):
-            if id(p) in index:
-                continue
-            index[id(p)] = len(params)
-            own.append(len(params))
-            params.append((f"{mname}.{pname}" if mname else pname, p))
-        if own:
-            modules.append((mname, own))
+    for mname, module, own in owning_modules(model):
+        names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+        modules.append((mname, list(range(len(params), len(params) + len(own)))))
+        params.extend((f"{mname}.{names[id(p)]}" if mname else names[id(p)], p) for p in own)
     return params, modules
 
 
