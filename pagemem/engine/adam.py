@@ -103,9 +103,18 @@ class PagedOptimizer(torch.optim.Optimizer):
     runs the optional closure, then calls ``step_fn(self)``, which the engine binds."""
 
     def __init__(self, params: Iterable, defaults: AdamW | None = None,
-                 step_fn: Callable[[PagedOptimizer], None] | None = None) -> None:
+                 step_fn: Callable[[PagedOptimizer], None] | None = None,
+                 zero_grad_fn: Callable[[], None] | None = None) -> None:
         self.step_fn = step_fn
+        self.zero_grad_fn = zero_grad_fn
         super().__init__(params, (defaults or AdamW()).group())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; the engine then discards the gradient sums of
+        the parameters whose ``p.grad`` became None (``zero_fn``), or zeroes them."""
+        super().zero_grad(set_to_none)
+        if self.zero_grad_fn is not None:
+            self.zero_grad_fn()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

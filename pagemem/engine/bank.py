@@ -127,9 +127,10 @@ def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of ``shape`` and ``dtype`` with one element of memory (never read by a correct
-    schedule: evicted parameters keep their shape and dtype for code that reads them)."""
-    one = torch.zeros((), dtype=dtype, device=device)
+    """A tensor of ``shape`` and ``dtype`` with one element of memory, NaN: evicted parameters
+    keep their shape and dtype for code that reads them, and a read that slips past the guard
+    computes NaN, never a plausible value (see [Note: evicted parameters] in ``guard.py``)."""
+    one = torch.full((), float("nan"), dtype=dtype, device=device)
     return one.expand(shape) if len(shape) else one
 
 
@@ -257,6 +258,11 @@ class ParamBank:
     def where(self, i: int) -> tuple[Layer, int]:
         """Parameter ``i``'s unit and its position in the unit's lists."""
         return self.layers[self.layer_of[i]], self.position[i]
+
+    def host_value(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter ``i``'s current value on the host: its fp32 master weights cast to ``dtype``."""
+        layer, k = self.where(i)
+        return layer.master[k].to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
 
     def compute_pages(self, li: int) -> int:
         """Pages unit ``li``'s compute copy moves to and from the gpu (none where it is the master)."""

@@ -16,7 +16,9 @@ Autograd's saved parameters are kept as references and fetched again when backwa
 
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 from collections import OrderedDict
 from functools import partial
 from typing import Any
@@ -27,6 +29,9 @@ from torch import nn
 from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.bank import ModuleInit, ParamBank
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
+from pagemem.engine.grads import GradHandles
+from pagemem.engine.guard import Guard
+from pagemem.checks import check_rate
 from pagemem.engine.pager import Pager
 from pagemem.engine.update import Updater
 from pagemem.errors import ConfigError, InvalidRequest
@@ -69,18 +74,28 @@ class Engine:
                     if b is not None and not b.is_meta and b.device != self.device:
                         module._buffers[name] = b.to(self.device)
         params = [p for _, p in self.bank.params]
-        self.optimizer = PagedOptimizer(params, config.optimizer, step_fn=lambda _opt: self._update())
+        self.optimizer = PagedOptimizer(params, config.optimizer, step_fn=lambda _opt: self._update(),
+                                        zero_grad_fn=self._zero_grad)
         self.updater = Updater(self.bank, self.store, config, lambda: check_no_amsgrad(self.optimizer.hyper(0)))
         self._micro = 0
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
         self._last_taken = False
+        self._last_grad_norm = 0.0
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
-                       for i, p in enumerate(params) if p.requires_grad]
+        self._in_backward = False
+        self._consume = False
+        self.grad_handles = GradHandles(self.bank.params, self.updater.grad_norm, self.updater.scale_grad,
+                                        self.updater.zero_grad)
+        self._hooks = [h for i, p in enumerate(params) if p.requires_grad
+                       for h in (p.register_hook(self._before_accumulate),
+                                 p.register_post_accumulate_grad_hook(partial(self._grad_ready, i)))]
         self.clock = OpClock(model, self.bank.params)
-        self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor)
+        self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
+                           self._saved_tensor_hooks)
+        self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
+        self._state_dict_hooks = self._hook_state_dicts(model)
 
     # ------------------------------------------------------------------ the training loop
 
@@ -88,33 +103,125 @@ class Engine:
         """Run the wrapped model's forward."""
         t0 = time.perf_counter()
         self.pager.begin(args, kwargs)
+        self.guard.enter()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pager.pack, self.pager.unpack):
+            with self._saved_tensor_hooks():
                 return self.module(*args, **kwargs)
         finally:
+            self.guard.exit()
             self._phase_seconds["forward"] += time.perf_counter() - t0
+
+    def _saved_tensor_hooks(self) -> Any:
+        """Autograd saves parameters as references the engine fetches again in backward."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pager.pack, self.pager.unpack)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``; gradients of successive calls add up until ``step()`` updates."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidRequest("backward: loss must be a one-element tensor")
+        if self._in_backward:
+            raise InvalidRequest("backward: called while another backward through this engine runs")
         t0 = time.perf_counter()
         scale = self.updater.scaler.scale
+        self._begin_backward()
+        try:
+            with self._saved_tensor_hooks():
+                (loss * scale if scale is not None else loss).backward()
+        finally:
+            self.guard.exit()
+            self._in_backward = False
+        self._end_backward()
+        self._phase_seconds["backward"] += time.perf_counter() - t0
+
+    def _begin_backward(self) -> None:
+        """[Note: backward by habit] ``engine.backward(loss)`` and a plain ``loss.backward()`` start
+        here: the first gradient hook of a backward the engine did not start calls this too (and
+        queues ``_end_backward`` at the end of autograd's run), so both add gradients up the same
+        way. Only loss scaling needs ``engine.backward`` (it scales the loss)."""
+        dropped = self.grad_handles.take_down()
+        if dropped:
+            self.updater.discard(dropped)
         self.updater.begin_backward(final=self._micro + 1 == self.config.accumulation_steps)
-        with torch.autograd.graph.saved_tensors_hooks(self.pager.pack, self.pager.unpack):
-            (loss * scale if scale is not None else loss).backward()
+        self.guard.enter()
+        self._in_backward = True
+
+    def _end_backward(self) -> None:
         self.pager.end_backward()
         self.updater.end_backward()
         self._micro += 1
-        self._phase_seconds["backward"] += time.perf_counter() - t0
+        self.grad_handles.show(self.updater.pending())
+
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        """A parameter's gradient is about to be accumulated: start a backward the engine did
+        not start (see [Note: backward by habit])."""
+        if self._in_backward:
+            return
+        if self.updater.scaler.scale is not None:
+            raise InvalidRequest("loss.backward(): this engine scales the loss (loss_scale); call "
+                                 "engine.backward(loss) instead")
+        self._begin_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_implicit_backward)
+
+    def _end_implicit_backward(self) -> None:
+        self.guard.exit()
+        self._in_backward = False
+        self._end_backward()
 
     def step(self) -> bool:
         """Update after every ``accumulation_steps``-th ``backward()``; True if it updated (False
-        between accumulation boundaries, or when an fp16 overflow skipped the update)."""
+        between accumulation boundaries, or when an fp16 overflow skipped the update). The
+        gradients are consumed: the next backward starts new sums (``engine.optimizer.step()``
+        keeps them until ``zero_grad()``, as a torch optimizer does)."""
         if self._micro < self.config.accumulation_steps:
             return False
-        self.optimizer.step()
+        self._consume = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._consume = False
         return self._last_taken
+
+    # ------------------------------------------------------------------ gradients
+
+    def _zero_grad(self) -> None:
+        """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
+        discard what it discarded (see [Note: gradient handles])."""
+        dropped = self.grad_handles.take_down()
+        self.updater.discard(dropped)
+        pending = self.updater.pending()
+        self.grad_handles.show(pending)
+        if not pending:
+            self._micro = 0
+
+    def get_global_grad_norm(self) -> float:
+        """The 2-norm of all gradient sums now (as ``clip_grad_norm_`` computes it), or of the
+        last update's gradients once they are consumed; 0.0 before any."""
+        pending = self.updater.pending()
+        if not pending:
+            return self._last_grad_norm
+        return float(self._total_norm(pending))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient sums by their global 2-norm, bit for bit as
+        ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``; returns that norm (before
+        clipping). For every step, ``EngineConfig(max_grad_norm=)`` does the same."""
+        if norm_type not in (2, 2.0):
+            raise InvalidRequest(f"clip_grad_norm_: norm_type must be 2, got {norm_type!r}")
+        check_rate("max_norm", max_norm)
+        pending = self.updater.pending()
+        if not pending:
+            return torch.zeros(())
+        total = self._total_norm(pending)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for i in pending:
+            self.updater.scale_grad(i, float(coef))
+        return total
+
+    def _total_norm(self, pending: list[int]) -> torch.Tensor:
+        norms = [self.updater.grad_norm(i) for i in pending]
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
+        self._last_grad_norm = float(total)
+        return total
 
     # ------------------------------------------------------------------ hooks
 
@@ -131,13 +238,52 @@ class Engine:
             raise InvalidRequest("the engine's optimizer has one param group")
         t0 = time.perf_counter()
         try:
-            self._last_taken = self.updater.step()
+            if not self._consume and self._in_backward:
+                raise InvalidRequest("optimizer.step(): called during backward")
+            self._last_taken = self.updater.step(consume=self._consume)
+            if self._consume:
+                self.grad_handles.forget()
         finally:
             self._micro = 0
             self.global_step += 1
             self._phase_seconds["step"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ results
+
+    def _hook_state_dicts(self, model: nn.Module) -> list:
+        """``state_dict()`` of any module holding parameters gives their current values, on the
+        host (see [Note: evicted parameters]): the guard lets ``detach`` of an evicted parameter
+        through, and the post-hook puts the values in (one tensor per parameter, so tied
+        parameters stay one tensor)."""
+        index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
+        local = threading.local()
+
+        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            if not hasattr(local, "quiet"):
+                local.quiet, local.values = [], {}
+            q = self.guard.passthrough()
+            q.__enter__()
+            local.quiet.append(q)
+
+        def post(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+            for name, p in module._parameters.items():
+                key = prefix + name
+                i = index.get(id(p)) if p is not None else None
+                if i is None or key not in state or isinstance(state[key], nn.Parameter):
+                    continue  # keep_vars: the Parameter itself
+                if i not in local.values:
+                    local.values[i] = self.bank.host_value(i, p.dtype)
+                state[key] = local.values[i]
+            local.quiet.pop().__exit__(None, None, None)
+            if not local.quiet:
+                local.values = {}
+
+        handles = []
+        for module in model.modules():
+            if any(id(p) in index for p in module._parameters.values() if p is not None):
+                handles.append(module.register_state_dict_pre_hook(pre))
+                handles.append(module.register_state_dict_post_hook(post))
+        return handles
 
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
@@ -216,22 +362,52 @@ class Engine:
             "skipped_steps": self.updater.skipped_steps,
             "overlapped_updates": self.updater.overlapped_updates,
             "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),
+            "unforeseen_reads": self.guard.reads,
             "loss_scale": self.updater.scaler.scale,
         }
 
     def close(self) -> None:
-        """Remove the hooks, stop the workers and give the store's memory back. The module's
-        parameters are left as placeholders; load ``state_dict()`` into a model to keep training."""
-        for h in self._hooks:
+        """Remove the hooks, stop the workers and give the store's memory back. The module keeps
+        its trained weights (the fp32 master weights, in each parameter's original dtype, in host
+        memory) when host memory has room for them; otherwise it warns, and its parameters refuse
+        every read (load a checkpoint instead)."""
+        for h in self._hooks + self._state_dict_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._state_dict_hooks = [], []
+        if self.guard.closed is None:
+            self._give_weights_back()
         self.clock.remove(quiet=True)
         self.updater.close()
         self.pager.close()
         self.store.close()
+
+    def _give_weights_back(self) -> None:
+        need = sum(p.numel() * dt.itemsize for (_, p), dt in zip(self.bank.params, self.bank.original_dtype))
+        free = host_memory_available()
+        if free is not None and need > free * 0.9:
+            why = (f"the engine is closed and the trained weights ({need} bytes) did not fit in host memory "
+                   f"({free} bytes available): save them with engine.save() before close() and load them from there")
+            warnings.warn(f"pagemem: {why}", RuntimeWarning, stacklevel=3)
+            self.guard.release(None, why)
+            return
+        self.updater.flush()
+        self.guard.release(lambda i: self.bank.host_value(i, self.bank.original_dtype[i]),
+                           "the engine is closed")
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (``MemAvailable``), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -51,7 +51,9 @@ from torch import nn
 
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, units_of_layers
+from pagemem.engine.guard import Guard
 from pagemem.engine.residency import Residency
+from pagemem.engine.scopes import Scopes
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.sched import InfeasiblePlan, Plan, plan, validate
 from pagemem.tracer import Op, OpClock, Recording, SavedTensor, Trace, TraceError, TraceOptions
@@ -86,11 +88,12 @@ def signature(args: tuple, kwargs: dict) -> tuple:
 
 class Pager:
     def __init__(self, model: nn.Module, bank: ParamBank, clock: OpClock, optimizer_tier: str,
-                 executor: str) -> None:
+                 executor: str, guard: Guard | None = None) -> None:
         self.model = model
         self.bank = bank
         self.clock = clock
-        self.residency = Residency(bank)
+        self.scopes = Scopes()
+        self.residency = Residency(bank, self.scopes, guard)
         self.store = bank.store
         self._gpu = self.store.tier("gpu")
         self._page_bytes = self.store.page_bytes
@@ -181,9 +184,10 @@ class Pager:
         self.residency.new_iteration()
         self._op_pages = []
         cuda = self._gpu.device if self.store.cuda else None  # non-model bytes from the allocator there
-        self._recording = Recording(self.model, self.clock, layers=self.bank.units,
-                                    param_nbytes=self.bank.param_nbytes, options=self.trace_options,
-                                    cuda_device=cuda, device_model_bytes=self._gpu.capacity * self._page_bytes)
+        with self.residency.guard.passthrough():  # it maps where parameters are: not their values
+            self._recording = Recording(self.model, self.clock, layers=self.bank.units,
+                                        param_nbytes=self.bank.param_nbytes, options=self.trace_options,
+                                        cuda_device=cuda, device_model_bytes=self._gpu.capacity * self._page_bytes)
 
     def _start_demand(self, reserve: int) -> None:
         self.mode = "demand"
@@ -261,6 +265,8 @@ class Pager:
     # ------------------------------------------------------------------ ops
 
     def _on_op(self, op_id: int, edge: str, op: Op) -> None:
+        if edge == "start":
+            self.scopes.on_op(op, self.residency.units_of(op.params) if op.params else ())
         ex = self._executor
         if self.mode == "plan" and ex is not None:
             ex.on_op(op_id, edge, op)
@@ -275,7 +281,7 @@ class Pager:
         res = self.residency
         reserve = self._recording.live_bytes if self._recording is not None else self._reserve
         units = res.units_of(op.params) if op.params and op.event in ("forward_pre", "backward_pre") else []
-        # warm-up keeps only what the op uses (its non-model peak is known only once it ends)
+        # warm-up keeps only what open scopes hold (its non-model peak is known only once it ends)
         res.make_room(units, res.budget_bytes if self.mode == "warmup" else reserve)
         if units:
             res.ensure(units, reserve, stage_next=self.mode != "warmup")
@@ -315,16 +321,23 @@ class Pager:
             return saved.unpack()
         if not isinstance(saved, SavedParam):
             return saved
-        u = self.bank.layer_of[saved.index]
+        self._make_resident(saved.index, grads=True)
+        base = self.bank.params[saved.index][1].data
+        return base.as_strided(saved.size, saved.stride, saved.offset)
+
+    def fetch_unforeseen(self, i: int) -> None:
+        """Parameter ``i`` is read where no scope holds it (see [Note: evicted parameters])."""
+        self._make_resident(i, grads=False)
+
+    def _make_resident(self, i: int, grads: bool) -> None:
+        u = self.bank.layer_of[i]
         if self.mode == "plan" and self._executor is not None and not self._executor.diverged:
             self.residency.bind(u)
         else:
             reserve = self._recording.live_bytes if self._recording is not None else self._reserve
             self.residency.ensure([u], reserve)
         if self._recording is not None:
-            self._recording.touch_params((saved.index,), grads=True)
-        base = self.bank.params[saved.index][1].data
-        return base.as_strided(saved.size, saved.stride, saved.offset)
+            self._recording.touch_params((i,), grads=grads)
 
     # ------------------------------------------------------------------ the rest
 
@@ -334,6 +347,7 @@ class Pager:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _abandon(self) -> None:
+        self.scopes.clear()
         if self._recording is not None:
             self._recording.abandon()
             self._recording = None

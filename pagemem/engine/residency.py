@@ -35,12 +35,18 @@ from collections import OrderedDict
 from typing import Iterable
 
 from pagemem.engine.bank import Layer, ParamBank, placeholder
+from pagemem.engine.guard import Guard, Unguarded
+from pagemem.engine.scopes import Scopes
 from pagemem.errors import InvalidRequest, OutOfMemory
 
 
 class Residency:
-    def __init__(self, bank: ParamBank) -> None:
+    def __init__(self, bank: ParamBank, scopes: Scopes | None = None, guard: Guard | None = None) -> None:
         self.bank = bank
+        self.guard = guard if guard is not None else Unguarded()
+        """Told of every bind and eviction (see [Note: evicted parameters])."""
+        self.scopes = scopes if scopes is not None else Scopes()
+        """Units held by open module scopes: never evicted (see [Note: the residency rule])."""
         self.store = bank.store
         self._gpu = self.store.tier("gpu")
         self.page_bytes = self.store.page_bytes
@@ -65,6 +71,8 @@ class Residency:
         self.evictions = 0
         self.misses = 0
         """Units a plan's compute found not fully staged (the executor copied the rest)."""
+        self.deferred_releases = 0
+        """Releases a plan asked for while a module scope still held the unit (it stays)."""
         self.wait_seconds = 0.0
         """Time the compute thread spent waiting for pages (the gpu idle, on the stand-in)."""
 
@@ -141,6 +149,9 @@ class Residency:
         layer = self.bank.layers[li]
         if layer.staged and not layer.resident:
             self._drop_staged(layer)
+            return
+        if layer.resident and self.scopes.is_held(li):
+            self.deferred_releases += 1  # a scope may still read it (see scopes.py)
             return
         self.evict(layer)
 
@@ -236,16 +247,18 @@ class Residency:
         for i, t, view in zip(layer.params, layer.compute, views):
             p = params[i][1]
             try:
-                p.data = view if view is not None else t.view("gpu")
+                data = view if view is not None else t.view("gpu")
             except InvalidRequest:  # scattered slots: a merged copy of the gpu pages (stats().view_copies)
                 if self.home_on_gpu:  # a copy would go stale: updates write the master pages
                     raise InvalidRequest(f"parameter {params[i][0]!r}: its master pages are not adjacent on the "
                                          "gpu, so the parameter cannot be a view of them") from None
                 lease = t.lease("gpu", write=False)
                 layer.leases.append(lease)
-                p.data = lease.tensor
-            if p.numel():
-                ptr = p.data.untyped_storage().data_ptr()
+                data = lease.tensor
+            p.data = data
+            self.guard.bound(i)
+            if data.numel():
+                ptr = data.untyped_storage().data_ptr()
                 self._by_ptr[ptr] = i
                 layer.ptrs.append(ptr)
         layer.resident, layer.zombie = True, False
@@ -258,6 +271,7 @@ class Residency:
         (nothing can where units are home on the gpu)."""
         if self.home_on_gpu:
             return False
+        held = self.scopes.is_held
         for layer in self.bank.layers:
             if layer.staged and not layer.resident and layer.index not in keep:
                 self._drop_staged(layer)
@@ -266,7 +280,7 @@ class Residency:
             if layer.zombie and self._drop(layer):
                 return True
         for li in list(self._lru):
-            if li in keep:
+            if li in keep or held(li):
                 continue
             self.evict(self.bank.layers[li])
             if not self.bank.layers[li].zombie:
@@ -280,6 +294,7 @@ class Residency:
         for i in layer.params:
             p = self.bank.params[i][1]
             p.data = placeholder(p.shape, p.dtype, p.device)
+            self.guard.evicted(i)
         for lease in layer.leases:
             lease.release()
         layer.leases.clear()

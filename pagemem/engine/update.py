@@ -100,6 +100,9 @@ class Updater:
         self.skipped_steps = 0
         self.overlapped_updates = 0
         self._has_grad: set[int] = set()
+        self._gone: set[int] = set()
+        """Parameters updated during backward whose gradients a non-consuming update could not
+        keep (they never were in pages): the next backward must not add to them."""
         self._fires_prev: dict[int, int] = {}
         self._fires_now: dict[int, int] = {}
         self._early: dict[int, Any] = {}
@@ -112,6 +115,11 @@ class Updater:
 
     def begin_backward(self, final: bool) -> None:
         """A backward starts; ``final``: the last of this step's accumulation."""
+        if self._gone:
+            raise InvalidRequest(f"{len(self._gone)} parameters were updated during the last backward "
+                                 "(overlap_update) and their gradients are gone, so this backward cannot add to "
+                                 "them as torch would: call optimizer.zero_grad() after optimizer.step(), or "
+                                 "pass overlap_update=False")
         self._final = final
         self._fires_now = {}
         self._early_hp = None
@@ -199,13 +207,73 @@ class Updater:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> bool:
+    def step(self, consume: bool = True) -> bool:
         """Update every parameter that got a gradient since the last step (waiting for those
-        already updated during backward). False when an fp16 overflow skipped it."""
+        already updated during backward). False when an fp16 overflow skipped it. ``consume``:
+        the next backward starts new sums; else they are kept (a torch optimizer's ``step()``
+        leaves ``p.grad`` for ``zero_grad()``)."""
+        early = set(self._early)
         try:
             return self._step()
         finally:
-            self._has_grad.clear()
+            if consume:
+                self._has_grad.clear()
+            else:
+                self._has_grad -= early
+                self._gone = early
+
+    # ------------------------------------------------------------------ gradients by habit
+
+    def pending(self) -> list[int]:
+        """Parameters with a gradient sum (or an update under way from one) since the last update."""
+        return sorted(self._has_grad | set(self._early))
+
+    def discard(self, params: list[int]) -> None:
+        """Forget the gradient sums of ``params`` (``zero_grad``); refused for one already applied
+        during backward."""
+        applied = [self.bank.params[i][0] for i in params if i in self._early]
+        if applied:
+            raise InvalidRequest(f"zero_grad: the gradients of {applied[:3]}{'...' if len(applied) > 3 else ''} were "
+                                 "already applied during backward (overlap_update); call step() first, or pass "
+                                 "overlap_update=False")
+        self._has_grad.difference_update(params)
+        self._gone.difference_update(params)
+        if not self._has_grad:
+            self._gone.clear()
+
+    def _grad_view(self, i: int, fn: Callable[[torch.Tensor], Any]) -> Any:
+        """``fn`` of parameter ``i``'s gradient sum as one flat fp32 tensor (a view, or pieces
+        joined for reading)."""
+        if i in self._early:
+            raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
+                                 "(overlap_update); pass overlap_update=False to read or clip gradients")
+        x = self.bank.lasting_view("grad", i)
+        if x is not None:
+            return fn(x)
+        layer, k = self.bank.where(i)
+        with self.store.lease_many([layer.grad[k]], self.bank.grad_tier_of(layer.index), split=True)[0] as lease:
+            return fn(lease.pieces)
+
+    def grad_norm(self, i: int) -> torch.Tensor:
+        """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""
+        return self._grad_view(i, lambda x: _norm([x] if isinstance(x, torch.Tensor) else [v for _, v in x]))
+
+    def scale_grad(self, i: int, coef: float) -> None:
+        """Multiply parameter ``i``'s gradient sum by ``coef`` in place (clipping by habit)."""
+        def mul(x: Any) -> None:
+            with torch.no_grad():
+                for v in ([x] if isinstance(x, torch.Tensor) else [v for _, v in x]):
+                    v.mul_(coef)
+        self._grad_view(i, mul)
+
+    def zero_grad(self, i: int) -> None:
+        """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated."""
+        def zero(x: Any) -> None:
+            with torch.no_grad():
+                for v in ([x] if isinstance(x, torch.Tensor) else [v for _, v in x]):
+                    v.zero_()
+        self._grad_view(i, zero)
+        self._has_grad.add(i)
 
     def _step(self) -> bool:
         cfg = self.config

@@ -131,7 +131,10 @@ class OpClock:
                 owned = tuple(dict.fromkeys(self.param_index[id(p)] for p in module.parameters(recurse=False)
                                             if id(p) in self.param_index))
                 backward = bool(owned) or next(module.children(), None) is None
-                self._handles.append(module.register_forward_pre_hook(self._make_pre(path, owned, key, backward)))
+                # the pre-hook runs before the module's other pre-hooks (old-style weight_norm computes
+                # its weight in one), the post-hook after the forward hooks registered before it
+                self._handles.append(module.register_forward_pre_hook(self._make_pre(path, owned, key, backward),
+                                                                      prepend=True))
                 self._handles.append(module.register_forward_hook(self._make_post(path, owned, key, backward)))
             for i, (name, p) in enumerate(self.params):
                 if p.requires_grad:
