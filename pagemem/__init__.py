@@ -9,7 +9,7 @@ from pagemem.config import StoreConfig
 from pagemem.errors import (ConfigError, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
                             TierIOError, TornPage)
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore, StoreStats
-from pagemem.engine import AdamW, Engine, EngineConfig
+from pagemem.engine import AdamW, Engine, EngineConfig, decay_groups
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "MoveHandle",
     "Lease",
     "Engine",
+    "decay_groups",
     "EngineConfig",
     "AdamW",
     "StoreStats",

@@ -24,7 +24,7 @@ def reference(make: Callable[[], torch.nn.Module], loss: Callable, steps: int, g
               scheduler=None, max_grad_norm=None, hp: dict | None = None) -> dict[str, torch.Tensor]:
     """Plain PyTorch: backward, clip, step, zero_grad."""
     model = make()
-    params = groups(model) if groups is not None else [p for p in model.parameters() if p.requires_grad]
+    params = groups(model) if groups is not None else list(model.parameters())
     opt = torch.optim.AdamW(params, fused=True, **(hp or HP))
     sched = scheduler(opt) if scheduler is not None else None
     for s in range(steps):
@@ -111,7 +111,7 @@ def same_loop(make, loss, loop, steps: int, tmp_path, optimizer_tier: str = "cpu
     the model, a fused ``torch.optim.AdamW``) and through the engine (``run`` the engine, its
     optimizer): the same loop code both ways. Asserts bit-identity; returns the engine's stats."""
     model = make()
-    params = groups(model) if groups is not None else [p for p in model.parameters() if p.requires_grad]
+    params = groups(model) if groups is not None else list(model.parameters())
     opt = torch.optim.AdamW(params, fused=True, **HP)
     for s in range(steps):
         loop(model, model, opt, s, loss)

@@ -78,3 +78,33 @@ class Shared(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.g(torch.relu(self.f(torch.relu(self.f(x))))) * self.scale
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight plus a trainable low-rank update ``B @ A`` (LoRA)."""
+
+    def __init__(self, width: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, width) / width ** 0.5)
+        self.lora_b = nn.Parameter(torch.randn(width, rank) * 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class LoRANet(nn.Module):
+    """Three LoRA layers over a frozen embedding-like input projection."""
+
+    def __init__(self, width: int = 128, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width // 2, width)
+        self.inp.requires_grad_(False)
+        self.layers = nn.ModuleList(LoRALinear(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x[..., : self.inp.in_features])
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x

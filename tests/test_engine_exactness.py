@@ -299,3 +299,84 @@ def test_what_cannot_be_done_with_gradients_is_refused(tmp_path):
         mse(engine, model, 2).backward()
         with pytest.raises(pagemem.InvalidRequest, match="overlap_update"):
             engine.optimizer.zero_grad()  # those gradients were already applied
+
+
+# ---------------------------------------------------------------------------- what people configure
+
+def warmup_cosine(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2) * 0.5 ** s)
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_decay_and_no_decay_groups_with_a_scheduler(optimizer_tier, tmp_path):
+    def groups(model):
+        decay, no_decay = pagemem.decay_groups(model, weight_decay=0.2)
+        no_decay["lr"] = 1e-3  # a group of its own learning rate too
+        return [decay, no_decay]
+
+    model = TinyViT()
+    decay, no_decay = pagemem.decay_groups(model, weight_decay=0.2)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in no_decay["params"]} >= {"head.bias", "blocks.0.gamma", "blocks.0.norm.weight"}
+    assert "blocks.0.mlp.0.weight" in {names[id(p)] for p in decay["params"]}
+    stats = train_both(*CASES["class token and position embedding"], 4, tmp_path, optimizer_tier=optimizer_tier,
+                       groups=groups, scheduler=warmup_cosine)
+    assert_moved_and_planned(stats, 4)
+
+
+def test_param_groups_are_checked_and_fixed(tmp_path):
+    model = ParamAfterChild()
+    cfg = engine_config(ParamAfterChild(), mse, tmp_path)
+    with pytest.raises(pagemem.ConfigError, match="in no group"):
+        pagemem.Engine(model, cfg, param_groups=[{"params": [model.w]}])
+    with pytest.raises(pagemem.ConfigError, match="also in"):
+        pagemem.Engine(model, cfg, param_groups=[{"params": model.parameters()}, {"params": [model.w]}])
+    with pytest.raises(pagemem.ConfigError, match="unknown keys"):
+        pagemem.Engine(model, cfg, param_groups=[{"params": model.parameters(), "momentum": 0.9}])
+    with pytest.raises(pagemem.ConfigError, match="lr"):
+        pagemem.Engine(model, cfg, param_groups=[{"params": model.parameters(), "lr": -1.0}])
+    with pagemem.Engine(model, cfg, param_groups=pagemem.decay_groups(model)) as engine:
+        assert len(engine.optimizer.param_groups) == 2
+        with pytest.raises(pagemem.InvalidRequest, match="param_groups="):
+            engine.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_a_lora_model_pays_optimizer_memory_for_its_adapters_only(optimizer_tier, tmp_path):
+    from exactness_models import LoRANet
+    stats = train_both(seeded(LoRANet), mse_half, 4, tmp_path, optimizer_tier=optimizer_tier)
+    assert_moved_and_planned(stats, 4)
+    model = LoRANet()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable < sum(p.numel() for p in model.parameters()) / 5
+    assert stats["optimizer_state_bytes"] == 12 * trainable  # fp32 master weights and two moments
+    assert stats["grad_bytes"] == 4 * trainable
+
+
+def mse_half(run, model, s):
+    return run(X[s]).pow(2).mean()
+
+
+def unfreeze_at_2(run, model, opt, s, loss):
+    if s == 0:
+        model.inp.requires_grad_(False)
+        model.w.requires_grad_(False)
+    if s == 2:
+        model.inp.requires_grad_(True)  # frozen when the engine was made: gets states now
+        model.w.requires_grad_(True)
+        model.out.requires_grad_(False)  # trained until now: keeps its states, gets no gradient
+    opt.zero_grad()
+    loss(run, model, s).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_requires_grad_changed_after_the_engine_is_made_takes_effect_at_the_next_iteration(optimizer_tier, tmp_path):
+    def make():
+        torch.manual_seed(0)
+        m = ParamAfterChild()
+        m.inp.requires_grad_(False)
+        m.w.requires_grad_(False)
+        return m
+    stats = same_loop(make, mse, unfreeze_at_2, 4, tmp_path, optimizer_tier=optimizer_tier)
+    assert stats["iterations"]["traced"] == 2  # traced again after the change: its ops differ

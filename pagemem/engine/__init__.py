@@ -7,6 +7,7 @@ from pagemem.engine.adam import (AdamW, Chunk, CpuAdam, PagedOptimizer, StepResu
 from pagemem.engine.adam_threads import WorkerDied
 from pagemem.engine.config import EngineConfig
 from pagemem.engine.engine import Engine
+from pagemem.engine.groups import decay_groups
 
 __all__ = [
     "AdamW",
@@ -14,6 +15,7 @@ __all__ = [
     "CpuAdam",
     "Engine",
     "EngineConfig",
+    "decay_groups",
     "PagedOptimizer",
     "StepResult",
     "WorkerDied",

@@ -107,7 +107,9 @@ class PagedOptimizer(torch.optim.Optimizer):
                  zero_grad_fn: Callable[[], None] | None = None) -> None:
         self.step_fn = step_fn
         self.zero_grad_fn = zero_grad_fn
+        self._sealed = False
         super().__init__(params, (defaults or AdamW()).group())
+        self._sealed = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; the engine then discards the gradient sums of
@@ -117,6 +119,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             self.zero_grad_fn()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._sealed and self.step_fn is not None:
+            raise InvalidRequest("add_param_group: the engine's parameters and their groups are fixed when it is "
+                                 "made; pass param_groups= to pagemem.Engine")
         super().add_param_group(param_group)
         try:
             AdamW.from_group(self.param_groups[-1])

@@ -48,10 +48,12 @@ class Layer:
     params: list[int]
     """Indices into ``ParamBank.params``."""
     compute: list[PagedTensor]
-    master: list[PagedTensor]
-    exp_avg: list[PagedTensor]
-    exp_avg_sq: list[PagedTensor]
-    grad: list[PagedTensor] = field(default_factory=list)
+    master: list[PagedTensor | None]
+    """None for a frozen parameter (see [Note: frozen parameters]); the same as ``compute`` where
+    the compute copy is the master."""
+    exp_avg: list[PagedTensor | None]
+    exp_avg_sq: list[PagedTensor | None]
+    grad: list[PagedTensor | None] = field(default_factory=list)
     """fp32 gradient sums on ``ParamBank.grad_tier_of(index)`` (valid for the parameters that got a
     gradient this step)."""
     leases: list[Lease] = field(default_factory=list)
@@ -64,6 +66,10 @@ class Layer:
     staged_pages: int = 0
     settled: bool = False
     """The gpu copy of ``compute`` is the only one (the plan keeps the unit on the gpu for good)."""
+
+    def states(self) -> list[PagedTensor]:
+        """The optimizer-state tensors the unit has (master weights and moments), kind by kind."""
+        return [t for t in (*self.master, *self.exp_avg, *self.exp_avg_sq) if t is not None]
 
 
 def materialize_meta(model: nn.Module, device: torch.device) -> None:
@@ -167,6 +173,11 @@ class ParamBank:
         if not self.params:
             raise InvalidRequest("the model has no parameters to train")
         self.original_dtype = [p.dtype for _, p in self.params]
+        self.trainable = [p.requires_grad for _, p in self.params]
+        """[Note: frozen parameters] A parameter that does not require a gradient when the bank is
+        made keeps only its compute copy: no fp32 master, no moments, no gradient sums (a LoRA
+        model pays optimizer memory for its adapters only). Unfrozen later, it gets them then
+        (``make_trainable``), its master weights cast from the compute copy."""
         nbytes = [p.numel() * compute_dtype.itemsize for _, p in self.params]
         layer_specs = paging_units(module_specs, nbytes, unit_bytes if unit_bytes is not None else store.page_bytes)
         self.units: list[tuple[str, list[int]]] = [(n, list(idx)) for n, idx in layer_specs]
@@ -199,11 +210,14 @@ class ParamBank:
             groups[kind] = []
             if kind == "compute" and self.compute_is_master:
                 continue  # the master's groups, once they exist (see the Note)
+            every = kind == "compute" or (kind == "master" and self.compute_is_master)
             for _name, idx in layer_specs:
-                group = store.allocate_group([(self.params[i][1].shape, dtype) for i in idx], tier=tier,
-                                             after=tail if kind != "compute" else None)
-                tail = group[-1]
-                groups[kind].append(group)
+                members = [i for i in idx if every or self.trainable[i]]
+                group = store.allocate_group([(self.params[i][1].shape, dtype) for i in members], tier=tier,
+                                             after=tail if kind != "compute" else None) if members else []
+                tail = group[-1] if group else tail
+                at = dict(zip(members, group))
+                groups[kind].append([at.get(i) for i in idx])
         if self.compute_is_master:
             groups["compute"] = groups["master"]
         for li, (name, idx) in enumerate(layer_specs):
@@ -223,12 +237,52 @@ class ParamBank:
     def fill(self, i: int, value: torch.Tensor) -> None:
         """Parameter ``i``'s first value: into its master and compute copies, with zero moments."""
         layer, k = self.where(i)
-        layer.master[k].copy_(value.float())
+        if layer.master[k] is not None:
+            layer.master[k].copy_(value.float())
         if not self.compute_is_master:
             layer.compute[k].copy_(value.to(self.compute_dtype))
         zeros = torch.zeros(value.shape)
-        layer.exp_avg[k].copy_(zeros)
-        layer.exp_avg_sq[k].copy_(zeros)
+        for t in (layer.exp_avg[k], layer.exp_avg_sq[k]):
+            if t is not None:
+                t.copy_(zeros)
+
+    def make_trainable(self, i: int) -> None:
+        """Give a frozen parameter what training needs (see [Note: frozen parameters]): fp32
+        master weights cast from its compute copy, zero moments, gradient sums, each beside its
+        unit's (on pages of their own). Nothing changes if the pages cannot be had."""
+        if self.trainable[i]:
+            return
+        layer, k = self.where(i)
+        shape = self.params[i][1].shape
+        tier = self.state_tiers[layer.index]
+        kinds = [("exp_avg", tier), ("exp_avg_sq", tier), ("grad", grad_tier_beside(tier))]
+        if not self.compute_is_master:
+            kinds.insert(0, ("master", tier))
+        made: dict[str, PagedTensor] = {}
+        try:
+            for kind, t in kinds:
+                made[kind] = self.store.allocate_group([(shape, torch.float32)], tier=t)[0]
+        except BaseException:
+            for t in made.values():
+                t.free()
+            raise
+        value = layer.compute[k].to_torch().float()
+        for kind, t in made.items():
+            t.copy_(value if kind == "master" else torch.zeros(shape))
+            getattr(layer, kind)[k] = t
+        self._lasting = {key: v for key, v in self._lasting.items() if key[1] != i}
+        self.trainable[i] = True
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes the optimizer states (fp32 master weights where they are not the compute copy,
+        two moments) and the gradient sums take, over all units."""
+        out = {"optimizer_state": 0, "grad": 0}
+        for layer in self.layers:
+            masters = [] if self.compute_is_master else layer.master
+            out["optimizer_state"] += sum(t.nbytes for t in (*masters, *layer.exp_avg, *layer.exp_avg_sq)
+                                          if t is not None)
+            out["grad"] += sum(t.nbytes for t in layer.grad if t is not None)
+        return out
 
     def fill_from_init(self, model: nn.Module, module_specs: list[tuple[str, list[int]]],
                        init: ModuleInit) -> None:
@@ -262,7 +316,8 @@ class ParamBank:
     def host_value(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Parameter ``i``'s current value on the host: its fp32 master weights cast to ``dtype``."""
         layer, k = self.where(i)
-        return layer.master[k].to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
+        t = layer.master[k] if layer.master[k] is not None else layer.compute[k]
+        return t.to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
 
     def compute_pages(self, li: int) -> int:
         """Pages unit ``li``'s compute copy moves to and from the gpu (none where it is the master)."""
@@ -275,15 +330,26 @@ class ParamBank:
         if self.state_tiers[li] != "nvme":
             return
         try:
-            self.store.copy(layer.master + layer.exp_avg + layer.exp_avg_sq, "cpu")
+            self.store.copy(layer.states(), "cpu")
         except OutOfMemory:
             pass
 
     def set_state(self, i: int, kind: str, value: torch.Tensor) -> None:
-        """Overwrite parameter ``i``'s ``kind`` state (``master``, ``exp_avg``, ``exp_avg_sq``);
-        setting ``master`` also refreshes the compute copy (every copy of it)."""
+        """Overwrite parameter ``i``'s ``kind`` state (``master``, ``exp_avg``, ``exp_avg_sq``)
+        or its ``compute`` copy (the master weights too, where it has them); setting ``master``
+        also refreshes the compute copy (every copy of it). A state the parameter has no pages for
+        (it is frozen) is skipped."""
         layer, k = self.where(i)
-        getattr(layer, kind)[k].copy_(value)
+        if kind == "compute":
+            if layer.master[k] is not None:
+                layer.master[k].copy_(value.float())
+            if not self.compute_is_master:
+                layer.compute[k].copy_(value.to(self.compute_dtype))
+            return
+        t = getattr(layer, kind)[k]
+        if t is None:
+            return
+        t.copy_(value)
         if kind == "master":
             self.refresh_compute(i, value)
 
@@ -336,8 +402,8 @@ class ParamBank:
         (``optimizer_tier="gpu"``: counted with the pages at rest, not the plan's)."""
         if self.optimizer_tier == "gpu":
             return 0
-        sizes = [self.params[i][1].numel() * 4 for i in self.layers[li].params]
-        return 4 * pack(sizes, self.store.page_bytes).pages
+        sizes = [self.params[i][1].numel() * 4 for i in self.layers[li].params if self.trainable[i]]
+        return 4 * pack(sizes, self.store.page_bytes).pages if sizes else 0
 
     def place_states(self, li: int, tier: str | None) -> bool:
         """[Note: states a plan keeps on the gpu] Put unit ``li``'s optimizer states and gradient
@@ -356,8 +422,9 @@ class ParamBank:
         new: dict[str, list[PagedTensor]] = {}
         try:
             for kind in kinds:
-                new[kind] = self.store.allocate_group([(t.shape, torch.float32) for t in getattr(layer, kind)],
-                                                      tier=grad_tier if kind == "grad" else tier)
+                present = [t for t in getattr(layer, kind) if t is not None]
+                new[kind] = self.store.allocate_group([(t.shape, torch.float32) for t in present],
+                                                      tier=grad_tier if kind == "grad" else tier) if present else []
         except OutOfMemory:
             for group in new.values():
                 for t in group:
@@ -365,11 +432,17 @@ class ParamBank:
             return False
         self._lasting = {key: v for key, v in self._lasting.items() if self.layer_of[key[1]] != li}
         for kind in kinds:
-            old = getattr(layer, kind)
-            for src, dst in zip(old, new[kind]):
+            fresh = iter(new[kind])
+            moved: list[PagedTensor | None] = []
+            for src in getattr(layer, kind):
+                if src is None:
+                    moved.append(None)
+                    continue
+                dst = next(fresh)
                 dst.copy_(src.to_torch())
                 src.free()
-            setattr(layer, kind, new[kind])
+                moved.append(dst)
+            setattr(layer, kind, moved)
         self.state_tiers[li] = tier
         return True
 

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
     from pagemem.engine.engine import Engine
 
 VERSION = 1
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+KINDS = ("master", "exp_avg", "exp_avg_sq", "compute")
+"""What a checkpoint holds per parameter: its states, and the compute copy (the only value a
+frozen parameter has; the others' is written too, small beside the states)."""
 
 
 def _write_durable(path: str, data: bytes | str) -> None:
@@ -69,6 +71,9 @@ def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict], li
     for i in range(len(bank.params)):
         layer, k = bank.where(i)
         t = getattr(layer, kind)[k]
+        if t is None:  # a frozen parameter's states (see [Note: frozen parameters])
+            tensors.append(None)
+            continue
         extents = t.extents()
         for page_id, _lo, _hi in extents:
             order.setdefault(page_id, len(order))
@@ -190,6 +195,8 @@ def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
                 raise CorruptPage("checkpoint", pos, expected, actual, f"{ckpt}/{kind}.pages")
         raw = np.frombuffer(data, dtype=np.uint8)
         for i, where in enumerate(manifest["tensors"][kind]):
+            if where is None or (kind == "compute" and manifest["tensors"]["master"][i] is not None):
+                continue  # a state this parameter had no pages for; a compute copy its master sets
             chunks, left, lo = [], where["nbytes"], where["offset"]
             for pos in where["pages"]:
                 take = min(pb - lo, left)
@@ -197,7 +204,8 @@ def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
                 left -= take
                 lo = 0
             flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
-            value = torch.from_numpy(flat.copy()).view(torch.float32).reshape(engine.bank.params[i][1].shape)
+            dtype = torch.float32 if kind != "compute" else getattr(torch, manifest["config"]["compute_dtype"])
+            value = torch.from_numpy(flat.copy()).view(dtype).reshape(engine.bank.params[i][1].shape)
             engine.bank.set_state(i, kind, value)
     with open(os.path.join(ckpt, manifest["rng"]["file"]), "rb") as f:
         rng = f.read()

@@ -30,6 +30,7 @@ from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.bank import ModuleInit, ParamBank
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.grads import GradHandles
+from pagemem.engine.groups import checked_groups
 from pagemem.engine.guard import Guard
 from pagemem.checks import check_rate
 from pagemem.engine.pager import Pager
@@ -40,9 +41,14 @@ from pagemem.tracer.clock import OpClock
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: EngineConfig, *, init: ModuleInit | None = None,
-                 _values: bool = True) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, *, param_groups: Any = None,
+                 init: ModuleInit | None = None, _values: bool = True) -> None:
         """Take over ``model``'s parameters: from here on they live in the store's pages.
+
+        ``param_groups``: as ``torch.optim`` takes them (see ``pagemem/engine/groups.py`` and
+        :func:`pagemem.decay_groups`); default one group of every parameter, with
+        ``config.optimizer``'s hyperparameters. Parameters that do not require a gradient keep
+        only their compute copy ([Note: frozen parameters]).
 
         A model too large for host memory is built on the ``meta`` device (``with
         torch.device("meta"): model = ...``) and given ``init``: ``init(name, module)`` sets the
@@ -54,6 +60,7 @@ class Engine:
             raise ConfigError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config: must be a pagemem.EngineConfig, got {type(config).__name__}")
+        groups = checked_groups(model, param_groups) if param_groups is not None else None
         self.module = model
         self.config = config
         self.store = PageStore(config.store)
@@ -74,9 +81,16 @@ class Engine:
                     if b is not None and not b.is_meta and b.device != self.device:
                         module._buffers[name] = b.to(self.device)
         params = [p for _, p in self.bank.params]
-        self.optimizer = PagedOptimizer(params, config.optimizer, step_fn=lambda _opt: self._update(),
-                                        zero_grad_fn=self._zero_grad)
-        self.updater = Updater(self.bank, self.store, config, lambda: check_no_amsgrad(self.optimizer.hyper(0)))
+        self.optimizer = PagedOptimizer(groups if groups is not None else params, config.optimizer,
+                                        step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad)
+        index = {id(p): i for i, p in enumerate(params)}
+        self.group_of: list[int | None] = [None] * len(params)
+        """Each parameter's group in ``optimizer.param_groups`` (None: in none, never updated)."""
+        for g, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                self.group_of[index[id(p)]] = g
+        self.updater = Updater(self.bank, self.store, config, lambda g: check_no_amsgrad(self.optimizer.hyper(g)),
+                               [g if g is not None else 0 for g in self.group_of])
         self._micro = 0
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
@@ -87,9 +101,8 @@ class Engine:
         self._consume = False
         self.grad_handles = GradHandles(self.bank.params, self.updater.grad_norm, self.updater.scale_grad,
                                         self.updater.zero_grad)
-        self._hooks = [h for i, p in enumerate(params) if p.requires_grad
-                       for h in (p.register_hook(self._before_accumulate),
-                                 p.register_post_accumulate_grad_hook(partial(self._grad_ready, i)))]
+        self._trainable = list(self.bank.trainable)
+        self._hooks = self._hook_gradients()
         self.clock = OpClock(model, self.bank.params)
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
                            self._saved_tensor_hooks)
@@ -97,11 +110,42 @@ class Engine:
         self.clock.install()
         self._state_dict_hooks = self._hook_state_dicts(model)
 
+    def _hook_gradients(self) -> list:
+        """The gradient hand-off: for each trainable parameter in a group, a hook before autograd
+        accumulates its gradient (a backward by habit starts there) and one after (the gradient
+        goes to the updater)."""
+        return [h for i, (_, p) in enumerate(self.bank.params) if self._trainable[i] and self.group_of[i] is not None
+                for h in (p.register_hook(self._before_accumulate),
+                          p.register_post_accumulate_grad_hook(partial(self._grad_ready, i)))]
+
+    def _follow_requires_grad(self) -> None:
+        """``requires_grad`` changed since the last iteration: a parameter unfrozen gets what
+        training needs, the hooks follow, and iterations are traced and planned anew (their
+        ops differ)."""
+        now = [p.requires_grad for _, p in self.bank.params]
+        if now == self._trainable:
+            return
+        for i, (name, _) in enumerate(self.bank.params):
+            if now[i] and not self._trainable[i]:
+                if self.group_of[i] is None:
+                    raise InvalidRequest(f"parameter {name!r} was unfrozen but is in no param group, so it would "
+                                         "never be updated: put it in param_groups when making the engine")
+                self.bank.make_trainable(i)
+        self._trainable = now
+        for h in self._hooks:
+            h.remove()
+        self._hooks = self._hook_gradients()
+        self.clock.remove(quiet=True)
+        self.clock.install()
+        self.pager.forget_plans()
+
     # ------------------------------------------------------------------ the training loop
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model's forward."""
         t0 = time.perf_counter()
+        if not self._in_backward:
+            self._follow_requires_grad()
         self.pager.begin(args, kwargs)
         self.guard.enter()
         try:
@@ -234,8 +278,6 @@ class Engine:
     # ------------------------------------------------------------------ the update
 
     def _update(self) -> None:
-        if len(self.optimizer.param_groups) != 1:
-            raise InvalidRequest("the engine's optimizer has one param group")
         t0 = time.perf_counter()
         try:
             if not self._consume and self._in_backward:
@@ -287,7 +329,8 @@ class Engine:
 
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
-        master weights on the host (wherever their pages are), buffers as they are."""
+        master weights on the host (wherever their pages are; a frozen parameter's compute copy
+        in its original dtype), buffers as they are."""
         index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=True).items():
@@ -295,8 +338,9 @@ class Engine:
             if i is None:
                 out[key] = value.detach().clone()
             else:
-                layer, k = self.bank.where(i)
-                out[key] = layer.master[k].to_torch().cpu()  # on the host, wherever the pages are
+                # on the host, wherever the pages are; a frozen parameter's compute copy as it was given
+                out[key] = self.bank.host_value(i, torch.float32 if self.bank.trainable[i] else
+                                                self.bank.original_dtype[i])
         return out
 
     def save(self, directory: str) -> str:
@@ -363,6 +407,7 @@ class Engine:
             "overlapped_updates": self.updater.overlapped_updates,
             "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),
             "unforeseen_reads": self.guard.reads,
+            **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
             "loss_scale": self.updater.scaler.scale,
         }
 

@@ -133,6 +133,14 @@ class Pager:
         self._warned: set[str] = set()
         clock.subscribe(self._on_op)
 
+    def forget_plans(self) -> None:
+        """Every signature is traced and planned again (the model's ops changed: a parameter was
+        frozen or unfrozen)."""
+        self.plans.clear()
+        self.reserves.clear()
+        self.arena_pages.clear()
+        self.divergences.clear()
+
     def _size_arena(self, pages: int) -> None:
         """Give the gpu arena ``pages`` slots, after sending every unit home (see the Note). A
         unit still pinned (a tensor derived from its old view is alive) leaves it as it is."""

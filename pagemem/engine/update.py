@@ -86,13 +86,15 @@ class LossScaler:
 
 class Updater:
     def __init__(self, bank: ParamBank, store: PageStore, config: EngineConfig,
-                 hyper: Callable[[], AdamW]) -> None:
+                 hyper: Callable[[int], AdamW], group_of: list[int] | None = None) -> None:
         self.bank = bank
         self.store = store
         self.config = config
         self.hyper = hyper
+        """``hyper(g)``: parameter group ``g``'s hyperparameters now (after any lr scheduler)."""
+        self.group_of = group_of if group_of is not None else [0] * len(bank.params)
+        """Each parameter's group."""
         self._writeback = None
-        """The current hyperparameters (the optimizer facade's group, after any lr scheduler)."""
         self.adam = CpuAdam(config.adam_threads)
         self.scaler = LossScaler(config.loss_scale)
         self.steps = [0] * len(bank.params)
@@ -106,7 +108,7 @@ class Updater:
         self._fires_prev: dict[int, int] = {}
         self._fires_now: dict[int, int] = {}
         self._early: dict[int, Any] = {}
-        self._early_hp: AdamW | None = None
+        self._early_hp: dict[int, AdamW] = {}
         self._final = False
         self.overlap = self._overlap_exact()
         """Updates may run during backward (fixed by the configuration: see the Note)."""
@@ -122,7 +124,7 @@ class Updater:
                                  "pass overlap_update=False")
         self._final = final
         self._fires_now = {}
-        self._early_hp = None
+        self._early_hp = {}
 
     def end_backward(self) -> None:
         if self._final:
@@ -145,18 +147,21 @@ class Updater:
             # pages (which it would only be read back from) and no worker thread; that gradient
             # is freed when the hook returns, as the trace recorded. (A bf16/fp16 gradient goes
             # through the fp32 pages: casting it here would allocate what the trace never saw.)
-            self._update_one(i, self._hyper_now(), grad)
+            self._update_one(i, self._hyper_now(i), grad)
             self._early[i] = _DONE
             return
         self.bank.accumulate_grad(i, grad, first=first)
         if early:
-            self._early[i] = self.adam.submit(self._update_one, i, self._hyper_now())
+            self._early[i] = self.adam.submit(self._update_one, i, self._hyper_now(i))
 
-    def _hyper_now(self) -> AdamW:
-        """The hyperparameters of this backward's early updates, read once at the first of them."""
-        if self._early_hp is None:
-            self._early_hp = self.hyper()
-        return self._early_hp
+    def _hyper_now(self, i: int) -> AdamW:
+        """The hyperparameters of parameter ``i``'s group for this backward's early updates, read
+        once per group at the first of them."""
+        g = self.group_of[i]
+        hp = self._early_hp.get(g)
+        if hp is None:
+            hp = self._early_hp[g] = self.hyper(g)
+        return hp
 
     def _overlap_exact(self) -> bool:
         """[Note: which updates may overlap backward] A parameter's update needs only its own
@@ -191,10 +196,10 @@ class Updater:
             for lease in leases:
                 lease.release()
 
-    def _update_params(self, group: list[tuple[int, list[StatePiece]]], hp: AdamW, scale: float | None,
+    def _update_params(self, group: list[tuple[int, list[StatePiece]]], hps: list[AdamW], scale: float | None,
                        coef: float | None) -> None:
         for i, pieces in group:
-            self._step_and_refresh(i, pieces, hp, scale, coef)
+            self._step_and_refresh(i, pieces, hps[self.group_of[i]], scale, coef)
 
     def _step_and_refresh(self, i: int, pieces: list[StatePiece], hp: AdamW, scale: float | None,
                           coef: float | None) -> None:
@@ -277,9 +282,9 @@ class Updater:
 
     def _step(self) -> bool:
         cfg = self.config
-        hp = self.hyper()
+        hps = [self.hyper(g) for g in range(max(self.group_of, default=0) + 1)]
         early, self._early = self._early, {}
-        if early and hp != self._early_hp:
+        if early and any(hps[g] != hp for g, hp in self._early_hp.items()):
             warnings.warn("pagemem: param_groups changed between backward and step(); the updates made during "
                           "backward used the values before the change (pass overlap_update=False to read them "
                           "in step())", RuntimeWarning, stacklevel=4)
@@ -289,8 +294,7 @@ class Updater:
         if not touched:
             return bool(early)
         layers = sorted({self.bank.layer_of[i] for i in touched})
-        states = [t for li in layers if self.bank.state_tiers[li] == "nvme"
-                  for kind in ("master", "exp_avg", "exp_avg_sq") for t in getattr(self.bank.layers[li], kind)]
+        states = [t for li in layers if self.bank.state_tiers[li] == "nvme" for t in self.bank.layers[li].states()]
         fetched = bool(states)
         if fetched:  # whole pages in and out: each page read once and written once
             self.flush()
@@ -319,7 +323,7 @@ class Updater:
             for i, ps in chunks:
                 by_unit.setdefault(self.bank.layer_of[i], []).append((i, ps))
             groups = sorted(by_unit.values(), key=lambda g: -sum(c.param.numel() for _, ps in g for _, c in ps))
-            wait_all([self.adam.submit(self._update_params, g, hp, scale, coef) for g in groups])
+            wait_all([self.adam.submit(self._update_params, g, hps, scale, coef) for g in groups])
             self.scaler.update(overflow=False)
             for i, _ in chunks:
                 self.steps[i] += 1

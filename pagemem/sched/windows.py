@@ -60,6 +60,12 @@ class Usage:
                 param_ops[rec.layer].update(a for a in rec.accesses if compute_op[a])
             elif rec.kind == "grad":
                 grad_ops[rec.layer].update(a for a in rec.accesses if compute_op[a])
+        for layer, ops in enumerate(grad_ops):
+            # a parameter read where the trace did not see it (outside its module, through an op
+            # that saved nothing): its gradient's first op stands for that read, so the layer has
+            # a window that produces its gradients
+            if ops and (not param_ops[layer] or min(param_ops[layer]) > min(ops)):
+                param_ops[layer].add(min(ops))
         # users[t]: how many layers access parameters at op t
         users = np.zeros(n + 1, dtype=np.int32)
         for ops in param_ops:
