@@ -122,7 +122,8 @@ class Engine:
         """``requires_grad`` changed since the last iteration: a parameter unfrozen gets what
         training needs, the hooks follow, and iterations are traced and planned anew (their
         ops differ)."""
-        now = [p.requires_grad for _, p in self.bank.params]
+        with torch._C.DisableTorchFunctionSubclass():  # a plain read of each flag
+            now = [p.requires_grad for _, p in self.bank.params]
         if now == self._trainable:
             return
         for i, (name, _) in enumerate(self.bank.params):

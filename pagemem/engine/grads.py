@@ -72,28 +72,33 @@ class GradHandles:
 
     def show(self, indices: Sequence[int]) -> None:
         """Put up a handle as ``p.grad`` of each parameter in ``indices`` that has none."""
-        for i in indices:
-            if i in self._shown:
-                continue
-            p = self.params[i]
-            with torch._C.DisableTorchFunctionSubclass():
-                one = torch.zeros((), dtype=p.dtype, device=p.device)
-                h = (one.expand(p.shape) if p.dim() else one).as_subclass(self.cls)
-            p.grad = h
-            self._shown[i] = h
-            self._of[id(h)] = i
+        zeros: dict[tuple, torch.Tensor] = {}
+        with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads and sets below
+            for i in indices:
+                if i in self._shown:
+                    continue
+                p = self.params[i]
+                key = (p.dtype, p.device)
+                one = zeros.get(key)
+                if one is None:
+                    one = zeros[key] = torch.zeros((), dtype=p.dtype, device=p.device)
+                h = one.expand(p.shape).as_subclass(self.cls)
+                p.grad = h
+                self._shown[i] = h
+                self._of[id(h)] = i
 
     def take_down(self) -> list[int]:
         """Remove every handle; return the parameters whose handle had been set to None (their
         gradients are discarded). A gradient assigned by hand is refused."""
         dropped = []
         for i, h in self._shown.items():
-            g = self.params[i].grad
+            with torch._C.DisableTorchFunctionSubclass():
+                g = self.params[i].grad
+                if g is h:
+                    self.params[i].grad = None
             if g is None:
                 dropped.append(i)
-            elif g is h:
-                self.params[i].grad = None
-            else:
+            elif g is not h:
                 raise InvalidRequest(f"parameter {self.names[i]!r}: p.grad was assigned a tensor; the engine keeps "
                                      "gradients in its pages and cannot take one from p.grad")
         self._shown.clear()
@@ -102,9 +107,10 @@ class GradHandles:
 
     def forget(self) -> None:
         """The gradients were consumed (by an update): remove the handles that are still up."""
-        for i, h in self._shown.items():
-            if self.params[i].grad is h:
-                self.params[i].grad = None
+        with torch._C.DisableTorchFunctionSubclass():
+            for i, h in self._shown.items():
+                if self.params[i].grad is h:
+                    self.params[i].grad = None
         self._shown.clear()
         self._of.clear()
 
