@@ -300,3 +300,26 @@ def test_the_executor_host_time_per_window_is_measured_on_planned_iterations():
     seconds, how = window_host_seconds(iterations=2, repeats=1)
     assert 0 < seconds < 1 and how["samples_s"] == [seconds]
     assert how["windows_per_iteration"] > 0 and how["iterations"] == 2
+
+
+def test_every_row_of_the_task_table_has_a_handler_at_world_size_1():
+    """Each row a single-process plan may hold is carried out by someone (``HANDLERS``); the rows
+    of data parallelism are the ones left, and a plan holding one is refused when compiled."""
+    import dataclasses
+
+    from pagemem.engine.executor import HANDLERS, unhandled_rows
+    from pagemem.sched.tasks import EFFECTS, Target, Task
+
+    assert unhandled_rows(1) == []
+    assert set(unhandled_rows(2)) == {("all_gather", "param"), ("reduce_scatter", "grad"), ("release", "fullgrad")}
+    assert set(HANDLERS) <= set(EFFECTS)
+    model = small_gpt()
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget_for(model), cpu_bytes=64 << 20)
+    with pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP))) as engine:
+        engine.backward(loss_of(engine, batch(32, 0)))
+        engine.step()
+        plan, trace = engine.pager.last_plan, engine.pager.last_trace
+        Schedule.compile(plan, trace, engine.bank)  # as the engine compiled it
+        gather = Task("all_gather", Target("param", 0, 0), 0)
+        with pytest.raises(PlanMismatch, match="all_gather param"):
+            Schedule.compile(dataclasses.replace(plan, tasks=(*plan.tasks, gather)), trace, engine.bank)

@@ -11,8 +11,9 @@ of each op (the task table, ``pagemem.sched.tasks``, says at which edge each tas
 - ``move_to_cpu optim`` (optimizer states on nvme) -> ``ParamBank.stage_states``: a cpu copy
   started during backward, which the update then finds in memory.
 
-[Note: what the executor leaves to the updater] Gradient offloads, optimizer-state write-backs
-and updates are the updater's (``update.py``): the engine's gradients are fp32 sums
+[Note: what the executor leaves to the updater] Every row of the task table has its handler in
+``HANDLERS``; gradient offloads, optimizer-state write-backs and updates are the updater's
+(``update.py``), and their rows say so there: the engine's gradients are fp32 sums
 that autograd's gradient is added into as soon as it is ready (so the gpu holds it for less time
 than the plan's ``grad@gpu`` reserves), on the cpu, or on the gpu beside optimizer states kept
 there (``ParamBank.grad_tier_of``), and the update runs at ``step()``, or during
@@ -40,11 +41,48 @@ from pagemem.engine.bank import ParamBank
 from pagemem.engine.residency import Residency
 from pagemem.errors import OutOfMemory
 from pagemem.sched import Plan
+from pagemem.sched.tasks import EFFECTS
 from pagemem.tracer import Op, Trace
 
 
 class PlanMismatch(Exception):
     """The plan does not describe the engine's units (the engine then pages on demand)."""
+
+
+@dataclass(frozen=True)
+class Handler:
+    """Who carries out one row of the task table (``pagemem.sched.tasks.EFFECTS``) in this engine."""
+
+    action: str | None
+    """The ``Action`` the executor runs at the task's edge; None where another part does it."""
+    by: str = "executor"
+    why: str = ""
+
+
+HANDLERS: dict[tuple[str, str], Handler] = {
+    ("move_to_gpu", "param"): Handler("stage"),
+    ("compute", "layer"): Handler("bind"),
+    ("release", "param"): Handler("release"),
+    ("move_to_cpu", "optim"): Handler("fetch_optim"),
+    ("offload", "grad"): Handler(None, "the gradient hand-off", "autograd's gradient is added into the fp32 "
+                                 "sums in its post-accumulate hook (Engine._grad_ready)"),
+    ("release", "grad"): Handler(None, "the gradient hand-off", "autograd's own gradient is dropped when the hook "
+                                 "returns; the sums are the update's"),
+    ("update", "layer"): Handler(None, "the updater", "in step(), or during backward where that is exact"),
+    ("offload", "optim"): Handler(None, "the updater", "the write-back to nvme after the update, behind the next "
+                                  "iteration"),
+    ("release", "optim"): Handler(None, "the updater", "the write-back moves the states home, which drops the cpu "
+                                  "copy"),
+}
+"""Each row of the task table, and what carries it out: ``Schedule.compile`` refuses a plan with
+a task whose row is not here (all-gathers and reduce-scatters exist only with several ranks,
+and get their handlers with data parallelism)."""
+
+
+def unhandled_rows(world_size: int) -> list[tuple[str, str]]:
+    """Rows of the task table that plans at ``world_size`` may contain and no handler carries out."""
+    return [key for key, eff in EFFECTS.items()
+            if key not in HANDLERS and not ("W>1" in eff.when and world_size == 1)]
 
 
 @dataclass(frozen=True)
@@ -90,16 +128,14 @@ class Schedule:
         end: list[list[Action]] = [[] for _ in range(n)]
         for task in plan.tasks:
             target = task.target
-            if task.operation == "move_to_gpu" and target.kind == "param":
-                act = Action("stage", to_unit[target.layer], range(target.page, target.page + 1))
-            elif task.operation == "compute":
-                act = Action("bind", to_unit[target.layer])
-            elif task.operation == "release" and target.kind == "param":
-                act = Action("release", to_unit[target.layer])
-            elif task.operation == "move_to_cpu" and target.kind == "optim":
-                act = Action("fetch_optim", to_unit[target.layer])
-            else:
-                continue  # see the Note: the updater's
+            handler = HANDLERS.get((task.operation, target.kind))
+            if handler is None:
+                raise PlanMismatch(f"the plan has a {task.operation} {target.kind} task (world size "
+                                   f"{plan.world_size}), a row of the task table this engine has no handler for")
+            if handler.action is None:
+                continue  # carried out elsewhere (see HANDLERS)
+            pages = range(target.page, target.page + 1) if target.page is not None else None
+            act = Action(handler.action, to_unit[target.layer], pages if handler.action == "stage" else None)
             edge = end if task.issued_at_end else start
             _append(edge[task.trigger_id], act)
         expected = tuple((op.event, op.module) for op in trace.ops if op.phase != "step")

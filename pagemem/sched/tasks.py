@@ -52,7 +52,7 @@ update         layer    cpu,        -                grad@T.*, optim@T  optim@T,
                         gpu                                             param@home.*
 release        param    gpu                                                              param@gpu.*,
                                                                                          gathered@gpu.*
-release        fullgrad gpu                                                              fullgrad@gpu
+release        fullgrad gpu   W>1                                                        fullgrad@gpu
 release        grad     gpu,                                                             grad@T.*
                         cpu
 release        optim    copy                                                             optim@T
@@ -255,7 +255,8 @@ EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
            stream="cpu", gpu_stream="compute", cost=(("adam", "shard"), ("memory", "refresh"))),
     Effect("release", "param", ("gpu",), frees=(_PARAM, _GATHERED), issued="end",
            executor=("window", "window")),
-    Effect("release", "fullgrad", ("gpu",), frees=(Hold("fullgrad", "gpu", paged=False),), issued="end"),
+    Effect("release", "fullgrad", ("gpu",), frees=(Hold("fullgrad", "gpu", paged=False),), issued="end",
+           when="W>1"),
     Effect("release", "grad", ("gpu", "cpu"), frees=(Hold("grad", "T"),), issued="end"),
     Effect("release", "optim", ("copy",), frees=(Hold("optim", "T", paged=False),), issued="end"),
 )}
