@@ -242,15 +242,16 @@ def test_units_the_plan_keeps_on_the_gpu_have_one_copy_there_and_train_exactly()
         cached = engine.pager.last_plan.cached_layers
         assert len(cached) == len(engine.bank.layers)
         layers = engine.bank.layers
-        assert all(l.settled and l.resident for l in layers)
+        res = engine.pager.residency
+        assert all(res.is_settled(l.index) and res.is_bound(l.index) for l in layers)
         assert engine.bank.state_tiers == ["gpu"] * len(layers)  # their updates run on the gpu
         home_pages = sum(engine.store.page_count(l.compute) for l in layers)
         used = cpu.used_pages
         engine.pager.residency.release_all()  # every unit goes home, its only copy moved
-        assert not any(l.settled or l.resident for l in layers)
+        assert not any(res.is_settled(l.index) or res.is_bound(l.index) for l in layers)
         assert cpu.used_pages == used + home_pages
         got, _ = engine_run(engine, steps[2:])  # the next planned iteration settles them again
-        assert all(l.settled for l in layers)
+        assert all(res.is_settled(l.index) for l in layers)
         assert engine.stats()["misses"] == 0
     assert_same(got, ref)
 

@@ -56,16 +56,6 @@ class Layer:
     grad: list[PagedTensor | None] = field(default_factory=list)
     """fp32 gradient sums on ``ParamBank.grad_tier_of(index)`` (valid for the parameters that got a
     gradient this step)."""
-    leases: list[Lease] = field(default_factory=list)
-    ptrs: list[int] = field(default_factory=list)
-    """Where the parameters' data starts while resident (for ``Residency.param_at``)."""
-    resident: bool = False
-    zombie: bool = False
-    staged: list[MoveHandle] = field(default_factory=list)
-    """Copies to the gpu started by ``stage`` and not yet bound."""
-    staged_pages: int = 0
-    settled: bool = False
-    """The gpu copy of ``compute`` is the only one (the plan keeps the unit on the gpu for good)."""
 
     def states(self) -> list[PagedTensor]:
         """The optimizer-state tensors the unit has (master weights and moments), kind by kind."""

@@ -245,8 +245,7 @@ class Executor:
     def _run(self, act: Action) -> None:
         res = self.residency
         if act.kind == "stage":
-            layer = res.bank.layers[act.unit]
-            if layer.resident:
+            if res.is_bound(act.unit):
                 return
             try:
                 res.stage(act.unit, act.pages)

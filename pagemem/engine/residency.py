@@ -1,6 +1,6 @@
 """Which paging units are on the gpu, and the parameters' ``.data`` while they are.
 
-Two ways in, one state per unit (``Layer.resident``, ``Layer.staged``, ``Layer.zombie``):
+Two ways in, one record per unit (``UnitResidency``, see [Note: unit states]):
 
 - **kept for good** (a unit the plan caches on the gpu): ``settle(unit)`` makes the gpu copy the
   only one, so each update refreshes one copy; evicting it moves it home;
@@ -32,12 +32,74 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Iterable
+from typing import Any, Iterable
+
+import enum
+from dataclasses import dataclass, field
 
 from pagemem.engine.bank import Layer, ParamBank, placeholder
 from pagemem.engine.guard import Guard, Unguarded
 from pagemem.engine.scopes import Scopes
 from pagemem.errors import InvalidRequest, OutOfMemory
+
+
+class UnitState(enum.Enum):
+    """[Note: unit states] Where a unit's compute copy stands with respect to the gpu:
+
+    - ``HOME``: its parameters are placeholders and it holds no gpu pages it must give back (a
+      *settled* unit keeps its only copy there, unbound);
+    - ``STAGING``: copies to the gpu are in flight (``stage``), parameters still placeholders;
+    - ``BOUND``: its parameters are views of its gpu pages;
+    - ``ZOMBIE``: unbound, with gpu pages still to give back, because a tensor derived from an
+      old view pins them (or a settled copy found no room at home); they go at the next chance.
+
+    Legal moves (``UnitResidency.to`` asserts them)::
+
+        HOME    -> STAGING, BOUND
+        STAGING -> STAGING, BOUND, HOME, ZOMBIE
+        BOUND   -> HOME, ZOMBIE
+        ZOMBIE  -> HOME, BOUND, STAGING
+
+    Only ``Residency`` moves a unit; others ask it (``is_bound``, ``resident_units``)."""
+
+    HOME = "home"
+    STAGING = "staging"
+    BOUND = "bound"
+    ZOMBIE = "zombie"
+
+
+_LEGAL = {
+    UnitState.HOME: frozenset({UnitState.STAGING, UnitState.BOUND}),
+    UnitState.STAGING: frozenset({UnitState.STAGING, UnitState.BOUND, UnitState.HOME, UnitState.ZOMBIE}),
+    UnitState.BOUND: frozenset({UnitState.HOME, UnitState.ZOMBIE}),
+    UnitState.ZOMBIE: frozenset({UnitState.HOME, UnitState.BOUND, UnitState.STAGING}),
+}
+
+
+@dataclass
+class UnitResidency:
+    """One unit's residency: its state and what that state holds (see [Note: unit states])."""
+
+    index: int
+    state: UnitState = UnitState.HOME
+    settled: bool = False
+    """The gpu copy of the compute pages is the only one (the plan keeps the unit there)."""
+    staged: list[Any] = field(default_factory=list)
+    """Copies to the gpu started by ``stage`` and not yet bound (``MoveHandle``)."""
+    staged_pages: int = 0
+    leases: list[Any] = field(default_factory=list)
+    """Leases of scattered pages lent to its parameters while bound."""
+    ptrs: list[int] = field(default_factory=list)
+    """Where its parameters' data starts while bound (for ``Residency.param_at``)."""
+
+    def to(self, new: UnitState) -> None:
+        if new not in _LEGAL[self.state]:
+            raise AssertionError(f"unit {self.index}: {self.state.value} -> {new.value} is not a legal move")
+        self.state = new
+
+    @property
+    def bound(self) -> bool:
+        return self.state is UnitState.BOUND
 
 
 class Residency:
@@ -54,9 +116,7 @@ class Residency:
         """The gpu budget: pages plus the non-model memory callers reserve beside them."""
         self.home_on_gpu = bank.compute_is_master
         """Every unit's compute copy is its master, kept on the gpu (see the module docs)."""
-        if self.home_on_gpu:
-            for layer in bank.layers:
-                layer.settled = True
+        self._units = [UnitResidency(layer.index, settled=self.home_on_gpu) for layer in bank.layers]
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._order: list[int] = []
         """Units in the order the previous demand iteration asked for them (what staging on
@@ -88,7 +148,17 @@ class Residency:
         return sorted({self.bank.layer_of[i] for i in params})
 
     def resident_units(self) -> list[int]:
-        return [l.index for l in self.bank.layers if l.resident or l.staged]
+        """Units bound or staging."""
+        return [u.index for u in self._units if u.state in (UnitState.BOUND, UnitState.STAGING)]
+
+    def is_bound(self, li: int) -> bool:
+        return self._units[li].bound
+
+    def is_settled(self, li: int) -> bool:
+        return self._units[li].settled
+
+    def state_of(self, li: int) -> UnitState:
+        return self._units[li].state
 
     # ------------------------------------------------------------------ as the plan says
 
@@ -97,24 +167,27 @@ class Residency:
         now: OutOfMemory, changing nothing, when they do not fit."""
         if self.home_on_gpu:
             return
-        layer = self.bank.layers[li]
+        layer, u = self.bank.layers[li], self._units[li]
+        if u.bound:
+            return
         handle = self.store.copy(layer.compute, "gpu", pages=pages)
-        layer.staged.append(handle)
-        layer.staged_pages += len(pages) if pages is not None else self.store.page_count(layer.compute)
+        u.to(UnitState.STAGING)
+        u.staged.append(handle)
+        u.staged_pages += len(pages) if pages is not None else self.store.page_count(layer.compute)
         self.prefetches += 1
 
     def bind(self, li: int) -> None:
         """Make unit ``li`` resident: wait for its staged copies, copy whatever was not staged
         (counted in ``misses``), point its parameters at the gpu pages."""
-        layer = self.bank.layers[li]
-        if layer.resident:
+        layer, u = self.bank.layers[li], self._units[li]
+        if u.bound:
             self._lru[li] = None
             self._lru.move_to_end(li)
             return
         if self.home_on_gpu:
             self._bind_views(layer)
             return
-        if layer.staged_pages < self.store.page_count(layer.compute):
+        if u.staged_pages < self.store.page_count(layer.compute):
             self.misses += 1
         self._fetch(layer, keep={li}, reserve=0)
 
@@ -122,12 +195,12 @@ class Residency:
         """Keep unit ``li`` on the gpu for good (a layer the plan caches there): its gpu copy
         becomes the only one, so the refresh after each update writes one copy, not two. Evicting
         it later moves it back to the cpu. No room on either side leaves it as it was."""
-        layer = self.bank.layers[li]
-        if layer.settled:
+        layer, u = self.bank.layers[li], self._units[li]
+        if u.settled:
             return
-        if layer.resident:
+        if u.bound:
             self.evict(layer)  # its views pin the pages: settle between unbound pages only
-            if layer.zombie:
+            if u.state is UnitState.ZOMBIE:
                 return
         try:
             self._fetch(layer, keep={li}, reserve=0, bind=False)
@@ -135,7 +208,7 @@ class Residency:
             return  # bound at its compute (a miss)
         try:
             self.store.release(layer.compute, "cpu").wait()
-            layer.settled = True
+            u.settled = True
         except InvalidRequest:
             pass
         self._bind_views(layer)
@@ -146,11 +219,11 @@ class Residency:
         bound."""
         if self.home_on_gpu:
             return
-        layer = self.bank.layers[li]
-        if layer.staged and not layer.resident:
+        layer, u = self.bank.layers[li], self._units[li]
+        if u.state is UnitState.STAGING:
             self._drop_staged(layer)
             return
-        if layer.resident and self.scopes.is_held(li):
+        if u.bound and self.scopes.is_held(li):
             self.deferred_releases += 1  # a scope may still read it (see scopes.py)
             return
         self.evict(layer)
@@ -174,7 +247,7 @@ class Residency:
         for li in units:
             self._seen.append(li)
             layer = self.bank.layers[li]
-            if layer.resident:
+            if self._units[li].bound:
                 self._lru.move_to_end(li)
             elif self.home_on_gpu:
                 self._bind_views(layer)
@@ -206,7 +279,7 @@ class Residency:
         if self._cursor >= len(order):
             return
         nxt = self.bank.layers[order[self._cursor]]
-        if nxt.resident or nxt.staged:
+        if self._units[nxt.index].state is not UnitState.HOME:
             return
         need = self.store.page_count(nxt.compute)
         if (self.used_pages + need) * self.page_bytes + reserve > self.budget_bytes:
@@ -218,13 +291,14 @@ class Residency:
 
     def _fetch(self, layer: Layer, keep: set[int], reserve: int, bind: bool = True) -> None:
         t0 = time.perf_counter()
-        need = max(0, self.store.page_count(layer.compute) - layer.staged_pages)
+        u = self._units[layer.index]
+        need = max(0, self.store.page_count(layer.compute) - u.staged_pages)
         while (self.used_pages + need) * self.page_bytes + reserve > self.budget_bytes:
             if not self._evict_one(keep):
                 break
         while True:
             try:
-                for handle in layer.staged:
+                for handle in u.staged:
                     handle.wait()
                 self.store.copy(layer.compute, "gpu").wait()
                 break
@@ -232,14 +306,15 @@ class Residency:
                 if not self._evict_one(keep):
                     raise OutOfMemory("gpu", exc.requested_pages, exc.free_pages, exc.page_bytes,
                                       f"layer {layer.name!r}: every other resident layer is in use") from None
-        layer.staged.clear()
-        layer.staged_pages = 0
+        u.staged.clear()
+        u.staged_pages = 0
         if bind:
             self._bind_views(layer)
         self.wait_seconds += time.perf_counter() - t0
 
     def _bind_views(self, layer: Layer) -> None:
         params = self.bank.params
+        u = self._units[layer.index]
         try:  # one store call for the unit (a view each costs a queue entry)
             views: list = self.store.view_many(layer.compute, "gpu")
         except InvalidRequest:  # some on scattered slots: those get a lease each, below
@@ -253,15 +328,15 @@ class Residency:
                     raise InvalidRequest(f"parameter {params[i][0]!r}: its master pages are not adjacent on the "
                                          "gpu, so the parameter cannot be a view of them") from None
                 lease = t.lease("gpu", write=False)
-                layer.leases.append(lease)
+                u.leases.append(lease)
                 data = lease.tensor
             p.data = data
             self.guard.bound(i)
             if data.numel():
                 ptr = data.untyped_storage().data_ptr()
                 self._by_ptr[ptr] = i
-                layer.ptrs.append(ptr)
-        layer.resident, layer.zombie = True, False
+                u.ptrs.append(ptr)
+        u.to(UnitState.BOUND)
         self._lru[layer.index] = None
         self._lru.move_to_end(layer.index)
 
@@ -272,73 +347,81 @@ class Residency:
         if self.home_on_gpu:
             return False
         held = self.scopes.is_held
-        for layer in self.bank.layers:
-            if layer.staged and not layer.resident and layer.index not in keep:
+        for layer, u in zip(self.bank.layers, self._units):
+            if u.state is UnitState.STAGING and layer.index not in keep:
                 self._drop_staged(layer)
                 return True
-        for layer in self.bank.layers:
-            if layer.zombie and self._drop(layer):
+        for layer, u in zip(self.bank.layers, self._units):
+            if u.state is UnitState.ZOMBIE and self._drop(layer):
                 return True
         for li in list(self._lru):
             if li in keep or held(li):
                 continue
             self.evict(self.bank.layers[li])
-            if not self.bank.layers[li].zombie:
+            if self._units[li].state is not UnitState.ZOMBIE:
                 return True
         return False
 
     def evict(self, layer: Layer) -> None:
         """Point the unit's parameters at placeholders and drop its gpu replica (see the Note)."""
-        if not layer.resident:
+        u = self._units[layer.index]
+        if not u.bound:
             return
         for i in layer.params:
             p = self.bank.params[i][1]
             p.data = placeholder(p.shape, p.dtype, p.device)
             self.guard.evicted(i)
-        for lease in layer.leases:
+        for lease in u.leases:
             lease.release()
-        layer.leases.clear()
-        for ptr in layer.ptrs:
+        u.leases.clear()
+        for ptr in u.ptrs:
             self._by_ptr.pop(ptr, None)
-        layer.ptrs.clear()
-        layer.resident = False
+        u.ptrs.clear()
         self._lru.pop(layer.index, None)
         self.evictions += not self.home_on_gpu
-        layer.zombie = not self._drop(layer)
+        u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
 
-    def _drop(self, layer: Layer) -> bool:
+    def _give_back(self, layer: Layer) -> bool:
         """Give back the unit's gpu pages: drop the replica, or move a settled unit's only copy
         home. False while a tensor derived from an old view pins them (or no cpu room is left).
         Units home on the gpu have nothing to give back."""
         if self.home_on_gpu:
             return True
+        u = self._units[layer.index]
         try:
-            if layer.settled:
+            if u.settled:
                 self.store.move(layer.compute, "cpu").wait()
-                layer.settled = False
+                u.settled = False
             else:
                 self.store.release(layer.compute, "gpu").wait()
         except (InvalidRequest, OutOfMemory):
             return False
-        layer.zombie = False
+        return True
+
+    def _drop(self, layer: Layer) -> bool:
+        """A zombie's pages go back, if they can now."""
+        if not self._give_back(layer):
+            return False
+        self._units[layer.index].to(UnitState.HOME)
         return True
 
     def _drop_staged(self, layer: Layer) -> None:
         """Wait for a unit's staged copies and drop what they brought."""
-        for handle in layer.staged:
+        u = self._units[layer.index]
+        for handle in u.staged:
             try:
                 handle.wait()
             except Exception:  # a failed copy leaves whatever landed; dropped all the same
                 pass
-        layer.staged.clear()
-        layer.staged_pages = 0
-        self._drop(layer)
+        u.staged.clear()
+        u.staged_pages = 0
+        u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
 
     def release_all(self) -> None:
-        for layer in self.bank.layers:
-            if layer.staged and not layer.resident:
+        for layer, u in zip(self.bank.layers, self._units):
+            if u.state is UnitState.STAGING:
                 self._drop_staged(layer)
             self.evict(layer)
-        for layer in self.bank.layers:
-            if layer.zombie:
+        for layer, u in zip(self.bank.layers, self._units):
+            if u.state is UnitState.ZOMBIE:
                 self._drop(layer)

@@ -1,0 +1,151 @@
+"""Stateful test of ``Residency``: any sequence of stage / bind / release / ensure / make room /
+scope holds / views kept alive leaves every unit in a legal state, its parameters either the
+true values (bound) or NaN placeholders behind the guard (not bound), and held units bound."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from torch import nn
+
+import pagemem
+from pagemem.engine.bank import ParamBank
+from pagemem.engine.guard import Guard, GuardedParameter
+from pagemem.engine.residency import Residency, UnitState
+from pagemem.engine.scopes import Scopes
+from pagemem.errors import OutOfMemory
+
+PAGE = 16 * 1024
+
+
+class Held:
+    """Stands for the op clock's events: hold and let go of units directly."""
+
+
+class ResidencyMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(*(nn.Linear(32, 64) for _ in range(5)))
+        self.want = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        cfg = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=4 * PAGE, cpu_bytes=64 * PAGE)
+        self.store = pagemem.PageStore(cfg)
+        self.bank = ParamBank(self.model, self.store, torch.float32, "cpu", unit_bytes=PAGE)
+        self.scopes = Scopes()
+        self.guard = Guard(self.bank.params, self._fetch, threading.RLock())
+        self.res = Residency(self.bank, self.scopes, self.guard)
+        self.n = len(self.bank.layers)
+        self.views: list[torch.Tensor] = []
+        self.held: list[int] = []
+
+    def _fetch(self, i: int) -> None:
+        self.res.ensure([self.bank.layer_of[i]])
+
+    def teardown(self) -> None:
+        self.views.clear()
+        self.res.release_all()
+        self.store.close()
+
+    units = st.integers(0, 4)
+
+    @rule(u=units)
+    def stage(self, u):
+        try:
+            self.res.stage(u % self.n)
+        except OutOfMemory:
+            pass
+
+    @rule(u=units)
+    def bind(self, u):
+        try:
+            self.res.bind(u % self.n)
+        except OutOfMemory:
+            pass
+
+    @rule(u=units)
+    def ensure(self, u):
+        try:
+            self.res.ensure([u % self.n])
+        except OutOfMemory:
+            pass
+
+    @rule(u=units)
+    def release(self, u):
+        self.res.release(u % self.n)
+
+    @rule()
+    def make_room(self):
+        self.res.make_room([], self.res.budget_bytes)
+
+    @rule(u=units)
+    def keep_a_view(self, u):
+        """A tensor derived from a bound parameter outlives its binding (autograd saved it)."""
+        u %= self.n
+        if self.res.is_bound(u):
+            p = self.bank.params[self.bank.layers[u].params[0]][1]
+            with torch._C.DisableTorchFunctionSubclass():
+                self.views.append(p.data[:1])
+
+    @rule()
+    def drop_views(self):
+        self.views.clear()
+
+    @precondition(lambda self: len(self.held) < 2)
+    @rule(u=units)
+    def hold(self, u):
+        u %= self.n
+        try:
+            self.res.ensure([u])
+        except OutOfMemory:
+            return
+        self.scopes._open_forward(len(self.held), (u,), False)
+        self.held.append(u)
+
+    @precondition(lambda self: self.held)
+    @rule()
+    def let_go(self):
+        self.held.pop()
+        self.scopes._close_forward(len(self.held))
+
+    @rule()
+    def release_all(self):
+        if not self.held:
+            self.res.release_all()
+
+    @invariant()
+    def parameters_are_true_values_or_guarded_nan(self):
+        for i, (name, p) in enumerate(self.bank.params):
+            u = self.bank.layer_of[i]
+            with torch._C.DisableTorchFunctionSubclass():
+                data = p.data
+            if self.res.is_bound(u):
+                assert type(p) is nn.Parameter or isinstance(p, GuardedParameter)
+                assert torch.equal(data, self.want[name]), name
+            else:
+                assert isinstance(p, GuardedParameter), name
+                assert data.isnan().all(), name
+
+    @invariant()
+    def held_units_stay_bound_and_the_gpu_holds_its_pages(self):
+        for u in self.held:
+            assert self.res.is_bound(u)
+        assert self.res.used_pages <= self.store.tier("gpu").capacity
+        for u in range(self.n):
+            assert self.res.state_of(u) in UnitState
+
+    @invariant()
+    def a_read_of_an_evicted_parameter_fetches_it(self):
+        name, p = self.bank.params[0]
+        if not self.res.is_bound(0) and not self.held:
+            try:
+                assert torch.equal((p * 1).detach(), self.want[name])
+            except OutOfMemory:
+                pass
+
+
+ResidencyMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestResidencyMachine = ResidencyMachine.TestCase
