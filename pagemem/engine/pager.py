@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,6 +87,21 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     return key(args), key(kwargs)
 
 
+@dataclass
+class SignatureRecord:
+    """What the engine knows of the iterations with one input signature (see the module docs)."""
+
+    next: str = "trace"
+    """How the next such iteration runs: ``trace`` (warm-up), ``plan`` or ``demand``."""
+    schedule: Schedule | None = None
+    reserve: int = 0
+    """The traced iteration's largest non-model bytes (what demand paging keeps free)."""
+    arena_pages: int = 0
+    """The gpu arena its planned iterations need."""
+    divergences: int = 0
+    """Planned iterations that left the plan."""
+
+
 class Pager:
     def __init__(self, model: nn.Module, bank: ParamBank, clock: OpClock, optimizer_tier: str,
                  executor: str, guard: Guard | None = None) -> None:
@@ -104,14 +120,9 @@ class Pager:
         # its trace (a plan would count them again, or cache them on the gpu a second time)
         self.static_gpu_pages = self.residency.used_pages
         self.trace_options = TraceOptions(optimizer_model="none" if optimizer_tier == "gpu" else "master_adam")
-        self.arena_pages: dict[tuple, int] = {}
-        """Per signature with a plan, the arena its planned iterations need."""
         self.arena_resizes = 0
-        self.plans: OrderedDict[tuple, Schedule | None] = OrderedDict()
-        self.divergences: Counter = Counter()
-        self.reserves: dict[tuple, int] = {}
-        """Per signature, the traced iteration's largest non-model bytes (what demand paging
-        keeps free for them)."""
+        self.records: OrderedDict[tuple, SignatureRecord] = OrderedDict()
+        """One record per input signature, the last ``MAX_PLANS`` used."""
         self.iterations: Counter = Counter()
         """Iterations per mode: ``traced``, ``planned``, ``left_plan``, ``demand``."""
         self.replans = 0
@@ -136,10 +147,7 @@ class Pager:
     def forget_plans(self) -> None:
         """Every signature is traced and planned again (the model's ops changed: a parameter was
         frozen or unfrozen)."""
-        self.plans.clear()
-        self.reserves.clear()
-        self.arena_pages.clear()
-        self.divergences.clear()
+        self.records.clear()
 
     def _size_arena(self, pages: int) -> None:
         """Give the gpu arena ``pages`` slots, after sending every unit home (see the Note). A
@@ -170,15 +178,15 @@ class Pager:
         if not torch.is_grad_enabled() or not self.use_plans:
             self._start_demand(reserve=0)
             return
-        if sig in self.plans:
-            self.plans.move_to_end(sig)
-            schedule = self.plans[sig]
-            if schedule is None:
-                self._start_demand(reserve=self.reserves.get(sig, 0))
+        rec = self.records.get(sig)
+        if rec is not None and rec.next != "trace":
+            self.records.move_to_end(sig)
+            if rec.next == "demand" or rec.schedule is None:
+                self._start_demand(reserve=rec.reserve)
                 return
-            self._size_arena(self.arena_pages[sig])
+            self._size_arena(rec.arena_pages)
             self.mode = "plan"
-            self._executor = Executor(schedule, self.residency, self.executor_totals)
+            self._executor = Executor(rec.schedule, self.residency, self.executor_totals)
             self._executor.begin()
             self.iterations["planned"] += 1
             return
@@ -218,26 +226,30 @@ class Pager:
                 self._peak("warmup", pages, trace.ops[op_id].non_model_bytes)
             self.iterations["traced"] += 1
             self.last_trace = trace
-            self.reserves[self._sig] = max((op.non_model_bytes for op in trace.ops), default=0)
-            self.plans[self._sig] = self._plan(trace)
-            while len(self.plans) > MAX_PLANS:
-                old, _ = self.plans.popitem(last=False)
-                self.reserves.pop(old, None)
-                self.arena_pages.pop(old, None)
+            rec = self.records.setdefault(self._sig, SignatureRecord())
+            self.records.move_to_end(self._sig)
+            rec.reserve = max((op.non_model_bytes for op in trace.ops), default=0)
+            rec.schedule, rec.arena_pages = self._plan(trace)
+            rec.next = "plan" if rec.schedule is not None else "demand"
+            while len(self.records) > MAX_PLANS:
+                self.records.popitem(last=False)
         elif self.mode == "plan" and self._executor is not None:
             ex = self._executor
             ex.finish()
             if ex.diverged:
                 self.iterations["left_plan"] += 1
-                self.divergences[self._sig] += 1
-                self.plans.pop(self._sig, None)
-                if self.divergences[self._sig] >= MAX_DIVERGENCES:
-                    self.plans[self._sig] = None
+                rec = self.records[self._sig]
+                rec.divergences += 1
+                rec.schedule, rec.next = None, "trace"
+                if rec.divergences >= MAX_DIVERGENCES:
+                    rec.next = "demand"
                     self._warn("diverge", f"pagemem: iterations with these inputs left their plan "
                                           f"{MAX_DIVERGENCES} times (data-dependent control flow?); "
                                           "they are paged on demand from now on")
 
-    def _plan(self, trace) -> Schedule | None:
+    def _plan(self, trace) -> tuple[Schedule | None, int]:
+        """The trace's plan compiled for the engine's units, and the arena its iterations need
+        (None, 0 where no plan fits: those iterations are paged on demand)."""
         s = self.store
         pb = s.page_bytes
         gpu = self.residency.budget_bytes - self.static_gpu_pages * pb
@@ -250,7 +262,7 @@ class Pager:
         except (InfeasiblePlan, PlanMismatch) as exc:
             self.plan_note = str(exc)
             self._warn("noplan", f"pagemem: no plan fits this iteration ({exc}); it is paged on demand")
-            return None
+            return None, 0
         report = validate(p, trace)
         model_bytes = int((report.timeline["gpu"] - report.non_model).max(initial=0))
         arena = self.static_gpu_pages + -(-model_bytes // pb)
@@ -266,9 +278,8 @@ class Pager:
             slack -= extra
             arena += extra
             on_gpu.append(u)
-        self.arena_pages[self._sig] = arena
         self.last_plan, self.plan_note = p, None
-        return dataclasses.replace(schedule, gpu_states=frozenset(on_gpu))
+        return dataclasses.replace(schedule, gpu_states=frozenset(on_gpu)), arena
 
     # ------------------------------------------------------------------ ops
 
