@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pagemem
-from exactness import HP, assert_same, engine_config, reference, same_loop, through_engine, train_both
+from exactness import HP, assert_same, engine_config, reference, same_loop, train_both
 from exactness_models import ParamAfterChild, Shared, TinyViT, WeightNormed
 
 TIERS = ["cpu", "nvme"]

@@ -103,3 +103,47 @@ def test_init_is_refused_where_it_cannot_be_followed():
 
     with pytest.raises(pagemem.InvalidRequest, match="must be set in place"):
         pagemem.Engine(on_meta(), config(budget), init=moves)
+
+
+def test_first_values_from_a_state_dict_on_a_meta_model_buffers_included(tmp_path):
+    """[Note: first values]: a state dict is a source like the module or an init function; a
+    model built on meta takes every parameter and buffer from it and trains as plain PyTorch."""
+    from exactness import assert_same, engine_config, reference
+
+    class WithBuffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32)
+            self.register_buffer("shift", torch.zeros(32))
+
+        def forward(self, x):
+            return self.lin(x + self.shift)
+
+    def make():
+        torch.manual_seed(0)
+        m = WithBuffer()
+        m.shift.fill_(0.5)
+        return m
+
+    xs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def loss(run, model, s):
+        return run(xs[s]).pow(2).mean()
+
+    want = reference(make, loss, 3)
+    state = make().state_dict()
+    with torch.device("meta"):
+        model = WithBuffer()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path), values=state) as engine:
+        assert torch.equal(model.shift.cpu(), state["shift"])
+        for s in range(3):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        assert_same(want, engine.state_dict())
+    with torch.device("meta"):
+        model = WithBuffer()
+    bad = {k: v for k, v in state.items() if k != "lin.bias"}
+    with pytest.raises(pagemem.ConfigError, match="lin.bias"):
+        pagemem.Engine(model, engine_config(make(), loss, tmp_path), values=bad)
+    with pytest.raises(pagemem.ConfigError, match="one way"):
+        pagemem.Engine(make(), engine_config(make(), loss, tmp_path), values=state, init=lambda n, m: None)

@@ -24,19 +24,17 @@ Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``reside
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
 
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.models.gpt import owning_modules
-from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore
+from pagemem.store import PagedTensor, PageStore
 from pagemem.store.layout import pack
+from pagemem.engine.values import FromModule, ValueSource, check_source, materialize_meta
 
 
-ModuleInit = Callable[[str, nn.Module], None]
-"""Sets the values of one module's own parameters in place: ``init(name, module)``."""
 
 
 @dataclass
@@ -60,22 +58,6 @@ class Layer:
     def states(self) -> list[PagedTensor]:
         """The optimizer-state tensors the unit has (master weights and moments), kind by kind."""
         return [t for t in (*self.master, *self.exp_avg, *self.exp_avg_sq) if t is not None]
-
-
-def materialize_meta(model: nn.Module, device: torch.device) -> None:
-    """Replace every parameter on the ``meta`` device by a Parameter of the same shape, dtype
-    and ``requires_grad`` on ``device`` (one element of memory), in every module that holds it
-    (tied ones stay tied). Its values come later, from a checkpoint."""
-    new: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in new:
-                shell = torch.zeros((), dtype=p.dtype, device=device)
-                new[id(p)] = nn.Parameter(shell.expand(p.shape) if p.dim() else shell,
-                                          requires_grad=p.requires_grad)
-            module._parameters[name] = new[id(p)]
 
 
 def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, list[int]]]]:
@@ -132,13 +114,9 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
 
 class ParamBank:
     def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype, optimizer_tier: str,
-                 unit_bytes: int | None = None, values: bool = True, init: ModuleInit | None = None) -> None:
-        """``values``: copy the parameters' values into the pages; False for a model on ``meta``
-        whose values will come from a checkpoint (the pages start as zeros) or from ``init``.
-        ``init``: for a model on ``meta``, called as ``init(name, module)`` on every module that
-        owns parameters, one module at a time, its own parameters materialized on the cpu (in
-        their original dtype, uninitialized) and every other module's not: it sets their values,
-        which go into the pages before the next module's are made (see ``fill_from_init``)."""
+                 unit_bytes: int | None = None, source: ValueSource | None = None) -> None:
+        """``source`` gives the first values (default: the module's own; see [Note: first values]
+        in ``values.py``), one module at a time."""
         self.store = store
         self.compute_dtype = compute_dtype
         self.optimizer_tier = optimizer_tier
@@ -150,14 +128,9 @@ class ParamBank:
         PyTorch does. Those pages never move: units have nothing to page (``param_nbytes`` 0,
         ``compute_pages`` 0), so a plan only schedules compute around them."""
         self._lasting: dict[tuple[str, int], torch.Tensor | None] = {}
-        meta = any(p.is_meta for p in model.parameters())
-        if init is not None and (values or not meta):
-            raise InvalidRequest("init: initializes a model built on 'meta'; this model's parameters "
-                                 "already have values")
-        if meta and values:
-            raise InvalidRequest("the model's parameters are on 'meta' (no values): pass init= to the "
-                                 "Engine, or load them with pagemem.Engine.load(checkpoint, model)")
-        if meta:
+        source = source if source is not None else FromModule()
+        check_source(source, model)
+        if any(p.is_meta for p in model.parameters()):
             materialize_meta(model, self._gpu_device())
         self.params, module_specs = owning_layers(model)
         if not self.params:
@@ -215,14 +188,13 @@ class ParamBank:
                 self.layer_of[i], self.position[i] = li, k
             self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
                                      groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
-        with torch.no_grad():
-            if init is not None:
-                self.fill_from_init(model, module_specs, init)
-            else:
-                for i, (_, p) in enumerate(self.params):
-                    self.fill(i, p.detach().to("cpu") if values else torch.zeros(p.shape))
-            for _, p in self.params:
-                p.data = placeholder(p.shape, compute_dtype, self._gpu_device())
+        with torch.no_grad():  # [Note: first values]: one module at a time, from the source
+            for mname, idx in module_specs:
+                given = source.values(mname, model.get_submodule(mname), [self.params[i] for i in idx])
+                for i, value in zip(idx, given):
+                    self.fill(i, value)
+                    self.params[i][1].data = placeholder(self.params[i][1].shape, compute_dtype,
+                                                         self._gpu_device())
 
     def fill(self, i: int, value: torch.Tensor) -> None:
         """Parameter ``i``'s first value: into its master and compute copies, with zero moments."""
@@ -273,28 +245,6 @@ class ParamBank:
                                           if t is not None)
             out["grad"] += sum(t.nbytes for t in layer.grad if t is not None)
         return out
-
-    def fill_from_init(self, model: nn.Module, module_specs: list[tuple[str, list[int]]],
-                       init: ModuleInit) -> None:
-        """[Note: initializing a model on meta] Host memory holds one module's parameters at a
-        time, never the model: each owning module's parameters get cpu memory, ``init`` sets
-        them, they go into the pages, and the memory is dropped (a tied parameter is set by its
-        first owner). This is how a model larger than host memory gets its first values."""
-        for mname, idx in module_specs:
-            module = model.get_submodule(mname)
-            for i in idx:
-                p = self.params[i][1]
-                p.data = torch.empty(p.shape, dtype=self.original_dtype[i])
-            init(mname, module)
-            after = dict(module.named_parameters(recurse=False))
-            for i in idx:
-                name, p = self.params[i]
-                replaced = not any(q is p for q in after.values())
-                if replaced or p.device.type != "cpu" or p.dtype != self.original_dtype[i]:
-                    raise InvalidRequest(f"init: {name} must be set in place (same Parameter, on the "
-                                         f"cpu, {self.original_dtype[i]}); init({mname!r}, ...) replaced it")
-                self.fill(i, p.detach())
-                p.data = placeholder(p.shape, self.original_dtype[i], torch.device("cpu"))
 
     def _gpu_device(self) -> torch.device:
         return self.store.tier("gpu").device

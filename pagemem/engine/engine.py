@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from pagemem.engine.adam import PagedOptimizer
-from pagemem.engine.bank import ModuleInit, ParamBank
+from pagemem.engine.bank import ParamBank
+from pagemem.engine.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.grads import GradHandles
 from pagemem.engine.groups import checked_groups
@@ -42,7 +43,7 @@ from pagemem.tracer.clock import OpClock
 
 class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig, *, param_groups: Any = None,
-                 init: ModuleInit | None = None, _values: bool = True) -> None:
+                 init: ModuleInit | None = None, values: Any = None, _values: bool = True) -> None:
         """Take over ``model``'s parameters: from here on they live in the store's pages.
 
         ``param_groups``: as ``torch.optim`` takes them (see ``pagemem/engine/groups.py`` and
@@ -55,7 +56,11 @@ class Engine:
         values of one module's own parameters in place, and is called on each module that owns
         parameters, one at a time, so host memory never holds the whole model (for example
         ``lambda name, m: m.reset_parameters()``, or ``pagemem.models.gpt.init_module(cfg)``).
-        Or build it on ``meta`` and resume it with :meth:`load`."""
+        Or build it on ``meta`` and resume it with :meth:`load`. ``values``: a state dict (keys as
+        ``model.state_dict()``) to take the first values from instead of the module (buffers in it
+        too); the model may be on ``meta`` then. See [Note: first values] in ``values.py``."""
+        if init is not None and values is not None:
+            raise ConfigError("init, values: give the first values one way, not both")
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, EngineConfig):
@@ -66,9 +71,12 @@ class Engine:
         self.store = PageStore(config.store)
         try:
             gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
+            source = (FromInit(init) if init is not None else FromStateDict(values) if values is not None
+                      else FromModule() if _values else FromCheckpoint())
             self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
-                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 16),
-                                  values=_values and init is None, init=init)
+                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 16), source=source)
+            if isinstance(source, FromStateDict):
+                source.set_buffers(model, self.store.tier("gpu").device)
         except BaseException:
             self.store.close()
             raise
