@@ -380,3 +380,18 @@ def test_requires_grad_changed_after_the_engine_is_made_takes_effect_at_the_next
         return m
     stats = same_loop(make, mse, unfreeze_at_2, 4, tmp_path, optimizer_tier=optimizer_tier)
     assert stats["iterations"]["traced"] == 2  # traced again after the change: its ops differ
+
+
+def test_close_says_so_when_the_weights_do_not_fit_in_host_memory(tmp_path, monkeypatch):
+    from pagemem.engine import readback
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    engine = pagemem.Engine(model, engine_config(make(), loss, tmp_path))
+    engine.backward(loss(engine, model, 0))
+    engine.step()
+    monkeypatch.setattr(readback, "host_memory_available", lambda: 1024)
+    with pytest.warns(RuntimeWarning, match="did not fit in host memory"):
+        engine.close()
+    with pytest.raises(pagemem.InvalidRequest, match="did not fit in host memory"):
+        model.w * 1  # never a placeholder's value
+    assert model.w.shape == (64, 64)  # metadata still answers

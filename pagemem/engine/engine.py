@@ -16,9 +16,7 @@ Autograd's saved parameters are kept as references and fetched again when backwa
 
 from __future__ import annotations
 
-import threading
 import time
-import warnings
 from collections import OrderedDict
 from functools import partial
 from typing import Any
@@ -35,6 +33,7 @@ from pagemem.engine.groups import checked_groups
 from pagemem.engine.guard import Guard
 from pagemem.checks import check_rate
 from pagemem.engine.pager import Pager
+from pagemem.engine.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.update import Updater
 from pagemem.errors import ConfigError, InvalidRequest
 from pagemem.store import PageStore
@@ -116,7 +115,7 @@ class Engine:
                            self._saved_tensor_hooks)
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
-        self._state_dict_hooks = self._hook_state_dicts(model)
+        self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard)
 
     def _hook_gradients(self) -> list:
         """The gradient hand-off: for each trainable parameter in a group, a hook before autograd
@@ -301,41 +300,6 @@ class Engine:
 
     # ------------------------------------------------------------------ results
 
-    def _hook_state_dicts(self, model: nn.Module) -> list:
-        """``state_dict()`` of any module holding parameters gives their current values, on the
-        host (see [Note: evicted parameters]): the guard lets ``detach`` of an evicted parameter
-        through, and the post-hook puts the values in (one tensor per parameter, so tied
-        parameters stay one tensor)."""
-        index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
-        local = threading.local()
-
-        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-            if not hasattr(local, "quiet"):
-                local.quiet, local.values = [], {}
-            q = self.guard.passthrough()
-            q.__enter__()
-            local.quiet.append(q)
-
-        def post(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-            for name, p in module._parameters.items():
-                key = prefix + name
-                i = index.get(id(p)) if p is not None else None
-                if i is None or key not in state or isinstance(state[key], nn.Parameter):
-                    continue  # keep_vars: the Parameter itself
-                if i not in local.values:
-                    local.values[i] = self.bank.host_value(i, p.dtype)
-                state[key] = local.values[i]
-            local.quiet.pop().__exit__(None, None, None)
-            if not local.quiet:
-                local.values = {}
-
-        handles = []
-        for module in model.modules():
-            if any(id(p) in index for p in module._parameters.values() if p is not None):
-                handles.append(module.register_state_dict_pre_hook(pre))
-                handles.append(module.register_state_dict_post_hook(post))
-        return handles
-
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
         master weights on the host (wherever their pages are; a frozen parameter's compute copy
@@ -429,24 +393,12 @@ class Engine:
             h.remove()
         self._hooks, self._state_dict_hooks = [], []
         if self.guard.closed is None:
-            self._give_weights_back()
+            self.updater.flush()
+            give_weights_back(self.bank, self.guard)
         self.clock.remove(quiet=True)
         self.updater.close()
         self.pager.close()
         self.store.close()
-
-    def _give_weights_back(self) -> None:
-        need = sum(p.numel() * dt.itemsize for (_, p), dt in zip(self.bank.params, self.bank.original_dtype))
-        free = host_memory_available()
-        if free is not None and need > free * 0.9:
-            why = (f"the engine is closed and the trained weights ({need} bytes) did not fit in host memory "
-                   f"({free} bytes available): save them with engine.save() before close() and load them from there")
-            warnings.warn(f"pagemem: {why}", RuntimeWarning, stacklevel=3)
-            self.guard.release(None, why)
-            return
-        self.updater.flush()
-        self.guard.release(lambda i: self.bank.host_value(i, self.bank.original_dtype[i]),
-                           "the engine is closed")
 
     def __enter__(self) -> "Engine":
         return self
@@ -454,14 +406,3 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available now (``MemAvailable``), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

@@ -1,0 +1,82 @@
+"""The module reads back its weights: ``state_dict()`` while the engine runs, and the module's
+own parameters once it closes (see [Note: evicted parameters] in ``guard.py``).
+
+Decided: no gather context. A read of a parameter anywhere fetches its unit (the guard), which is
+what user code between steps needs; a state dict, which holds every parameter at once, is
+built on the host from the master weights without bringing anything to the gpu, through
+state-dict hooks on every module that holds parameters, so ``model.state_dict()``,
+``submodule.state_dict()`` and Hugging Face's ``save_pretrained`` give the trained values.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from torch import nn
+
+from pagemem.engine.bank import ParamBank
+from pagemem.engine.guard import Guard
+
+
+def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard) -> list:
+    """Hooks that make ``state_dict()`` of any module holding parameters give their current
+    values on the host: the guard lets the state dict's ``detach`` of an evicted parameter
+    through, and the post-hook puts the values in (one tensor per parameter, so tied parameters
+    stay one tensor). Returns the hook handles."""
+    index = {id(p): i for i, (_, p) in enumerate(bank.params)}
+    local = threading.local()
+
+    def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not hasattr(local, "quiet"):
+            local.quiet, local.values = [], {}
+        q = guard.passthrough()
+        q.__enter__()
+        local.quiet.append(q)
+
+    def post(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+        for name, p in module._parameters.items():
+            key = prefix + name
+            i = index.get(id(p)) if p is not None else None
+            if i is None or key not in state or isinstance(state[key], nn.Parameter):
+                continue  # keep_vars: the Parameter itself
+            if i not in local.values:
+                local.values[i] = bank.host_value(i, p.dtype)
+            state[key] = local.values[i]
+        local.quiet.pop().__exit__(None, None, None)
+        if not local.quiet:
+            local.values = {}
+
+    handles = []
+    for module in model.modules():
+        if any(id(p) in index for p in module._parameters.values() if p is not None):
+            handles.append(module.register_state_dict_pre_hook(pre))
+            handles.append(module.register_state_dict_post_hook(post))
+    return handles
+
+
+def give_weights_back(bank: ParamBank, guard: Guard) -> None:
+    """The engine closes: each parameter gets its trained value (fp32 master weights in its
+    original dtype) in host memory, and its plain class back, when host memory has room for them
+    all; otherwise a warning, and every read of a parameter raises, naming why."""
+    need = sum(p.numel() * dt.itemsize for (_, p), dt in zip(bank.params, bank.original_dtype))
+    free = host_memory_available()
+    if free is not None and need > free * 0.9:
+        why = (f"the engine is closed and the trained weights ({need} bytes) did not fit in host memory "
+               f"({free} bytes available): save them with engine.save() before close() and load them from there")
+        warnings.warn(f"pagemem: {why}", RuntimeWarning, stacklevel=3)
+        guard.release(None, why)
+        return
+    guard.release(lambda i: bank.host_value(i, bank.original_dtype[i]), "the engine is closed")
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (``MemAvailable``), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
