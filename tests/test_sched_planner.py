@@ -312,3 +312,30 @@ def test_a_bigger_batch_breaks_a_tight_plan():
     assert "over_budget" in kinds(validate(p, big))
     roomy = plan(small, {"gpu": 100 * need, **ROOMY}, page_bytes=PAGE, cache_optimizer=False)
     assert roomy.holds_for(big) and validate(roomy, big).ok
+
+
+def test_a_layout_given_by_the_caller_is_what_planner_and_validator_count():
+    """An engine hands the planner its own pages (``plan(layout=)``): the param pages it moves
+    and the pages a cached layer's states take; the validator then counts the same, so the
+    validated peak itself stays within the budget."""
+    import dataclasses
+
+    from pagemem.sched import Layout
+    tr = synthetic_transformer(layers=4, hidden=64, ffn=256, heads=4, seq=16, batch=2, vocab=128)
+    need = min_gpu(tr, world_size=1, page_bytes=PAGE)
+    base = Layout.from_trace(tr, 1, PAGE)
+    mine = Layout(PAGE, 1, tuple(dataclasses.replace(l, cached_pages=2 * l.optim_pages) for l in base.layers))
+    some = False
+    for budget in range(need, need + sum(l.param_pages + 2 * l.optim_pages for l in base.layers) * PAGE, 8 * PAGE):
+        p = plan(tr, {"gpu": budget, **ROOMY}, page_bytes=PAGE, layout=mine)
+        assert p.layout is mine
+        peak = validate(p, tr).peak["gpu"]
+        assert peak <= budget, budget
+        if p.cached_layers:  # counted at the caller's pages, not the trace's
+            some = True
+            assert peak > validate(dataclasses.replace(p, layout=base), tr).peak["gpu"]
+    assert some
+    with pytest.raises(pagemem.ConfigError, match="layout: made for"):
+        plan(tr, {"gpu": "1GiB", **ROOMY}, page_bytes=2 * PAGE, layout=mine)
+    with pytest.raises(pagemem.ConfigError, match="one layer per trace layer"):
+        plan(tr, {"gpu": "1GiB", **ROOMY}, page_bytes=PAGE, layout=Layout(PAGE, 1, base.layers[:-1]))

@@ -21,9 +21,8 @@ backward when that is exact (``EngineConfig.overlap_update``); states on nvme ar
 behind the next iteration. Layers the plan caches on the gpu keep their parameters resident
 across iterations, as their only copy (``Residency.settle``), and their optimizer states and
 gradient sums on the gpu (``ParamBank.place_states``), so that their update runs there, as the
-plan's ``update`` task says (the planner counted them at what the engine keeps there:
-``plan(cached_state_pages=)``; ``Schedule.gpu_states`` are those the budget has room for); the
-others' stay on the optimizer tier.
+plan's ``update`` task says (the planner counted them at what the engine keeps there: the
+layout the engine hands it, ``unit_layout``); the others' stay on the optimizer tier.
 
 [Note: leaving the plan] Every op is checked against the trace the plan was made from (its event
 and module). At the first op that differs, or when the iteration ends early, the executor stops
@@ -34,13 +33,14 @@ memory do.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.residency import Residency
 from pagemem.errors import OutOfMemory
-from pagemem.sched import Plan
+from pagemem.sched import Layout, Plan
 from pagemem.sched.tasks import EFFECTS
 from pagemem.tracer import Op, Trace
 
@@ -107,12 +107,9 @@ class Schedule:
     """Units whose parameters stay on the gpu between iterations."""
     plan: Plan
     trace: Trace
-    cached_state_pages: tuple[tuple[int, int], ...] = ()
-    """(unit, pages the plan counts for its optimizer states on the gpu) of each cached unit, in
-    unit order."""
     gpu_states: frozenset[int] = frozenset()
-    """Cached units whose optimizer states the engine keeps on the gpu (those the budget has
-    room for: see ``Pager._plan``)."""
+    """Cached units whose optimizer states and gradient sums the engine keeps on the gpu: every
+    cached one (the plan counted them at what the engine keeps there)."""
 
     @classmethod
     def compile(cls, plan: Plan, trace: Trace, bank: ParamBank) -> "Schedule":
@@ -139,10 +136,22 @@ class Schedule:
             edge = end if task.issued_at_end else start
             _append(edge[task.trigger_id], act)
         expected = tuple((op.event, op.module) for op in trace.ops if op.phase != "step")
-        cached = sorted((to_unit[L], plan.layout.layers[L].optim_pages) for L in plan.cached_layers)
+        cached = frozenset(to_unit[L] for L in plan.cached_layers)
         return cls(tuple(map(tuple, start)), tuple(map(tuple, end)), expected,
-                   tuple(op.non_model_bytes for op in trace.ops),
-                   frozenset(u for u, _ in cached), plan, trace, tuple(cached))
+                   tuple(op.non_model_bytes for op in trace.ops), cached, plan, trace, cached)
+
+
+def unit_layout(trace: Trace, bank: ParamBank, page_bytes: int) -> Layout:
+    """The pages of every trace layer as the engine lays out its unit (computed once, here, from
+    the store's layout, and handed to the planner: ``plan(layout=)``): the compute pages it moves,
+    and the gpu pages its optimizer states and gradient sums take where a plan caches it
+    (``ParamBank.gpu_state_pages``). The rest (optimizer bytes, elements) is the trace's."""
+    to_unit = units_of_layers(trace, bank)
+    base = Layout.from_trace(trace, 1, page_bytes)
+    layers = tuple(dataclasses.replace(lay, param_pages=bank.compute_pages(to_unit[lay.index]),
+                                       cached_pages=bank.gpu_state_pages(to_unit[lay.index]))
+                   for lay in base.layers)
+    return Layout(page_bytes, 1, layers)
 
 
 def units_of_layers(trace: Trace, bank: ParamBank) -> dict[int, int]:

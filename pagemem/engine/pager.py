@@ -41,7 +41,6 @@ caching allocator's peak per op less the arena (which torch allocated); that pat
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ import torch
 from torch import nn
 
 from pagemem.engine.bank import ParamBank
-from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, units_of_layers
+from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, unit_layout
 from pagemem.engine.guard import Guard
 from pagemem.engine.residency import Residency
 from pagemem.engine.scopes import Scopes
@@ -255,31 +254,21 @@ class Pager:
         gpu = self.residency.budget_bytes - self.static_gpu_pages * pb
         budgets = {"gpu": gpu, "cpu": s.tier("cpu").capacity * pb, "nvme": s.tier("nvme").capacity * pb}
         try:  # the non-model peak reserved at every op (see the Note)
-            state_pages = {L: self.bank.gpu_state_pages(u) for L, u in units_of_layers(trace, self.bank).items()}
+            # the pages are counted once, by the engine, from its units (see executor.unit_layout)
             p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=1, optimizer_tier=self.plan_tier,
-                     page_bytes=pb, cached_state_pages=state_pages)
+                     page_bytes=pb, layout=unit_layout(trace, self.bank, pb))
             schedule = Schedule.compile(p, trace, self.bank)
         except (InfeasiblePlan, PlanMismatch) as exc:
             self.plan_note = str(exc)
             self._warn("noplan", f"pagemem: no plan fits this iteration ({exc}); it is paged on demand")
             return None, 0
         report = validate(p, trace)
+        # the validated timeline counts cached units' states at what the engine keeps on the gpu
+        # (the layout's cached pages), so the arena is the most model bytes it holds at once
         model_bytes = int((report.timeline["gpu"] - report.non_model).max(initial=0))
         arena = self.static_gpu_pages + -(-model_bytes // pb)
-        # states of cached units on the gpu (the plan counted them as cached_state_pages; its
-        # validated timeline counts the trace's states): the difference is the arena's, as long
-        # as it fits beside the non-model peak
-        slack = self._budget_pages - arena - -(-int(report.non_model.max(initial=0)) // pb)
-        on_gpu = []
-        for u, counted in schedule.cached_state_pages:
-            extra = max(0, self.bank.gpu_state_pages(u) - counted)
-            if extra > slack:
-                break
-            slack -= extra
-            arena += extra
-            on_gpu.append(u)
         self.last_plan, self.plan_note = p, None
-        return dataclasses.replace(schedule, gpu_states=frozenset(on_gpu)), arena
+        return schedule, arena
 
     # ------------------------------------------------------------------ ops
 

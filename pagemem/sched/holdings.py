@@ -70,8 +70,9 @@ class Setting:
         n = memo.get((name, layer))
         if n is None:
             lay = self.layout.layers[layer]
+            optim = lay.pages_when_cached if layer in self.cached_layers else lay.optim_pages
             n = memo[(name, layer)] = {"param": 1, "grad": 1, "gathered": self.world_size - 1,
-                                       "fullgrad": self.layout.grad_buffer_pages(layer), "optim": lay.optim_pages}[name]
+                                       "fullgrad": self.layout.grad_buffer_pages(layer), "optim": optim}[name]
         return n
 
     def at_rest(self) -> Iterator[Key]:

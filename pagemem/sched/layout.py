@@ -1,4 +1,6 @@
-"""Per-rank sizes of every layer's model states, in pages, derived from a trace."""
+"""Per-rank sizes of every layer's model states, in pages: derived from a trace, or given by
+whoever owns the pages (an engine computes them once from its store's layout and hands them to
+``plan(layout=)``, so planner, validator and executor count the same pages)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,14 @@ class LayerLayout:
     optim_bytes: int
     """Bytes of this rank's optimizer states (fp32 master weights, Adam moments) for the layer."""
     optim_pages: int
+    cached_pages: int | None = None
+    """Gpu pages the layer's optimizer states take where an executor keeps a cached layer's
+    states (None: ``optim_pages``; an engine that keeps gradient sums beside them, or each kind
+    on pages of its own, says more)."""
+
+    @property
+    def pages_when_cached(self) -> int:
+        return self.optim_pages if self.cached_pages is None else self.cached_pages
 
 
 @dataclass(frozen=True)

@@ -59,19 +59,22 @@ class _Run:
 
 def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size: int = 1,
          optimizer_tier: str = "cpu", page_bytes: int | str = "4MiB", *, cache_optimizer: bool = True,
-         timeline: str = "segment", cached_state_pages: Mapping[int, int] | None = None) -> Plan:
+         timeline: str = "segment", cached_state_pages: Mapping[int, int] | None = None,
+         layout: Layout | None = None) -> Plan:
     """Plan one training iteration of ``trace`` on each of ``world_size`` ranks.
 
     ``budgets`` are per rank (``{"gpu": "8GiB", "cpu": "64GiB", "nvme": "1TiB"}``);
     ``optimizer_tier`` is where optimizer states live (``"cpu"`` or ``"nvme"``), except for layers
     the planner caches on the gpu when ``cache_optimizer`` and the budget allow.
     ``cached_state_pages``: per layer, the gpu pages its optimizer states take where the executor
-    keeps a cached layer's states (default: the layout's ``optim_pages``; an engine that keeps
-    gradient sums beside them, or each kind on fresh pages, says more). Raises
+    keeps a cached layer's states (default: the layout's ``pages_when_cached``; an engine that
+    keeps gradient sums beside them, or each kind on fresh pages, says more). ``layout``: the
+    pages of every layer as the caller lays them out (default ``Layout.from_trace``): one per
+    trace layer, in order, with this ``page_bytes`` and ``world_size``. Raises
     ``InfeasiblePlan`` (with ``min_gpu_bytes``) when no plan fits, ``ConfigError`` for bad input.
     """
     t0 = time.perf_counter()
-    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline)
+    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout)
     for layer, pages in (cached_state_pages or {}).items():
         check_int(f"cached_state_pages[{layer!r}]", pages, 0)
     result = planner.run(cache_optimizer, cached_state_pages or {})
@@ -87,7 +90,7 @@ def least_gpu_bytes(trace: Trace, world_size: int = 1, page_bytes: int | str = "
     return planner.min_gpu
 
 
-def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline) -> "_Planner":
+def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout=None) -> "_Planner":
     """A planner for validated arguments; ConfigError naming the first bad one."""
     if not isinstance(trace, Trace):
         raise ConfigError(f"trace: expected a pagemem.tracer.Trace, got {type(trace).__name__}")
@@ -99,19 +102,27 @@ def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline) -
         raise ConfigError(f"page_bytes: must be a positive multiple of 4096 bytes, got {pb}")
     if timeline not in TIMELINES:
         raise ConfigError(f"timeline: must be one of {sorted(TIMELINES)}, got {timeline!r}")
-    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline])
+    if layout is not None:
+        if not isinstance(layout, Layout):
+            raise ConfigError(f"layout: expected a pagemem.sched.Layout, got {type(layout).__name__}")
+        if (layout.page_bytes, layout.world_size) != (pb, world_size):
+            raise ConfigError(f"layout: made for {layout.page_bytes}-byte pages and world size {layout.world_size}, "
+                              f"planning for {pb} and {world_size}")
+        if [l.index for l in layout.layers] != [l.index for l in trace.layers]:
+            raise ConfigError("layout: must have one layer per trace layer, in order")
+    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline], layout)
 
 
 class _Planner:
     def __init__(self, trace: Trace, budgets: Budgets, world_size: int, optimizer_tier: str,
-                 page_bytes: int, timeline_cls) -> None:
+                 page_bytes: int, timeline_cls, layout: Layout | None = None) -> None:
         self.trace = trace
         self.b = budgets
         self.W = world_size
         self.opt_tier = optimizer_tier
         self.pb = page_bytes
         self.Timeline = timeline_cls
-        self.layout = Layout.from_trace(trace, world_size, page_bytes)
+        self.layout = layout if layout is not None else Layout.from_trace(trace, world_size, page_bytes)
         self.usage = Usage.from_trace(trace)
         self.setting = Setting(self.layout, frozenset(), optimizer_tier)
         self.n = len(trace.ops)
@@ -294,7 +305,7 @@ class _Planner:
         for lay in self.layout.layers:
             if lay.index not in self.r:  # no gradients: nothing to update
                 continue
-            persistent = (lay.param_pages + state_pages.get(lay.index, lay.optim_pages)) * pb
+            persistent = (lay.param_pages + state_pages.get(lay.index, lay.pages_when_cached)) * pb
             changes = [(0, n + 1, persistent)]
             for run in by_layer.get(lay.index, []):
                 start = self.wins[run.w].start
