@@ -395,3 +395,79 @@ def test_close_says_so_when_the_weights_do_not_fit_in_host_memory(tmp_path, monk
     with pytest.raises(pagemem.InvalidRequest, match="did not fit in host memory"):
         model.w * 1  # never a placeholder's value
     assert model.w.shape == (64, 64)  # metadata still answers
+
+
+# ---------------------------------------------------------------------------- writes to parameters
+
+def clamp_after_step(run, model, opt, s, loss):
+    opt.zero_grad()
+    loss(run, model, s).backward()
+    opt.step()
+    with torch.no_grad():  # WGAN's weight clipping
+        for p in model.parameters():
+            p.clamp_(-0.05, 0.05)
+
+
+def restore_and_reinit(run, model, opt, s, loss):
+    if s == 1:
+        restore_and_reinit.best = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.zero_grad()
+    loss(run, model, s).backward()
+    opt.step()
+    if s == 2:
+        model.load_state_dict(restore_and_reinit.best)  # "restore the best weights"
+        torch.manual_seed(5)
+        model.out.reset_parameters()
+        with torch.no_grad():
+            model.w.mul_(0.5)
+
+
+WRITES = {f.__name__: f for f in (clamp_after_step, restore_and_reinit)}
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+@pytest.mark.parametrize("loop", list(WRITES))
+def test_writes_to_parameters_are_kept(loop, optimizer_tier, tmp_path):
+    """[Note: writes to parameters]: an in-place write between steps lands in the master weights."""
+    stats = same_loop(seeded(ParamAfterChild), mse, WRITES[loop], 4, tmp_path, optimizer_tier=optimizer_tier)
+    assert stats["parameter_writes"] > 0
+
+
+class RenormedEmbedding(nn.Module):
+    """An embedding with ``max_norm``: its forward renormalizes rows of the weight in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 64, max_norm=1.0)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(idx))
+
+
+IDX = [torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s)) for s in range(6)]
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_an_embedding_with_max_norm_renormalizes_its_weight_for_good(optimizer_tier, tmp_path):
+    def loss(run, model, s):
+        return run(IDX[s]).pow(2).mean()
+    stats = train_both(seeded(RenormedEmbedding), loss, 4, tmp_path, optimizer_tier=optimizer_tier)
+    assert stats["parameter_writes"] > 0
+
+
+def test_close_after_an_evaluation_leaves_the_trained_weights(tmp_path):
+    make, loss = CASES["parameter read after a child"]
+    ref = reference(make, loss, 3)
+    model = make()
+    engine = pagemem.Engine(model, engine_config(make(), loss, tmp_path))
+    for s in range(3):
+        engine.backward(loss(engine, model, s))
+        engine.step()
+    with torch.no_grad():
+        engine(X[3])  # units stay resident after it
+    model.w.sum()  # and a read brings one back
+    engine.close()
+    assert_same(ref, model.state_dict())
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    model(X[0])

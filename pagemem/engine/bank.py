@@ -293,6 +293,16 @@ class ParamBank:
         if kind == "master":
             self.refresh_compute(i, value)
 
+    def write_parameter(self, i: int, value: torch.Tensor) -> None:
+        """Parameter ``i`` was written (in place, by user code): its master weights (or, frozen,
+        its compute copy) take ``value``, and every copy of its compute copy too."""
+        value = value.detach().clone()  # it may be a view of the very pages written next
+        layer, k = self.where(i)
+        if layer.master[k] is not None:
+            self.set_state(i, "master", value.float())
+        else:
+            self.set_state(i, "compute", value)
+
     def refresh_compute(self, i: int, master: torch.Tensor, start: int = 0) -> None:
         """Write parameter ``i``'s master weights, cast, into every copy of its compute parameter
         (none to write where the compute copy is the master); ``master`` may be a piece of them,

@@ -115,7 +115,7 @@ class Engine:
                            self._saved_tensor_hooks)
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
-        self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard)
+        self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self.pager.residency.keep_writes)
 
     def _hook_gradients(self) -> list:
         """The gradient hand-off: for each trainable parameter in a group, a hook before autograd
@@ -290,6 +290,7 @@ class Engine:
         try:
             if not self._consume and self._in_backward:
                 raise InvalidRequest("optimizer.step(): called during backward")
+            self.pager.residency.keep_writes()  # [Note: writes to parameters]
             self._last_taken = self.updater.step(consume=self._consume)
             if self._consume:
                 self.grad_handles.forget()
@@ -305,6 +306,7 @@ class Engine:
         master weights on the host (wherever their pages are; a frozen parameter's compute copy
         in its original dtype), buffers as they are."""
         index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
+        self.pager.residency.keep_writes()
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=True).items():
             i = index.get(id(value))
@@ -326,6 +328,7 @@ class Engine:
         from pagemem.engine import checkpoint
 
         self.updater.flush()
+        self.pager.residency.keep_writes()
         return checkpoint.save(self, directory)
 
     @classmethod
@@ -380,6 +383,7 @@ class Engine:
             "overlapped_updates": self.updater.overlapped_updates,
             "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),
             "unforeseen_reads": self.guard.reads,
+            "parameter_writes": self.pager.residency.written,
             **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
             "loss_scale": self.updater.scaler.scale,
         }
@@ -392,12 +396,12 @@ class Engine:
         for h in self._hooks + self._state_dict_hooks:
             h.remove()
         self._hooks, self._state_dict_hooks = [], []
+        self.clock.remove(quiet=True)
+        self.pager.close()  # every unit goes home (writes to parameters kept) before the weights come back
         if self.guard.closed is None:
             self.updater.flush()
             give_weights_back(self.bank, self.guard)
-        self.clock.remove(quiet=True)
         self.updater.close()
-        self.pager.close()
         self.store.close()
 
     def __enter__(self) -> "Engine":

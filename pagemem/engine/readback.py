@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Callable
 
 from torch import nn
 
@@ -19,17 +20,20 @@ from pagemem.engine.bank import ParamBank
 from pagemem.engine.guard import Guard
 
 
-def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard) -> list:
+def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Callable[[], None]) -> list:
     """Hooks that make ``state_dict()`` of any module holding parameters give their current
     values on the host: the guard lets the state dict's ``detach`` of an evicted parameter
     through, and the post-hook puts the values in (one tensor per parameter, so tied parameters
-    stay one tensor). Returns the hook handles."""
+    stay one tensor). ``before()`` runs once at the start of each state dict (writes to
+    parameters are kept then). Returns the hook handles."""
     index = {id(p): i for i, (_, p) in enumerate(bank.params)}
     local = threading.local()
 
     def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not hasattr(local, "quiet"):
             local.quiet, local.values = [], {}
+        if not local.quiet:
+            before()
         q = guard.passthrough()
         q.__enter__()
         local.quiet.append(q)

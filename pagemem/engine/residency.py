@@ -34,6 +34,8 @@ import time
 from collections import OrderedDict
 from typing import Iterable
 
+import torch
+
 from pagemem.engine.bank import Layer, ParamBank, placeholder
 from pagemem.engine.unit_state import UnitResidency, UnitState
 from pagemem.engine.guard import Guard, Unguarded
@@ -70,6 +72,8 @@ class Residency:
         self.evictions = 0
         self.misses = 0
         """Units a plan's compute found not fully staged (the executor copied the rest)."""
+        self.written = 0
+        """Parameters written in place whose new values were kept (see ``keep_writes``)."""
         self.deferred_releases = 0
         """Releases a plan asked for while a module scope still held the unit (it stays)."""
         self.wait_seconds = 0.0
@@ -275,6 +279,8 @@ class Residency:
                 ptr = data.untyped_storage().data_ptr()
                 self._by_ptr[ptr] = i
                 u.ptrs.append(ptr)
+        with torch._C.DisableTorchFunctionSubclass():
+            u.versions = [params[i][1]._version for i in layer.params]
         u.to(UnitState.BOUND)
         self._lru[layer.index] = None
         self._lru.move_to_end(layer.index)
@@ -306,6 +312,7 @@ class Residency:
         u = self._units[layer.index]
         if not u.bound:
             return
+        self._keep_writes(layer)
         for i in layer.params:
             p = self.bank.params[i][1]
             p.data = placeholder(p.shape, p.dtype, p.device)
@@ -319,6 +326,32 @@ class Residency:
         self._lru.pop(layer.index, None)
         self.evictions += not self.home_on_gpu
         u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
+
+    def keep_writes(self) -> None:
+        """[Note: writes to parameters] Code may write a bound parameter in place (``clamp_``
+        under ``no_grad``, ``copy_``, ``load_state_dict``, an initializer, an embedding's
+        ``max_norm`` renormalization in forward): that writes the gpu replica of its compute
+        copy, which the update would overwrite from the master weights and an eviction would
+        drop. So a write is kept: every parameter's version counter is read when it is bound,
+        and one that moved has its new value written into its master weights and every copy of
+        its compute copy before the unit is evicted, before an update, and before the weights
+        are read back. Call this before reading master weights."""
+        for layer, u in zip(self.bank.layers, self._units):
+            if u.bound:
+                self._keep_writes(layer)
+
+    def _keep_writes(self, layer: Layer) -> None:
+        u = self._units[layer.index]
+        if self.bank.compute_is_master or not u.versions:
+            return  # the parameters are the master pages: nothing to copy
+        params = self.bank.params
+        with torch._C.DisableTorchFunctionSubclass():
+            for k, i in enumerate(layer.params):
+                p = params[i][1]
+                if p._version != u.versions[k]:
+                    self.bank.write_parameter(i, p.data)
+                    u.versions[k] = p._version
+                    self.written += 1
 
     def _give_back(self, layer: Layer) -> bool:
         """Give back the unit's gpu pages: drop the replica, or move a settled unit's only copy

@@ -59,6 +59,9 @@ class UnitResidency:
     """Leases of scattered pages lent to its parameters while bound."""
     ptrs: list[int] = field(default_factory=list)
     """Where its parameters' data starts while bound (for ``Residency.param_at``)."""
+    versions: list[int] = field(default_factory=list)
+    """Its parameters' version counters when bound: one that moved was written in place
+    (``Residency.keep_writes``)."""
 
     def to(self, new: UnitState) -> None:
         if new not in _LEGAL[self.state]:
