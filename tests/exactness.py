@@ -106,16 +106,28 @@ def train_both(make, loss, steps: int, tmp_path, **kw: Any):
     return stats
 
 
-def same_loop(make, loss, loop, steps: int, tmp_path, optimizer_tier: str = "cpu", groups=None, **kw: Any):
+def same_loop(make, loss, loop, steps: int, tmp_path, optimizer_tier: str = "cpu", groups=None,
+              reference_first: bool = False, engine_only: bool = False, **kw: Any):
     """Run ``loop(run, model, optimizer, s, loss)`` for ``steps`` steps in plain PyTorch (``run``
     the model, a fused ``torch.optim.AdamW``) and through the engine (``run`` the engine, its
-    optimizer): the same loop code both ways. Asserts bit-identity; returns the engine's stats."""
+    optimizer): the same loop code both ways. Asserts bit-identity; returns the engine's stats.
+    ``reference_first``: only the plain PyTorch run; ``engine_only``: only the engine's (for
+    loops that record what they see)."""
+    if engine_only:
+        model = make()
+        cfg = engine_config(make(), loss, tmp_path, optimizer_tier, **kw)
+        with pagemem.Engine(model, cfg) as engine:
+            for s in range(steps):
+                loop(engine, model, engine.optimizer, s, loss)
+            return engine.stats()
     model = make()
     params = groups(model) if groups is not None else list(model.parameters())
     opt = torch.optim.AdamW(params, fused=True, **HP)
     for s in range(steps):
         loop(model, model, opt, s, loss)
     ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if reference_first:
+        return {}
     model = make()
     cfg = engine_config(make(), loss, tmp_path, optimizer_tier, **kw)
     extra = {"param_groups": groups(model)} if groups is not None else {}

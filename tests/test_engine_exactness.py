@@ -241,8 +241,59 @@ def accumulate_by_habit(run, model, opt, s, loss):
     opt.zero_grad(set_to_none=True)
 
 
+def grads_by_autograd_grad(run, model, opt, s, loss):
+    """Gradients from ``torch.autograd.grad``, assigned to ``p.grad`` by hand, then a step."""
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss(run, model, s), params)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+    opt.zero_grad()
+
+
+def assigned_then_backward(run, model, opt, s, loss):
+    """A gradient assigned by hand, then a backward that adds to it, as autograd does."""
+    with torch.no_grad():
+        model.w.grad = torch.full_like(model.w, 1e-3)
+    loss(run, model, s).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def logging_norms(run, model, opt, s, loss):
+    """Gradient norms read the usual ways, and by a hook of the user's after accumulation."""
+    seen = logging_norms.seen
+    if s == 0:
+        handles = [p.register_post_accumulate_grad_hook(lambda p: seen.append(float(p.grad.norm())))
+                   for p in model.parameters()]
+        logging_norms.handles = handles
+    loss(run, model, s).backward()
+    seen.append(float(model.w.grad.norm()))
+    seen.append(float(torch.norm(model.w.grad, 2)))
+    seen.append(float(torch.linalg.vector_norm(model.out.bias.grad)))
+    for p in model.parameters():
+        p.grad.div_(2.0)  # gradients averaged by hand
+    opt.step()
+    opt.zero_grad()
+    if s == 3:
+        for h in logging_norms.handles:
+            h.remove()
+
+
 LOOPS = {f.__name__: f for f in (clip_by_habit, zero_grad_between_backwards, model_zero_grad, never_zero_grad,
-                                 zero_grad_keeping_zeros, accumulate_by_habit)}
+                                 zero_grad_keeping_zeros, accumulate_by_habit, grads_by_autograd_grad,
+                                 assigned_then_backward)}
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_gradient_norms_logged_by_habit_and_by_user_hooks_are_plain_pytorchs(optimizer_tier, tmp_path):
+    logging_norms.seen = []
+    same_loop(seeded(ParamAfterChild), mse, logging_norms, 4, tmp_path, optimizer_tier=optimizer_tier,
+              reference_first=True)
+    ref_seen, logging_norms.seen = logging_norms.seen, []
+    same_loop(seeded(ParamAfterChild), mse, logging_norms, 4, tmp_path, optimizer_tier=optimizer_tier,
+              engine_only=True)
+    assert logging_norms.seen == ref_seen[:len(logging_norms.seen)] and len(logging_norms.seen) == len(ref_seen)
 
 
 @pytest.mark.parametrize("optimizer_tier", TIERS)
@@ -287,9 +338,8 @@ def test_what_cannot_be_done_with_gradients_is_refused(tmp_path):
             g + 1
         with pytest.raises(pagemem.InvalidRequest, match="2-norm"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
-        model.w.grad = torch.zeros_like(model.w)  # a gradient by hand cannot reach the pages
-        with pytest.raises(pagemem.InvalidRequest, match="assigned"):
-            mse(engine, model, 1).backward()
+        with pytest.raises(pagemem.InvalidRequest, match="2-norm"):
+            g.norm(dim=0)
     cfg = engine_config(make(), mse, tmp_path, overlap_update=True)
     with pagemem.Engine(model := make(), cfg) as engine:
         for s in range(2):  # the second iteration overlaps its updates with backward
@@ -471,3 +521,87 @@ def test_close_after_an_evaluation_leaves_the_trained_weights(tmp_path):
     assert_same(ref, model.state_dict())
     assert all(type(p) is nn.Parameter for p in model.parameters())
     model(X[0])
+
+
+def test_parameters_the_engine_cannot_train_exactly_are_refused(tmp_path):
+    make, loss = CASES["parameter read after a child"]
+    cfg = engine_config(make(), loss, tmp_path)
+    m = make()
+    m.out.double()
+    with pytest.raises(pagemem.ConfigError, match="out.weight.*float64"):
+        pagemem.Engine(m, cfg)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(288, 4)).to(memory_format=torch.channels_last)
+    with pytest.raises(pagemem.ConfigError, match="0.weight.*not contiguous"):
+        pagemem.Engine(conv, cfg)
+    with pytest.raises(pagemem.ConfigError, match="uninitialized"):
+        pagemem.Engine(nn.Sequential(nn.LazyLinear(4)), cfg)
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+IMAGES = [torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+
+def test_bf16_compute_casts_floating_buffers_as_model_to_does(tmp_path):
+    """``compute_dtype=bfloat16`` runs the model as ``model.to(torch.bfloat16)`` would: BatchNorm's
+    running statistics in bf16 too (they crashed F.batch_norm before)."""
+    def loss(run, model, s):
+        return run(IMAGES[s].to(torch.bfloat16)).float().pow(2).mean()
+
+    def make_bf16():
+        torch.manual_seed(0)
+        return BatchNormNet().to(torch.bfloat16)
+
+    # plain PyTorch with the engine's precision policy: the model in bf16, fp32 master weights
+    ref = seeded(BatchNormNet)()
+    params = list(ref.parameters())
+    master = [p.detach().float().clone().requires_grad_() for p in params]
+    ref.to(torch.bfloat16)
+    opt = torch.optim.AdamW(master, fused=True, **HP)
+    for s in range(3):
+        loss(ref, ref, s).backward()
+        for m, p in zip(master, params):
+            m.grad, p.grad = p.grad.float(), None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(master, params):
+                p.copy_(m.to(torch.bfloat16))
+    names = [n for n, _ in ref.named_parameters()]
+    model = seeded(BatchNormNet)()
+    cfg = engine_config(make_bf16(), loss, tmp_path, compute_dtype=torch.bfloat16)
+    with pagemem.Engine(model, cfg) as engine:
+        for s in range(3):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        got = engine.state_dict()
+    assert model.bn.running_mean.dtype == torch.bfloat16
+    assert_same({**{n: m.detach() for n, m in zip(names, master)},
+                 **{n: b for n, b in ref.state_dict().items() if n not in names}}, got)
+
+
+def test_a_failed_construction_gives_the_model_its_values_back(tmp_path, monkeypatch):
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    import pagemem.engine.engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(engine_module, "Pager", broken)  # fails after the bank took the parameters
+    with pytest.raises(RuntimeError, match="injected"):
+        pagemem.Engine(model, engine_config(make(), loss, tmp_path))
+    assert_same(want, model.state_dict())
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    with pytest.raises(pagemem.ConfigError, match=r"param_groups\[0\]: lr"):
+        pagemem.Engine(model, engine_config(make(), loss, tmp_path),
+                       param_groups=[{"params": model.parameters(), "lr": -1.0}])

@@ -64,29 +64,38 @@ class Engine:
             raise ConfigError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config: must be a pagemem.EngineConfig, got {type(config).__name__}")
-        groups = checked_groups(model, param_groups) if param_groups is not None else None
+        check_parameters(model)
+        groups = checked_groups(model, param_groups, config.optimizer) if param_groups is not None else None
         self.module = model
         self.config = config
         self.store = PageStore(config.store)
         try:
-            gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
-            source = (FromInit(init) if init is not None else FromStateDict(values) if values is not None
-                      else FromModule() if _values else FromCheckpoint())
-            self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
-                                  unit_bytes=max(self.store.page_bytes, gpu_bytes // 16), source=source)
-            if isinstance(source, FromStateDict):
-                source.set_buffers(model, self.store.tier("gpu").device)
+            self._build(model, config, groups, init, values, _values)
         except BaseException:
-            self.store.close()
+            self._undo_build(model, restore=init is None and values is None and _values)
             raise
+
+    def _build(self, model: nn.Module, config: EngineConfig, groups: list | None, init: ModuleInit | None,
+               values: Any, from_module: bool) -> None:
+        gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
+        source = (FromInit(init) if init is not None else FromStateDict(values) if values is not None
+                  else FromModule() if from_module else FromCheckpoint())
+        self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
+                              unit_bytes=max(self.store.page_bytes, gpu_bytes // 16), source=source)
+        if isinstance(source, FromStateDict):
+            source.set_buffers(model, self.store.tier("gpu").device)
         self.device = self.store.tier("gpu").device
         """Where the model computes: the ``gpu`` tier's device (the host for the stand-in). Put
         the inputs there."""
-        with torch.no_grad():  # buffers are small and used by compute: they live on the device
+        with torch.no_grad():  # buffers are small and used by compute: they live on the device,
+            # floating ones in the compute dtype, as ``model.to(compute_dtype)`` casts them
             for module in model.modules():
                 for name, b in list(module._buffers.items()):
-                    if b is not None and not b.is_meta and b.device != self.device:
-                        module._buffers[name] = b.to(self.device)
+                    if b is None or b.is_meta:
+                        continue
+                    dtype = config.compute_dtype if b.is_floating_point() else b.dtype
+                    if b.device != self.device or b.dtype != dtype:
+                        module._buffers[name] = b.to(self.device, dtype)
         params = [p for _, p in self.bank.params]
         self.optimizer = PagedOptimizer(groups if groups is not None else params, config.optimizer,
                                         step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad)
@@ -106,6 +115,7 @@ class Engine:
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._in_backward = False
         self._consume = False
+        self._grads_to_drop: list[nn.Parameter] = []
         self.grad_handles = GradHandles(self.bank.params, self.updater.grad_norm, self.updater.scale_grad,
                                         self.updater.zero_grad)
         self._trainable = list(self.bank.trainable)
@@ -116,6 +126,24 @@ class Engine:
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self.pager.residency.keep_writes)
+
+    def _undo_build(self, model: nn.Module, restore: bool) -> None:
+        """Construction failed: hooks off, workers stopped, the store closed, and (``restore``:
+        the values came from the module) the parameters given back their values and class."""
+        for h in getattr(self, "_hooks", []) + getattr(self, "_state_dict_hooks", []):
+            h.remove()
+        if getattr(self, "clock", None) is not None:
+            self.clock.remove(quiet=True)
+        if getattr(self, "updater", None) is not None:
+            self.updater.close()
+        bank = getattr(self, "bank", None)
+        try:
+            if bank is not None and restore:
+                for i, (_, p) in enumerate(bank.params):
+                    p.data = bank.host_value(i, bank.original_dtype[i])
+                    p.__class__ = nn.Parameter
+        finally:
+            self.store.close()
 
     def _hook_gradients(self) -> list:
         """The gradient hand-off: for each trainable parameter in a group, a hook before autograd
@@ -190,14 +218,15 @@ class Engine:
         here: the first gradient hook of a backward the engine did not start calls this too (and
         queues ``_end_backward`` at the end of autograd's run), so both add gradients up the same
         way. Only loss scaling needs ``engine.backward`` (it scales the loss)."""
-        dropped = self.grad_handles.take_down()
-        if dropped:
-            self.updater.discard(dropped)
+        self._take_grads_back()
         self.updater.begin_backward(final=self._micro + 1 == self.config.accumulation_steps)
         self.guard.enter()
         self._in_backward = True
 
     def _end_backward(self) -> None:
+        for p in self._grads_to_drop:
+            p.grad = None
+        self._grads_to_drop.clear()
         self.pager.end_backward()
         self.updater.end_backward()
         self._micro += 1
@@ -235,11 +264,19 @@ class Engine:
 
     # ------------------------------------------------------------------ gradients
 
+    def _take_grads_back(self) -> None:
+        """Take the handles down; what code did with ``p.grad`` meanwhile (set it to None,
+        assigned a tensor) takes effect on the gradient sums (see [Note: gradient handles])."""
+        dropped, assigned = self.grad_handles.take_down()
+        if dropped:
+            self.updater.discard(dropped)
+        for i, g in assigned.items():
+            self.updater.set_grad(i, g)
+
     def _zero_grad(self) -> None:
         """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
         discard what it discarded (see [Note: gradient handles])."""
-        dropped = self.grad_handles.take_down()
-        self.updater.discard(dropped)
+        self._take_grads_back()
         pending = self.updater.pending()
         self.grad_handles.show(pending)
         if not pending:
@@ -248,7 +285,9 @@ class Engine:
     def get_global_grad_norm(self) -> float:
         """The 2-norm of all gradient sums now (as ``clip_grad_norm_`` computes it), or of the
         last update's gradients once they are consumed; 0.0 before any."""
+        self._take_grads_back()
         pending = self.updater.pending()
+        self.grad_handles.show(pending)
         if not pending:
             return self._last_grad_norm
         return float(self._total_norm(pending))
@@ -278,10 +317,17 @@ class Engine:
     # ------------------------------------------------------------------ hooks
 
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
+        """The gradient hand-off: autograd's gradient goes to the updater; ``p.grad`` is dropped
+        at once, unless hooks of the user's run after this one (they see it until the end of
+        the backward)."""
         if p.grad is None:
             return
         self.updater.grad_ready(i, p.grad)
-        p.grad = None
+        hooks = p._post_accumulate_grad_hooks
+        if hooks is not None and len(hooks) > 2 and any(not _engine_hook(h) for h in hooks.values()):
+            self._grads_to_drop.append(p)
+        else:
+            p.grad = None
 
     # ------------------------------------------------------------------ the update
 
@@ -290,10 +336,11 @@ class Engine:
         try:
             if not self._consume and self._in_backward:
                 raise InvalidRequest("optimizer.step(): called during backward")
+            self._take_grads_back()
             self.pager.residency.keep_writes()  # [Note: writes to parameters]
             self._last_taken = self.updater.step(consume=self._consume)
-            if self._consume:
-                self.grad_handles.forget()
+            if not self._consume:  # a torch optimizer's step leaves p.grad until zero_grad()
+                self.grad_handles.show(self.updater.pending())
         finally:
             self._micro = 0
             self.global_step += 1
@@ -410,3 +457,28 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+def _engine_hook(hook: Any) -> bool:
+    """A post-accumulate hook the engine or its op clock registered (not the user's)."""
+    if isinstance(hook, partial):
+        return getattr(hook.func, "__name__", "") == "_grad_ready"
+    return getattr(hook, "__qualname__", "").startswith("OpClock.")
+
+
+def check_parameters(model: nn.Module) -> None:
+    """Refuse parameters the engine cannot train exactly: not floating point of 16 or 32 bits (it
+    computes in float32, float16 or bfloat16, and would silently cast a float64 parameter), or
+    not contiguous (it keeps parameters contiguous in pages; a channels_last or transposed
+    parameter would compute along other kernels than in plain PyTorch)."""
+    for name, p in model.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise ConfigError(f"parameter {name!r}: uninitialized (a lazy module): run one forward before making "
+                              "the engine")
+        if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(f"parameter {name!r}: dtype {p.dtype}; the engine trains float32, float16 and bfloat16 "
+                              "parameters (convert the model, e.g. model.float())")
+        if not p.is_meta and not p.is_contiguous():
+            raise ConfigError(f"parameter {name!r}: not contiguous (strides {p.stride()}); the engine keeps parameters "
+                              "contiguous, so it would not compute as this model does: make them contiguous first "
+                              "(model.to(memory_format=torch.contiguous_format), or p.data = p.data.contiguous())")

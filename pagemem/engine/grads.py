@@ -10,10 +10,12 @@ gradients, on the sums in pages:
 - ``torch.linalg.vector_norm(g)`` / ``g.norm()`` / ``torch._foreach_norm`` (2-norms over the
   whole tensor): the norm of the gradient sum, computed as ``clip_grad_norm_`` computes it, so
   ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` returns the true norm;
-- ``g.mul_(c)`` / ``torch._foreach_mul_`` by a scalar: the next update multiplies that gradient
-  by ``c`` first (so clipping by habit clips, bit for bit as plain PyTorch);
+- ``g.mul_(c)`` / ``g.div_(c)`` / ``torch._foreach_mul_`` by a scalar: the gradient sum is
+  multiplied (divided) in place (so clipping by habit clips, bit for bit as plain PyTorch);
 - ``g.zero_()`` / ``torch._foreach_zero_``: the gradient becomes zero (AdamW still steps it);
 - ``p.grad = None`` (``zero_grad()``, ``model.zero_grad()``): the gradient is discarded;
+- ``p.grad = g`` (a tensor assigned by hand, after ``torch.autograd.grad`` say): ``g`` becomes
+  the gradient sum, as torch's optimizer would step with it and backward would add to it;
 - ``detach()`` and ``.data``: the handle itself; shape, dtype, device and the like: as they are;
 - anything else raises ``InvalidRequest`` (use ``engine.get_global_grad_norm()``).
 Before a backward adds to the sums the handles come down (the engine first reads which were
@@ -55,9 +57,10 @@ class GradHandles:
     """Puts up and takes down the gradient handles of one engine's parameters."""
 
     def __init__(self, params: Sequence[tuple[str, nn.Parameter]], norm: Callable[[int], torch.Tensor],
-                 scale: Callable[[int, float], None], zero: Callable[[int], None]) -> None:
+                 scale: Callable[[int, float, bool], None], zero: Callable[[int], None]) -> None:
         """``norm(i)``: the 2-norm of parameter ``i``'s gradient sum (a 0-dim fp32 tensor);
-        ``scale(i, c)``: multiply it by ``c`` at the update; ``zero(i)``: make it zero."""
+        ``scale(i, c, divide)``: multiply it by ``c`` (divide: by ``c``) in place; ``zero(i)``:
+        make it zero."""
         self.params = [p for _, p in params]
         self.names = [n for n, _ in params]
         self.cls = type("GradHandle", (GradHandle,), {"_owner": self})
@@ -87,23 +90,29 @@ class GradHandles:
                 self._shown[i] = h
                 self._of[id(h)] = i
 
-    def take_down(self) -> list[int]:
-        """Remove every handle; return the parameters whose handle had been set to None (their
-        gradients are discarded). A gradient assigned by hand is refused."""
-        dropped = []
-        for i, h in self._shown.items():
-            with torch._C.DisableTorchFunctionSubclass():
-                g = self.params[i].grad
-                if g is h:
-                    self.params[i].grad = None
-            if g is None:
-                dropped.append(i)
-            elif g is not h:
-                raise InvalidRequest(f"parameter {self.names[i]!r}: p.grad was assigned a tensor; the engine keeps "
-                                     "gradients in its pages and cannot take one from p.grad")
+    def take_down(self) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """Remove every handle. Returns the parameters whose handle had been set to None (their
+        gradients are discarded) and the gradients assigned by hand to any parameter's
+        ``p.grad`` (as ``torch.autograd.grad`` users do: the engine takes them as the gradient),
+        which are removed too."""
+        dropped, assigned = [], {}
+        with torch._C.DisableTorchFunctionSubclass():
+            for i, p in enumerate(self.params):
+                g = p.grad
+                h = self._shown.get(i)
+                if g is None:
+                    if h is not None:
+                        dropped.append(i)
+                    continue
+                if g is not h:
+                    if isinstance(g, GradHandle):
+                        raise InvalidRequest(f"parameter {self.names[i]!r}: p.grad holds a gradient handle of "
+                                             "another parameter or step")
+                    assigned[i] = g.detach()
+                p.grad = None
         self._shown.clear()
         self._of.clear()
-        return dropped
+        return dropped, assigned
 
     def forget(self) -> None:
         """The gradients were consumed (by an update): remove the handles that are still up."""
@@ -126,13 +135,16 @@ class GradHandles:
             self._check_two_norm(args, kwargs, name)
             return [self._norm(self._index(g)) for g in args[0]]
         if func is _T.mul_:
-            self._scale(self._index(args[0]), _scalar(args[1], name))
+            self._scale(self._index(args[0]), _scalar(args[1], name), False)
+            return args[0]
+        if func is _T.div_:
+            self._scale(self._index(args[0]), _scalar(args[1], name), True)
             return args[0]
         if func is torch._foreach_mul_:
             c = args[1]
             cs = c if isinstance(c, (list, tuple)) else [c] * len(args[0])
             for g, ci in zip(args[0], cs):
-                self._scale(self._index(g), _scalar(ci, name))
+                self._scale(self._index(g), _scalar(ci, name), False)
             return None
         if func is _T.zero_:
             self._zero(self._index(args[0]))
@@ -153,11 +165,15 @@ class GradHandles:
 
     @staticmethod
     def _check_two_norm(args: Sequence, kwargs: dict, name: str) -> None:
-        ord_ = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2))
-        extra = {k: v for k, v in kwargs.items() if k not in ("ord", "p") and v is not None}
-        if ord_ not in (2, 2.0, "fro") or len(args) > 2 or extra:
+        """Only the 2-norm of the whole tensor: ord 2 (or the default), no dim, no keepdim, no
+        dtype, however they are passed."""
+        given = dict(zip(("ord", "dim", "keepdim"), args[1:4]))
+        given.update({("ord" if k == "p" else k): v for k, v in kwargs.items()})
+        ord_ = given.get("ord", 2)
+        bad = {k: v for k, v in given.items() if k != "ord" and v is not None and v is not False}
+        if ord_ not in (2, 2.0, "fro", None) or bad:
             raise InvalidRequest(f"p.grad: {name} of the engine's gradients is supported as the 2-norm of the "
-                                 f"whole tensor only, got ord={ord_!r} {extra or ''}")
+                                 f"whole tensor only, got ord={ord_!r}{' ' + str(bad) if bad else ''}")
 
 
 def _scalar(c: Any, name: str) -> float:

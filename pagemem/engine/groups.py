@@ -16,14 +16,18 @@ from typing import Any, Iterable
 
 from torch import nn
 
+from pagemem.engine.adam import AdamW
+from pagemem.engine.config import check_no_amsgrad
 from pagemem.errors import ConfigError
 
 GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")
 
 
-def checked_groups(model: nn.Module, groups: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def checked_groups(model: nn.Module, groups: Iterable[dict[str, Any]], defaults: AdamW | None = None
+                   ) -> list[dict[str, Any]]:
     """``groups`` as a list of dicts whose ``params`` are lists of ``model``'s parameters, each in
-    at most one group, every trainable one in some group; ``ConfigError`` names what is wrong."""
+    at most one group, every trainable one in some group, their hyperparameters valid over
+    ``defaults``; ``ConfigError`` names what is wrong."""
     if isinstance(groups, dict) or not isinstance(groups, Iterable):
         raise ConfigError(f"param_groups: must be a list of dicts with 'params', got {type(groups).__name__}")
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
@@ -43,6 +47,10 @@ def checked_groups(model: nn.Module, groups: Iterable[dict[str, Any]]) -> list[d
                 raise ConfigError(f"param_groups[{g}]['params']: {names[id(p)]!r} is also in "
                                   f"param_groups[{seen[id(p)]}]; a parameter belongs to one group")
             seen[id(p)] = g
+        try:
+            check_no_amsgrad(AdamW.from_group({**(defaults or AdamW()).group(), **group}))
+        except ConfigError as exc:
+            raise ConfigError(f"param_groups[{g}]: {exc}") from None
         out.append({**group, "params": params})
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
     if missing:

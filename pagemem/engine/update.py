@@ -230,8 +230,9 @@ class Updater:
     # ------------------------------------------------------------------ gradients by habit
 
     def pending(self) -> list[int]:
-        """Parameters with a gradient sum (or an update under way from one) since the last update."""
-        return sorted(self._has_grad | set(self._early))
+        """Parameters with a gradient (a sum, an update under way from one, or one a
+        non-consuming update applied during backward) that no ``zero_grad`` discarded."""
+        return sorted(self._has_grad | set(self._early) | self._gone)
 
     def discard(self, params: list[int]) -> None:
         """Forget the gradient sums of ``params`` (``zero_grad``); refused for one already applied
@@ -249,7 +250,7 @@ class Updater:
     def _grad_view(self, i: int, fn: Callable[[torch.Tensor], Any]) -> Any:
         """``fn`` of parameter ``i``'s gradient sum as one flat fp32 tensor (a view, or pieces
         joined for reading)."""
-        if i in self._early:
+        if i in self._early or i in self._gone:
             raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
                                  "(overlap_update); pass overlap_update=False to read or clip gradients")
         x = self.bank.lasting_view("grad", i)
@@ -263,13 +264,27 @@ class Updater:
         """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""
         return self._grad_view(i, lambda x: _norm([x] if isinstance(x, torch.Tensor) else [v for _, v in x]))
 
-    def scale_grad(self, i: int, coef: float) -> None:
-        """Multiply parameter ``i``'s gradient sum by ``coef`` in place (clipping by habit)."""
+    def scale_grad(self, i: int, coef: float, divide: bool = False) -> None:
+        """Multiply (``divide``: divide) parameter ``i``'s gradient sum by ``coef`` in place."""
         def mul(x: Any) -> None:
             with torch.no_grad():
                 for v in ([x] if isinstance(x, torch.Tensor) else [v for _, v in x]):
-                    v.mul_(coef)
+                    v.div_(coef) if divide else v.mul_(coef)
         self._grad_view(i, mul)
+
+    def set_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient sum becomes ``grad`` (a gradient assigned to ``p.grad``)."""
+        name = self.bank.params[i][0]
+        if i in self._early:
+            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned after its gradient was applied during "
+                                 "backward (overlap_update); pass overlap_update=False")
+        if not self.bank.trainable[i]:
+            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned to a parameter that does not require a "
+                                 "gradient")
+        if tuple(grad.shape) != tuple(self.bank.params[i][1].shape):
+            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned a tensor of shape {tuple(grad.shape)}")
+        self.bank.accumulate_grad(i, grad, first=True)
+        self._has_grad.add(i)
 
     def zero_grad(self, i: int) -> None:
         """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated."""
