@@ -386,3 +386,33 @@ def test_copy_into_a_split_tensor_with_no_room_for_copy_on_write(make_store, eng
     assert torch.count_nonzero(b.to_torch()) == 0 and same_bytes(a.to_torch(), da)
     assert store.stats()["nvme"].free_pages == 0
     filler.free()
+
+def test_export_page_writes_a_pages_bytes_and_their_checksum(make_store, tmp_path):
+    """``PageStore.export_page``: a page in memory or only on nvme lands in the caller's file
+    byte for byte, with the XXH3-64 checksum of what was written."""
+    import os
+
+    import xxhash
+
+    store = make_store()
+    a = store.allocate((store.page_bytes // 4,), torch.float32, tier="cpu")
+    b = store.allocate((store.page_bytes // 4,), torch.float32, tier="cpu")
+    a.copy_(torch.arange(a.shape[0], dtype=torch.float32))
+    b.copy_(-torch.arange(b.shape[0], dtype=torch.float32))
+    b.move("nvme").wait()
+    store.synchronize()
+    path = tmp_path / "out.pages"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 2 * store.page_bytes)
+        for pos, t in enumerate((a, b)):
+            (page_id, _lo, _hi), = t.extents()
+            digest = store.export_page(page_id, fd, pos * store.page_bytes)
+            data = os.pread(fd, store.page_bytes, pos * store.page_bytes)
+            assert digest == xxhash.xxh3_64_intdigest(data)
+            assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32), t.to_torch())
+    finally:
+        os.close(fd)
+    store.close()
+    with pytest.raises(pagemem.InvalidRequest):
+        store.export_page(0, 0, 0)

@@ -16,10 +16,11 @@ fsynced, the directory fsynced and renamed to ``step-N``, the root fsynced; only
 previous ``latest`` and its checkpoint intact; a half-written ``.tmp`` directory is ignored and
 removed by the next save.
 
-[Note: pages copied by the kernel] An optimizer page that lives only on NVMe is copied from the
-page file into the checkpoint with ``copy_file_range`` (never read through Python); its checksum
-is the one the tier recorded when it wrote the page. Pages in memory are written from their
-buffers and checksummed on the way. Loading reads and verifies every page. Nothing is pickled.
+[Note: pages copied by the kernel] Pages go into the checkpoint through the store
+(``PageStore.export_page``): an optimizer page that lives only on NVMe is copied from the page
+file with ``copy_file_range`` (never read through Python), its checksum the one the tier
+recorded when it wrote the page; pages in memory are written from their buffers and checksummed
+on the way. Loading reads and verifies every page. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -80,40 +81,15 @@ def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict], li
         tensors.append({"pages": [order[p] for p, _, _ in extents], "offset": extents[0][1] if extents else 0,
                         "nbytes": t.nbytes})
     digests: list[int | None] = [None] * len(order)
-    nvme = store.tier("nvme")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, len(order) * pb)
         for page_id, pos in order.items():
-            copies = store.copies(page_id)
-            memory = next((n for n in ("cpu", "gpu") if n in copies), None)
-            if memory is None:  # only on disk: the kernel copies it
-                src, offset = nvme.locate(copies["nvme"])
-                _copy_range(src.path, offset, fd, pos * pb, pb)
-                digest = nvme.digest(copies["nvme"])
-                # with the tier's checksums off there is none to carry over: read the copy back
-                digests[pos] = digest if digest is not None else xxhash.xxh3_64_intdigest(os.pread(fd, pb, pos * pb))
-                continue
-            data = store.tier(memory).buffer(copies[memory]).cpu().numpy().tobytes()
-            os.pwrite(fd, data, pos * pb)
-            digests[pos] = xxhash.xxh3_64_intdigest(data)
+            digests[pos] = store.export_page(page_id, fd, pos * pb)
         os.fsync(fd)
     finally:
         os.close(fd)
     return tensors, digests
-
-
-def _copy_range(src_path: str, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> None:
-    src = os.open(src_path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < nbytes:
-            n = os.copy_file_range(src, dst_fd, nbytes - done, src_offset + done, dst_offset + done)
-            if n <= 0:
-                raise OSError(f"copy_file_range copied nothing at {done} of {nbytes} bytes")
-            done += n
-    finally:
-        os.close(src)
 
 
 def save(engine: "Engine", root: str) -> str:

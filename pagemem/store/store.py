@@ -16,6 +16,7 @@ import torch
 
 from pagemem.config import StoreConfig
 from pagemem.errors import InvalidRequest, OutOfMemory
+from pagemem.store.export import export_page
 from pagemem.store.data import DataPath
 from pagemem.store.lending import Lender
 from pagemem.store.handle import MoveHandle
@@ -180,6 +181,12 @@ class PageStore:
             if page is None:
                 raise InvalidRequest(f"page {page_id} is not allocated")
             return {t.name: s for t, s in page.copies().items()}
+
+    def export_page(self, page_id: int, fd: int, offset: int) -> int:
+        """Write logical page ``page_id``'s bytes at ``offset`` of the open file ``fd`` (a
+        checkpoint's); return their XXH3-64 checksum. Synchronize first (``store/export.py``)."""
+        self._check_open()
+        return export_page(self, page_id, fd, offset)
 
     # ------------------------------------------------------------------ allocation
 
