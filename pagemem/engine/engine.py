@@ -193,7 +193,7 @@ class Engine:
 
     def _saved_tensor_hooks(self) -> Any:
         """Autograd saves parameters as references the engine fetches again in backward."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pager.pack, self.pager.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pager.saved.pack, self.pager.saved.unpack)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``; gradients of successive calls add up until ``step()`` updates."""

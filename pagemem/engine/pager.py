@@ -53,22 +53,15 @@ from pagemem.engine.bank import ParamBank
 from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, unit_layout
 from pagemem.engine.guard import Guard
 from pagemem.engine.residency import Residency
+from pagemem.engine.peaks import PeakMeter
+from pagemem.engine.saved import SavedTensorHooks
 from pagemem.engine.scopes import Scopes
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.sched import InfeasiblePlan, Plan, plan, validate
-from pagemem.tracer import Op, OpClock, Recording, SavedTensor, Trace, TraceError, TraceOptions
+from pagemem.tracer import Op, OpClock, Recording, Trace, TraceError, TraceOptions
 
 MAX_PLANS = 8
 MAX_DIVERGENCES = 3
-
-
-class SavedParam:
-    """What autograd keeps for a saved parameter (or a view of one): where to find it again."""
-
-    __slots__ = ("index", "size", "stride", "offset")
-
-    def __init__(self, index: int, t: torch.Tensor) -> None:
-        self.index, self.size, self.stride, self.offset = index, t.size(), t.stride(), t.storage_offset()
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
@@ -131,9 +124,10 @@ class Pager:
         """The last warm-up's trace (``last_plan`` was made from it, when there is one)."""
         self.plan_note: str | None = None
         """Why the last trace has no plan, if it has none."""
-        self.peak_by_mode: dict[str, int] = {}
-        """Per mode, the most gpu bytes at any op: pages in use plus non-model bytes (see the Note)."""
-        self.peak_pages = 0
+        self.peaks = PeakMeter(self._gpu, self._page_bytes, self._budget_pages)
+        """The measured gpu peak per mode (see the Note)."""
+        self.saved = SavedTensorHooks(bank, self.residency, lambda: self._recording, self._make_resident)
+        """Autograd's saved-tensor hooks while the engine runs (``saved.py``)."""
         self._sig: tuple | None = None
         self._recording: Recording | None = None
         self._executor: Executor | None = None
@@ -222,7 +216,7 @@ class Pager:
                                     "it will be traced again")
                 return
             for op_id, pages in enumerate(self._op_pages[:len(trace.ops)]):
-                self._peak("warmup", pages, trace.ops[op_id].non_model_bytes)
+                self.peaks.op("warmup", pages, trace.ops[op_id].non_model_bytes)
             self.iterations["traced"] += 1
             self.last_trace = trace
             rec = self.records.setdefault(self._sig, SignatureRecord())
@@ -280,7 +274,7 @@ class Pager:
             ex.on_op(op_id, edge, op)
             if not ex.diverged:
                 if edge == "start" and ex.n_ops == op_id + 1:  # an op of the plan ran its actions
-                    self._peak("plan", self.residency.used_pages, ex.schedule.non_model[op_id])
+                    self.peaks.op("plan", self.residency.used_pages, ex.schedule.non_model[op_id])
                 return
             if edge == "start" and ex.diverged_at == op_id:  # left the plan here: on demand from now on
                 self._reserve = max(ex.schedule.non_model, default=0)
@@ -296,42 +290,9 @@ class Pager:
         if self.mode == "warmup":
             self._op_pages.append(res.used_pages)
         else:
-            self._peak(self.mode, res.used_pages, reserve)
+            self.peaks.op(self.mode, res.used_pages, reserve)
 
-    def _peak(self, mode: str, pages: int, non_model: int) -> None:
-        """Called at every op: kept to a few attribute reads."""
-        if pages > self.peak_pages:
-            self.peak_pages = pages
-        arena = self._gpu.capacity
-        held = pages if arena == self._budget_pages else arena  # see the Note
-        nbytes = held * self._page_bytes + non_model
-        if nbytes > self.peak_by_mode.get(mode, 0):
-            self.peak_by_mode[mode] = nbytes
-
-    # ------------------------------------------------------------------ saved tensors
-
-    def pack(self, t: torch.Tensor) -> Any:
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):
-            ptr = None
-        i = self.residency.param_at(ptr) if ptr is not None else None
-        if i is not None and t.dtype == self.bank.params[i][1].dtype:
-            if self._recording is not None:
-                self._recording.touch_params((i,))
-            return SavedParam(i, t)
-        if self._recording is not None:
-            return self._recording.pack(t)
-        return t
-
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, SavedTensor):
-            return saved.unpack()
-        if not isinstance(saved, SavedParam):
-            return saved
-        self._make_resident(saved.index, grads=True)
-        base = self.bank.params[saved.index][1].data
-        return base.as_strided(saved.size, saved.stride, saved.offset)
+    # ------------------------------------------------------------------ unforeseen reads
 
     def fetch_unforeseen(self, i: int) -> None:
         """Parameter ``i`` is read where no scope holds it (see [Note: evicted parameters])."""
@@ -367,9 +328,7 @@ class Pager:
             "mode": self.mode,
             "iterations": dict(self.iterations),
             "replans": self.replans,
-            "gpu_peak_bytes": max(self.peak_by_mode.values(), default=0),
-            "gpu_peak_bytes_by_mode": dict(self.peak_by_mode),
-            "gpu_peak_page_bytes": self.peak_pages * self.store.page_bytes,
+            **self.peaks.stats(),
             "gpu_arena_bytes": self._gpu.capacity * self._page_bytes,
             "arena_resizes": self.arena_resizes,
             "fetches": res.fetches, "prefetches": res.prefetches, "evictions": res.evictions,

@@ -1,0 +1,64 @@
+"""Autograd's saved parameters kept as references, fetched again when backward needs them.
+
+While the engine runs a forward (and a backward, for recomputations), autograd's saved-tensor
+hooks are the engine's: a saved tensor that is a resident parameter's data (or a view of it, by
+its storage) is kept as ``SavedParam`` (which parameter, and the view's size, stride and offset),
+not as page memory that may be evicted before backward; unpacking makes the unit resident again
+and rebuilds the view. Anything else goes to the tracer during warm-up, or is kept as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from pagemem.engine.bank import ParamBank
+from pagemem.engine.residency import Residency
+from pagemem.tracer import Recording, SavedTensor
+
+
+class SavedParam:
+    """What autograd keeps for a saved parameter (or a view of one): where to find it again."""
+
+    __slots__ = ("index", "size", "stride", "offset")
+
+    def __init__(self, index: int, t: torch.Tensor) -> None:
+        self.index, self.size, self.stride, self.offset = index, t.size(), t.stride(), t.storage_offset()
+
+
+class SavedTensorHooks:
+    """``pack`` and ``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``."""
+
+    def __init__(self, bank: ParamBank, residency: Residency, recording: Callable[[], Recording | None],
+                 make_resident: Callable[[int, bool], None]) -> None:
+        """``recording()``: the warm-up's recording, if one runs; ``make_resident(i, grads)``:
+        bring parameter ``i``'s unit to the gpu as the iteration's mode does."""
+        self.bank = bank
+        self.residency = residency
+        self._recording = recording
+        self._make_resident = make_resident
+
+    def pack(self, t: torch.Tensor) -> Any:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            ptr = None
+        i = self.residency.param_at(ptr) if ptr is not None else None
+        recording = self._recording()
+        if i is not None and t.dtype == self.bank.params[i][1].dtype:
+            if recording is not None:
+                recording.touch_params((i,))
+            return SavedParam(i, t)
+        if recording is not None:
+            return recording.pack(t)
+        return t
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, SavedTensor):
+            return saved.unpack()
+        if not isinstance(saved, SavedParam):
+            return saved
+        self._make_resident(saved.index, True)
+        base = self.bank.params[saved.index][1].data
+        return base.as_strided(saved.size, saved.stride, saved.offset)
