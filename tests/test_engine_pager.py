@@ -324,3 +324,26 @@ def test_every_row_of_the_task_table_has_a_handler_at_world_size_1():
         gather = Task("all_gather", Target("param", 0, 0), 0)
         with pytest.raises(PlanMismatch, match="all_gather param"):
             Schedule.compile(dataclasses.replace(plan, tasks=(*plan.tasks, gather)), trace, engine.bank)
+
+
+def test_units_whose_gradients_are_final_are_queued_during_backward():
+    """[Note: the gradient hand-off]: once the structure repeats, each unit is announced final
+    as soon as its last gradient is handed off, inside backward, once, in the order backward
+    completes them; the first backward announces them all at its end."""
+    model = small_gpt()
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget_for(model), cpu_bytes=64 << 20)
+    with pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP))) as engine:
+        seen: list[tuple[int, int, bool]] = []
+        engine.handoff.subscribe(lambda u: seen.append((engine.global_step, u, engine._in_backward)))
+        for s in range(3):
+            engine.backward(loss_of(engine, batch(32, s)))
+            engine.step()
+        with_grads = {u for u, (_, idx) in enumerate(engine.bank.units)
+                      if any(engine.bank.params[i][1].requires_grad for i in idx)}
+        for step in range(3):
+            units = [u for g, u, _ in seen if g == step]
+            assert sorted(units) == sorted(with_grads)  # each once
+        assert all(inside for g, _, inside in seen if g > 0)  # announced during backward, not at its end
+        later = [u for g, u, _ in seen if g == 2]
+        assert later[0] > later[-1]  # backward completes the last units first
+        assert engine.stats()["units_final_in_backward"] >= 2 * len(with_grads) - 2

@@ -30,6 +30,7 @@ from pagemem.engine.values import FromCheckpoint, FromInit, FromModule, FromStat
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.grads import GradHandles
 from pagemem.engine.groups import checked_groups
+from pagemem.engine.handoff import GradHandoff
 from pagemem.engine.guard import Guard
 from pagemem.checks import check_rate
 from pagemem.engine.pager import Pager
@@ -116,6 +117,8 @@ class Engine:
         self._in_backward = False
         self._consume = False
         self._grads_to_drop: list[nn.Parameter] = []
+        self.handoff = GradHandoff(self.bank.layer_of)
+        """Units whose gradients are final, as backward hands them off ([Note: the gradient hand-off])."""
         self.grad_handles = GradHandles(self.bank.params, self.updater.grad_norm, self.updater.scale_grad,
                                         self.updater.zero_grad)
         self._trainable = list(self.bank.trainable)
@@ -220,6 +223,7 @@ class Engine:
         way. Only loss scaling needs ``engine.backward`` (it scales the loss)."""
         self._take_grads_back()
         self.updater.begin_backward(final=self._micro + 1 == self.config.accumulation_steps)
+        self.handoff.begin()
         self.guard.enter()
         self._in_backward = True
 
@@ -227,6 +231,7 @@ class Engine:
         for p in self._grads_to_drop:
             p.grad = None
         self._grads_to_drop.clear()
+        self.handoff.end()
         self.pager.end_backward()
         self.updater.end_backward()
         self._micro += 1
@@ -323,6 +328,7 @@ class Engine:
         if p.grad is None:
             return
         self.updater.grad_ready(i, p.grad)
+        self.handoff.handed(i)
         hooks = p._post_accumulate_grad_hooks
         if hooks is not None and len(hooks) > 2 and any(not _engine_hook(h) for h in hooks.values()):
             self._grads_to_drop.append(p)
@@ -431,6 +437,7 @@ class Engine:
             "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),
             "unforeseen_reads": self.guard.reads,
             "parameter_writes": self.pager.residency.written,
+            "units_final_in_backward": self.handoff.early,
             **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
             "loss_scale": self.updater.scaler.scale,
         }

@@ -1,0 +1,63 @@
+"""Gradients leave autograd through one hand-off, and units whose gradients are final are queued.
+
+[Note: the gradient hand-off]
+Each trainable parameter has one post-accumulate hook (``Engine._grad_ready``): autograd's
+gradient is added into the parameter's fp32 sum (``Updater.grad_ready``: on the gradients'
+tier, or stepped at once where that is exact) and autograd's tensor is dropped. The hand-off
+counts them per unit: a unit is *final* in this backward once it has handed off as many
+gradients as in the last complete backward (its structure repeats), or at the end of the
+backward for the rest (the first backward, a unit some routing reached differently). Final
+units are queued in the order they completed (``GradHandoff.queue``) and announced to
+subscribers: the seam where an updater that works per unit, behind backward (the lock-free
+updater), plugs in. A unit is final at most once per backward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Callable
+
+
+class GradHandoff:
+    def __init__(self, layer_of: list[int]) -> None:
+        self.layer_of = layer_of
+        self._expected: dict[int, int] = {}
+        self._got: Counter = Counter()
+        self._final: set[int] = set()
+        self.queue: deque[int] = deque()
+        """Units final in the current (or last) backward, in the order they became final."""
+        self.early = 0
+        """Units that became final before their backward ended (over all backwards)."""
+        self._listeners: list[Callable[[int], None]] = []
+
+    def subscribe(self, listener: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``listener(unit)`` when a unit becomes final; returns the unsubscribe function."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def begin(self) -> None:
+        """A backward starts."""
+        self._got = Counter()
+        self._final = set()
+        self.queue.clear()
+
+    def handed(self, i: int) -> None:
+        """Parameter ``i``'s gradient for this backward was handed off."""
+        u = self.layer_of[i]
+        self._got[u] += 1
+        if u not in self._final and self._expected.get(u) == self._got[u]:
+            self.early += 1
+            self._finish(u)
+
+    def end(self) -> None:
+        """The backward ended: every unit that handed off a gradient is final now."""
+        for u in self._got:
+            if u not in self._final:
+                self._finish(u)
+        self._expected = dict(self._got)
+
+    def _finish(self, u: int) -> None:
+        self._final.add(u)
+        self.queue.append(u)
+        for listener in tuple(self._listeners):
+            listener(u)
