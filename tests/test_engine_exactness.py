@@ -605,3 +605,46 @@ def test_a_failed_construction_gives_the_model_its_values_back(tmp_path, monkeyp
     with pytest.raises(pagemem.ConfigError, match=r"param_groups\[0\]: lr"):
         pagemem.Engine(model, engine_config(make(), loss, tmp_path),
                        param_groups=[{"params": model.parameters(), "lr": -1.0}])
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_optimizer_state_dicts_move_between_the_engine_and_torch(optimizer_tier, tmp_path):
+    """A framework's checkpoint (``model.state_dict()`` and ``optimizer.state_dict()``) taken from
+    the engine resumes exactly in plain PyTorch, and one from plain PyTorch in the engine."""
+    make, loss = CASES["parameter read after a child"]
+    want = reference(make, loss, 4)
+
+    def plain(model, steps, state=None):
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **HP)
+        if state is not None:
+            opt.load_state_dict(state)
+        for s in steps:
+            loss(model, model, s).backward()
+            opt.step()
+            opt.zero_grad()
+        return opt
+
+    # engine for two steps, then plain PyTorch from its checkpoint
+    model = make()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path, optimizer_tier)) as engine:
+        for s in range(2):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        weights, opt_state = model.state_dict(), engine.optimizer.state_dict()
+    assert set(opt_state["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    resumed = make()
+    resumed.load_state_dict(weights)
+    plain(resumed, range(2, 4), opt_state)
+    assert_same(want, resumed.state_dict())
+    # plain PyTorch for two steps, then the engine from its checkpoint
+    model = make()
+    opt = plain(model, range(2))
+    weights, opt_state = model.state_dict(), opt.state_dict()
+    model = make()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path, optimizer_tier)) as engine:
+        model.load_state_dict(weights)
+        engine.optimizer.load_state_dict(opt_state)
+        for s in range(2, 4):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        assert_same(want, engine.state_dict())

@@ -94,6 +94,11 @@ class AdamW:
         return cls(group["lr"], group["betas"], group["eps"], group["weight_decay"], group.get("amsgrad", False))
 
 
+TORCH_FLAGS = {"maximize": False, "decoupled_weight_decay": True, "fused": True, "foreach": None,
+               "capturable": False, "differentiable": False}
+"""What ``torch.optim.AdamW``'s groups say besides the hyperparameters, as the engine computes."""
+
+
 class PagedOptimizer(torch.optim.Optimizer):
     """The ``torch.optim.Optimizer`` the user holds while the engine keeps the state in pages.
 
@@ -107,9 +112,32 @@ class PagedOptimizer(torch.optim.Optimizer):
                  zero_grad_fn: Callable[[], None] | None = None) -> None:
         self.step_fn = step_fn
         self.zero_grad_fn = zero_grad_fn
+        self.states: Any = None
+        """Reads and writes the per-parameter states where the engine keeps them (``read()``,
+        ``write(state)``, keyed by torch's parameter numbers); None: this object's own."""
         self._sealed = False
-        super().__init__(params, (defaults or AdamW()).group())
+        # the flags a torch.optim.AdamW that loads this optimizer's state dict needs to compute
+        # as the engine does (its fused kernel, decoupled weight decay)
+        super().__init__(params, {**(defaults or AdamW()).group(), **TORCH_FLAGS})
         self._sealed = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.AdamW.state_dict()``: ``param_groups``, and per parameter (numbered
+        as torch numbers them) its ``step``, ``exp_avg`` and ``exp_avg_sq``, read from the pages
+        into host memory, so a plain ``torch.optim.AdamW`` can load it (and this optimizer can
+        load one of its)."""
+        out = super().state_dict()
+        if self.states is not None:
+            out["state"] = self.states.read()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``torch.optim.AdamW`` (or this optimizer's) state dict: the groups'
+        hyperparameters, and each parameter's moments and step into the pages."""
+        state = state_dict.get("state", {})
+        super().load_state_dict({**state_dict, "state": {}})
+        if self.states is not None:
+            self.states.write(state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; the engine then discards the gradient sums of

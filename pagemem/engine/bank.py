@@ -259,6 +259,14 @@ class ParamBank:
         t = layer.master[k] if layer.master[k] is not None else layer.compute[k]
         return t.to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
 
+    def host_state(self, i: int, kind: str) -> torch.Tensor:
+        """Parameter ``i``'s ``kind`` state (``exp_avg``, ``exp_avg_sq``, ``master``) on the host."""
+        layer, k = self.where(i)
+        t = getattr(layer, kind)[k]
+        if t is None:
+            raise InvalidRequest(f"parameter {self.params[i][0]!r} has no {kind} (it is frozen)")
+        return t.to_torch().cpu().reshape(self.params[i][1].shape)
+
     def compute_pages(self, li: int) -> int:
         """Pages unit ``li``'s compute copy moves to and from the gpu (none where it is the master)."""
         return 0 if self.compute_is_master else self.store.page_count(self.layers[li].compute)

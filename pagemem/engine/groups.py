@@ -20,7 +20,8 @@ from pagemem.engine.adam import AdamW
 from pagemem.engine.config import check_no_amsgrad
 from pagemem.errors import ConfigError
 
-GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")
+GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay",
+              "fused", "foreach", "capturable", "differentiable")
 
 
 def checked_groups(model: nn.Module, groups: Iterable[dict[str, Any]], defaults: AdamW | None = None
