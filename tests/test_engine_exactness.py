@@ -162,11 +162,12 @@ def test_an_evicted_parameter_is_fetched_when_read_and_never_computes_with_its_p
 
 # ---------------------------------------------------------------------------- reading weights back
 
-def test_module_state_dict_reads_the_trained_values(tmp_path):
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_module_state_dict_reads_the_trained_values(optimizer_tier, tmp_path):
     make, loss = CASES["class token and position embedding"]
     ref = reference(make, loss, 4)
     model = make()
-    engine = pagemem.Engine(model, engine_config(make(), loss, tmp_path))
+    engine = pagemem.Engine(model, engine_config(make(), loss, tmp_path, optimizer_tier))
     for s in range(4):
         engine.backward(loss(engine, model, s))
         engine.step()
@@ -183,12 +184,13 @@ def test_module_state_dict_reads_the_trained_values(tmp_path):
     model(PATCHES[0])  # and it computes as a plain module
 
 
-def test_save_pretrained_then_from_pretrained_gives_the_trained_model(tmp_path):
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_save_pretrained_then_from_pretrained_gives_the_trained_model(optimizer_tier, tmp_path):
     transformers = pytest.importorskip("transformers")
     make = hf_model("gpt2")
     ref = reference(make, lm_loss, 4)
     model = make()
-    with pagemem.Engine(model, engine_config(make(), lm_loss, tmp_path)) as engine:
+    with pagemem.Engine(model, engine_config(make(), lm_loss, tmp_path, optimizer_tier)) as engine:
         for s in range(4):
             engine.backward(lm_loss(engine, model, s))
             engine.step()
