@@ -474,7 +474,17 @@ def restore_and_reinit(run, model, opt, s, loss):
             model.w.mul_(0.5)
 
 
-WRITES = {f.__name__: f for f in (clamp_after_step, restore_and_reinit)}
+def write_through_data(run, model, opt, s, loss):
+    """Old-style code writes through ``p.data``, which moves no version counter."""
+    opt.zero_grad()
+    loss(run, model, s).backward()
+    opt.step()
+    for p in model.parameters():
+        p.data.clamp_(-0.05, 0.05)
+    model.out.bias.data[:4] = 0.5
+
+
+WRITES = {f.__name__: f for f in (clamp_after_step, restore_and_reinit, write_through_data)}
 
 
 @pytest.mark.parametrize("optimizer_tier", TIERS)

@@ -301,6 +301,13 @@ class ParamBank:
         if kind == "master":
             self.refresh_compute(i, value)
 
+    def expected_compute(self, i: int) -> torch.Tensor:
+        """What parameter ``i``'s compute copy holds when nobody wrote it: its master weights
+        cast to the compute dtype (its compute copy, for a frozen one), on the host."""
+        layer, k = self.where(i)
+        t = layer.master[k] if layer.master[k] is not None else layer.compute[k]
+        return t.to_torch().reshape(self.params[i][1].shape).to(self.compute_dtype)
+
     def write_parameter(self, i: int, value: torch.Tensor) -> None:
         """Parameter ``i`` was written (in place, by user code): its master weights (or, frozen,
         its compute copy) take ``value``, and every copy of its compute copy too."""

@@ -126,7 +126,7 @@ class Engine:
         self._hooks = self._hook_gradients()
         self.clock = OpClock(model, self.bank.params)
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
-                           self._saved_tensor_hooks)
+                           self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i))
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self.pager.residency.keep_writes)

@@ -49,6 +49,9 @@ METADATA = frozenset([
 """What a guarded parameter answers without its values."""
 
 
+_DATA_GET = _T.data.__get__
+
+
 class GuardedParameter(nn.Parameter):
     """The class of a parameter whose values are not at hand (see the Note). Each engine makes a
     subclass bound to its :class:`Guard`."""
@@ -70,14 +73,18 @@ class Guard:
     those a read outside every scope needs (see the Note)."""
 
     def __init__(self, params: Sequence[tuple[str, nn.Parameter]], fetch: Callable[[int], None],
-                 lock: Any, saved_hooks: Callable[[], Any] | None = None) -> None:
+                 lock: Any, saved_hooks: Callable[[], Any] | None = None,
+                 data_taken: Callable[[int], None] | None = None) -> None:
         """``fetch(i)`` makes parameter ``i``'s unit resident (under ``lock``); ``saved_hooks()``
-        gives the context of the engine's saved-tensor hooks (for ops outside its calls)."""
+        gives the context of the engine's saved-tensor hooks (for ops outside its calls);
+        ``data_taken(i)``: parameter ``i``'s ``.data`` was handed out (code may write through it,
+        which its version counter does not see: [Note: writes to parameters])."""
         self.params = [p for _, p in params]
         self.names = [n for n, _ in params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.cls = type("GuardedParameter", (GuardedParameter,), {"_guard": self})
         self._fetch = fetch
+        self._data_taken = data_taken
         self.lock = lock
         self._saved_hooks = saved_hooks
         self._resident = [False] * len(self.params)
@@ -142,6 +149,8 @@ class Guard:
             for i in self._guarded_in(args, kwargs):
                 if not self._resident[i]:
                     self._fetch_for(i, func)
+                if func == _DATA_GET and self._data_taken is not None:
+                    self._data_taken(i)
         hooks = (self._saved_hooks() if self._saved_hooks is not None and not self._calls
                  and torch.is_grad_enabled() else nullcontext())
         with hooks, torch._C.DisableTorchFunctionSubclass():

@@ -72,6 +72,8 @@ class Residency:
         self.evictions = 0
         self.misses = 0
         """Units a plan's compute found not fully staged (the executor copied the rest)."""
+        self._data_taken: set[int] = set()
+        """Parameters whose ``.data`` was handed out since they were last checked."""
         self.written = 0
         """Parameters written in place whose new values were kept (see ``keep_writes``)."""
         self.deferred_releases = 0
@@ -335,10 +337,18 @@ class Residency:
         drop. So a write is kept: every parameter's version counter is read when it is bound,
         and one that moved has its new value written into its master weights and every copy of
         its compute copy before the unit is evicted, before an update, and before the weights
-        are read back. Call this before reading master weights."""
+        are read back. A write through ``p.data`` moves no version counter: a parameter whose
+        ``.data`` the guard handed out (outside the engine's calls) is compared with its master
+        weights instead. Not seen: a write through ``.data`` inside a module's own forward (the
+        parameter is a plain one there). Call this before reading master weights."""
         for layer, u in zip(self.bank.layers, self._units):
             if u.bound:
                 self._keep_writes(layer)
+
+    def data_taken(self, i: int) -> None:
+        """Parameter ``i``'s ``.data`` was handed out: a write through it moves no version
+        counter, so its values are compared with its master weights when it is next checked."""
+        self._data_taken.add(i)
 
     def _keep_writes(self, layer: Layer) -> None:
         u = self._units[layer.index]
@@ -348,7 +358,11 @@ class Residency:
         with torch._C.DisableTorchFunctionSubclass():
             for k, i in enumerate(layer.params):
                 p = params[i][1]
-                if p._version != u.versions[k]:
+                moved = p._version != u.versions[k]
+                if not moved and i in self._data_taken:
+                    moved = not torch.equal(p.data, self.bank.expected_compute(i).to(p.device))
+                self._data_taken.discard(i)
+                if moved:
                     self.bank.write_parameter(i, p.data)
                     u.versions[k] = p._version
                     self.written += 1
