@@ -10,6 +10,11 @@ backward for the rest (the first backward, a unit some routing reached different
 units are queued in the order they completed (``GradHandoff.queue``) and announced to
 subscribers: the seam where an updater that works per unit, behind backward (the lock-free
 updater), plugs in. A unit is final at most once per backward.
+
+Each parameter has a second hook, before accumulation (``Engine._before_accumulate``): it starts
+a backward the engine did not start (``loss.backward()``) and takes the gradient handles down
+before autograd could add into one. It carries no gradient. Not done yet: on CUDA the copy of a
+gradient into cpu pages runs on the current stream, not on a side stream behind an event.
 """
 
 from __future__ import annotations
