@@ -484,7 +484,17 @@ def write_through_data(run, model, opt, s, loss):
     model.out.bias.data[:4] = 0.5
 
 
-WRITES = {f.__name__: f for f in (clamp_after_step, restore_and_reinit, write_through_data)}
+def replace_memory(run, model, opt, s, loss):
+    """Code gives parameters other memory: ``p.data = t``, ``p.set_(t)``."""
+    opt.zero_grad()
+    loss(run, model, s).backward()
+    opt.step()
+    with torch.no_grad():
+        model.w.data = model.w.data.clamp(-0.05, 0.05)
+        model.out.bias.set_(torch.full_like(model.out.bias, 0.25))
+
+
+WRITES = {f.__name__: f for f in (clamp_after_step, restore_and_reinit, write_through_data, replace_memory)}
 
 
 @pytest.mark.parametrize("optimizer_tier", TIERS)
@@ -660,3 +670,76 @@ def test_optimizer_state_dicts_move_between_the_engine_and_torch(optimizer_tier,
             engine.backward(loss(engine, model, s))
             engine.step()
         assert_same(want, engine.state_dict())
+
+
+class HalfParametrization(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def right_inverse(self, a: torch.Tensor) -> torch.Tensor:
+        return a / 2
+
+
+def assign_through_parametrization(run, model, opt, s, loss):
+    opt.zero_grad()
+    loss(run, model, s).backward()
+    opt.step()
+    with torch.no_grad():  # right_inverse writes the original with set_
+        model.out.weight = model.out.weight.clamp(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_assigning_through_a_parametrization_is_kept(optimizer_tier, tmp_path):
+    def make():
+        torch.manual_seed(0)
+        m = ParamAfterChild()
+        torch.nn.utils.parametrize.register_parametrization(m.out, "weight", HalfParametrization())
+        return m
+    stats = same_loop(make, mse, assign_through_parametrization, 4, tmp_path, optimizer_tier=optimizer_tier)
+    assert stats["parameter_writes"] > 0
+
+
+def gradient_with_respect_to_the_input(run, model, opt, s, loss):
+    """``torch.autograd.grad`` with respect to the input only (a backward that reaches no
+    parameter), then a training step."""
+    x = X[s].clone().requires_grad_()
+    (g,) = torch.autograd.grad(run(x).sum(), x)
+    opt.zero_grad()
+    (loss(run, model, s) + 1e-3 * g.pow(2).mean().detach()).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("executor", ["plan", "demand"])
+def test_a_backward_that_reaches_no_parameter_neither_runs_out_of_memory_nor_changes_results(executor, tmp_path):
+    make = seeded(TinyViT, patch_dim=64)
+    same_loop(make, mse, gradient_with_respect_to_the_input, 4, tmp_path, executor=executor)
+
+
+def test_a_parameter_written_while_a_graph_saved_it_fails_backward_as_in_torch(tmp_path):
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    plain_model = make()
+    plain_loss = loss(plain_model, plain_model, 0)
+    with torch.no_grad():
+        plain_model.w.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain_loss.backward()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path)) as engine:
+        value = loss(engine, model, 0)
+        with torch.no_grad():
+            model.w.mul_(0.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            engine.backward(value)
+
+
+def test_a_second_engine_on_a_held_model_is_refused(tmp_path):
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    cfg = engine_config(make(), loss, tmp_path)
+    with pagemem.Engine(model, cfg):
+        with pytest.raises(pagemem.InvalidRequest, match="held by another pagemem.Engine"):
+            pagemem.Engine(model, cfg)
+        with pytest.raises(pagemem.InvalidRequest, match="held by another"):
+            pagemem.Engine(model.out, cfg)
+    with pagemem.Engine(model, cfg):  # once closed, the model is free again
+        pass

@@ -31,7 +31,7 @@ from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.grads import GradHandles
 from pagemem.engine.groups import checked_groups
 from pagemem.engine.handoff import GradHandoff
-from pagemem.engine.guard import Guard
+from pagemem.engine.guard import Guard, GuardedParameter
 from pagemem.checks import check_rate
 from pagemem.engine.pager import Pager
 from pagemem.engine.readback import give_weights_back, hook_state_dicts
@@ -126,7 +126,8 @@ class Engine:
         self._hooks = self._hook_gradients()
         self.clock = OpClock(model, self.bank.params)
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
-                           self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i))
+                           self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i),
+                           lambda i: self.pager.residency.data_replaced(i))
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self.pager.residency.keep_writes)
@@ -144,7 +145,8 @@ class Engine:
         try:
             if bank is not None and restore:
                 for i, (_, p) in enumerate(bank.params):
-                    p.data = bank.host_value(i, bank.original_dtype[i])
+                    with torch._C.DisableTorchFunctionSubclass():
+                        p.data = bank.host_value(i, bank.original_dtype[i])
                     p.__class__ = nn.Parameter
         finally:
             self.store.close()
@@ -480,6 +482,9 @@ def check_parameters(model: nn.Module) -> None:
     not contiguous (it keeps parameters contiguous in pages; a channels_last or transposed
     parameter would compute along other kernels than in plain PyTorch)."""
     for name, p in model.named_parameters():
+        if isinstance(p, GuardedParameter):
+            raise InvalidRequest(f"parameter {name!r} is held by another pagemem.Engine (or by one closed without "
+                                 "giving its weights back): close that engine first, or load a checkpoint")
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise ConfigError(f"parameter {name!r}: uninitialized (a lazy module): run one forward before making "
                               "the engine")

@@ -38,7 +38,7 @@ _T = torch.Tensor
 _GETTERS = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "is_cuda",
             "is_meta", "is_sparse", "is_quantized", "is_cpu", "layout", "itemsize", "_backward_hooks",
             "_post_accumulate_grad_hooks", "is_nested", "_base", "output_nr", "_version")
-_SETTERS = ("requires_grad", "grad", "data", "_backward_hooks", "_post_accumulate_grad_hooks")
+_SETTERS = ("requires_grad", "grad", "_backward_hooks", "_post_accumulate_grad_hooks")
 METADATA = frozenset([
     *(getattr(_T, n).__get__ for n in _GETTERS if hasattr(getattr(_T, n, None), "__get__")),
     *(getattr(_T, n).__set__ for n in _SETTERS if hasattr(getattr(_T, n, None), "__set__")),
@@ -50,6 +50,8 @@ METADATA = frozenset([
 
 
 _DATA_GET = _T.data.__get__
+_REPLACES = frozenset([_T.data.__set__, _T.set_])
+"""Ops that give a parameter other memory (user code: the engine sets ``.data`` unguarded)."""
 
 
 class GuardedParameter(nn.Parameter):
@@ -74,17 +76,20 @@ class Guard:
 
     def __init__(self, params: Sequence[tuple[str, nn.Parameter]], fetch: Callable[[int], None],
                  lock: Any, saved_hooks: Callable[[], Any] | None = None,
-                 data_taken: Callable[[int], None] | None = None) -> None:
+                 data_taken: Callable[[int], None] | None = None,
+                 data_replaced: Callable[[int], None] | None = None) -> None:
         """``fetch(i)`` makes parameter ``i``'s unit resident (under ``lock``); ``saved_hooks()``
         gives the context of the engine's saved-tensor hooks (for ops outside its calls);
         ``data_taken(i)``: parameter ``i``'s ``.data`` was handed out (code may write through it,
-        which its version counter does not see: [Note: writes to parameters])."""
+        which its version counter does not see: [Note: writes to parameters]);
+        ``data_replaced(i)``: code gave parameter ``i`` other memory (``p.data = t``, ``set_``)."""
         self.params = [p for _, p in params]
         self.names = [n for n, _ in params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.cls = type("GuardedParameter", (GuardedParameter,), {"_guard": self})
         self._fetch = fetch
         self._data_taken = data_taken
+        self._data_replaced = data_replaced
         self.lock = lock
         self._saved_hooks = saved_hooks
         self._resident = [False] * len(self.params)
@@ -134,7 +139,8 @@ class Guard:
         if values is None:
             return
         for i, p in enumerate(self.params):
-            p.data = values(i)
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = values(i)
             p.__class__ = nn.Parameter
 
     # ---------------------------------------------------------------- reads
@@ -153,8 +159,29 @@ class Guard:
                     self._data_taken(i)
         hooks = (self._saved_hooks() if self._saved_hooks is not None and not self._calls
                  and torch.is_grad_enabled() else nullcontext())
+        if func in _REPLACES:
+            self._check_replacement(args)
         with hooks, torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if func in _REPLACES and self._data_replaced is not None and not getattr(self._local, "quiet", 0):
+            i = self.index.get(id(args[0]))
+            if i is not None:
+                with self.lock:
+                    self._data_replaced(i)
+        return out
+
+    def _check_replacement(self, args: Sequence) -> None:
+        i = self.index.get(id(args[0]))
+        new = args[1] if len(args) > 1 else None
+        if i is None or not isinstance(new, torch.Tensor):
+            return
+        p = self.params[i]
+        with torch._C.DisableTorchFunctionSubclass():
+            same = tuple(new.shape) == tuple(p.shape) and new.dtype == p.dtype
+        if not same:
+            raise InvalidRequest(f"parameter {self.names[i]!r}: its memory was replaced by a tensor of shape "
+                                 f"{tuple(new.shape)} and {new.dtype}; the engine keeps its shape and dtype "
+                                 f"({tuple(p.shape)}, {p.dtype})")
 
     def _fetch_for(self, i: int, func: Any) -> None:
         if self.closed is not None:

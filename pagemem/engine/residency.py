@@ -73,6 +73,12 @@ class Residency:
         self.misses = 0
         """Units a plan's compute found not fully staged (the executor copied the rest)."""
         self._data_taken: set[int] = set()
+        self._parked: dict[int, int] = {}
+        """Each evicted parameter's placeholder storage: one that moved was given other memory."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for i, (_, p) in enumerate(bank.params):
+                if p.numel():
+                    self._parked[i] = _storage_ptr(p)
         """Parameters whose ``.data`` was handed out since they were last checked."""
         self.written = 0
         """Parameters written in place whose new values were kept (see ``keep_writes``)."""
@@ -250,7 +256,8 @@ class Residency:
             except OutOfMemory as exc:
                 if not self._evict_one(keep):
                     raise OutOfMemory("gpu", exc.requested_pages, exc.free_pages, exc.page_bytes,
-                                      f"layer {layer.name!r}: every other resident layer is in use") from None
+                                      f"layer {layer.name!r}: every other resident layer is in use (a module "
+                                      "running holds it, or tensors derived from its parameters are alive)") from None
         u.staged.clear()
         u.staged_pages = 0
         if bind:
@@ -275,12 +282,18 @@ class Residency:
                 lease = t.lease("gpu", write=False)
                 u.leases.append(lease)
                 data = lease.tensor
-            p.data = data
+            with torch._C.DisableTorchFunctionSubclass():  # the engine's own: not a user's assignment
+                if p.numel() and self._parked.get(i) not in (None, _storage_ptr(p)):
+                    # given other memory while evicted (set_ moves no guard): keep its values
+                    self.bank.write_parameter(i, p.data)
+                    self.written += 1
+                p.data = data
             self.guard.bound(i)
             if data.numel():
                 ptr = data.untyped_storage().data_ptr()
                 self._by_ptr[ptr] = i
                 u.ptrs.append(ptr)
+                u.bound_ptrs[i] = ptr
         with torch._C.DisableTorchFunctionSubclass():
             u.versions = [params[i][1]._version for i in layer.params]
         u.to(UnitState.BOUND)
@@ -301,12 +314,14 @@ class Residency:
         for layer, u in zip(self.bank.layers, self._units):
             if u.state is UnitState.ZOMBIE and self._drop(layer):
                 return True
-        for li in list(self._lru):
-            if li in keep or held(li):
-                continue
-            self.evict(self.bank.layers[li])
-            if self._units[li].state is not UnitState.ZOMBIE:
-                return True
+        soft = self.scopes.is_soft_held
+        for spare_backward in (True, False):  # units backward scopes hold go last
+            for li in list(self._lru):
+                if li in keep or held(li) or (spare_backward and soft(li)):
+                    continue
+                self.evict(self.bank.layers[li])
+                if self._units[li].state is not UnitState.ZOMBIE:
+                    return True
         return False
 
     def evict(self, layer: Layer) -> None:
@@ -317,7 +332,9 @@ class Residency:
         self._keep_writes(layer)
         for i in layer.params:
             p = self.bank.params[i][1]
-            p.data = placeholder(p.shape, p.dtype, p.device)
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = placeholder(p.shape, p.dtype, p.device)
+                self._parked[i] = _storage_ptr(p)
             self.guard.evicted(i)
         for lease in u.leases:
             lease.release()
@@ -325,6 +342,7 @@ class Residency:
         for ptr in u.ptrs:
             self._by_ptr.pop(ptr, None)
         u.ptrs.clear()
+        u.bound_ptrs.clear()
         self._lru.pop(layer.index, None)
         self.evictions += not self.home_on_gpu
         u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
@@ -342,30 +360,55 @@ class Residency:
         weights instead. Not seen: a write through ``.data`` inside a module's own forward (the
         parameter is a plain one there). Call this before reading master weights."""
         for layer, u in zip(self.bank.layers, self._units):
-            if u.bound:
-                self._keep_writes(layer)
+            if u.bound and self._keep_writes(layer):
+                self.evict(layer)  # a parameter given other memory: a view of its pages again
+                self.bind(layer.index)
+
+    def data_replaced(self, i: int) -> None:
+        """User code gave parameter ``i`` other memory (``p.data = t``, ``p.set_(t)``, a
+        parametrization's ``right_inverse``): its values go into the pages, and it becomes a view
+        of its pages again, so it keeps following the engine."""
+        li = self.bank.layer_of[i]
+        layer, u = self.bank.layers[li], self._units[li]
+        p = self.bank.params[i][1]
+        with torch._C.DisableTorchFunctionSubclass():
+            self.bank.write_parameter(i, p.data)
+        self.written += 1
+        if u.bound:  # rebind the whole unit (its views and records stay consistent)
+            self.evict(layer)
+            self.bind(li)
+        else:
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = placeholder(p.shape, p.dtype, p.device)
+            self.guard.evicted(i)
 
     def data_taken(self, i: int) -> None:
         """Parameter ``i``'s ``.data`` was handed out: a write through it moves no version
         counter, so its values are compared with its master weights when it is next checked."""
         self._data_taken.add(i)
 
-    def _keep_writes(self, layer: Layer) -> None:
+    def _keep_writes(self, layer: Layer) -> bool:
+        """Keep what was written to the unit's bound parameters; True if one of them no longer
+        views its pages (``set_``, ``swap_tensors``: the caller rebinds the unit)."""
         u = self._units[layer.index]
         if self.bank.compute_is_master or not u.versions:
-            return  # the parameters are the master pages: nothing to copy
+            return False  # the parameters are the master pages: nothing to copy
         params = self.bank.params
+        replaced = False
         with torch._C.DisableTorchFunctionSubclass():
             for k, i in enumerate(layer.params):
                 p = params[i][1]
                 moved = p._version != u.versions[k]
-                if not moved and i in self._data_taken:
+                elsewhere = p.numel() > 0 and _storage_ptr(p) != u.bound_ptrs.get(i)
+                if not moved and not elsewhere and i in self._data_taken:
                     moved = not torch.equal(p.data, self.bank.expected_compute(i).to(p.device))
                 self._data_taken.discard(i)
-                if moved:
+                if moved or elsewhere:
                     self.bank.write_parameter(i, p.data)
                     u.versions[k] = p._version
                     self.written += 1
+                    replaced |= elsewhere
+        return replaced
 
     def _give_back(self, layer: Layer) -> bool:
         """Give back the unit's gpu pages: drop the replica, or move a settled unit's only copy
@@ -411,3 +454,7 @@ class Residency:
         for layer, u in zip(self.bank.layers, self._units):
             if u.state is UnitState.ZOMBIE:
                 self._drop(layer)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()

@@ -21,10 +21,13 @@ from pagemem.tracer import Recording, SavedTensor
 class SavedParam:
     """What autograd keeps for a saved parameter (or a view of one): where to find it again."""
 
-    __slots__ = ("index", "size", "stride", "offset")
+    __slots__ = ("index", "size", "stride", "offset", "version")
 
-    def __init__(self, index: int, t: torch.Tensor) -> None:
+    def __init__(self, index: int, t: torch.Tensor, version: int) -> None:
         self.index, self.size, self.stride, self.offset = index, t.size(), t.stride(), t.storage_offset()
+        self.version = version
+        """The parameter's version counter when saved: autograd's check that nothing wrote it
+        in place before backward needs it."""
 
 
 class SavedTensorHooks:
@@ -49,7 +52,9 @@ class SavedTensorHooks:
         if i is not None and t.dtype == self.bank.params[i][1].dtype:
             if recording is not None:
                 recording.touch_params((i,))
-            return SavedParam(i, t)
+            with torch._C.DisableTorchFunctionSubclass():
+                version = self.bank.params[i][1]._version
+            return SavedParam(i, t, version)
         if recording is not None:
             return recording.pack(t)
         return t
@@ -59,6 +64,13 @@ class SavedTensorHooks:
             return saved.unpack()
         if not isinstance(saved, SavedParam):
             return saved
+        name, p = self.bank.params[saved.index]
+        with torch._C.DisableTorchFunctionSubclass():
+            version = p._version
+        if version != saved.version:  # as autograd checks a tensor it saved
+            raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: parameter {name!r} is at version {version}; expected version "
+                               f"{saved.version} instead")
         self._make_resident(saved.index, True)
-        base = self.bank.params[saved.index][1].data
+        base = p.data
         return base.as_strided(saved.size, saved.stride, saved.offset)

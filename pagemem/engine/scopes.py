@@ -5,8 +5,10 @@ A parameter is resident whenever anything may read it. A module may read its own
 anywhere between its forward pre-hook and its forward post-hook, children's forwards included
 (a class token concatenated after the patch embedding, layer scale after the MLP, a weight read
 after an activation module, a parametrization), so its unit is *held* over that whole scope;
-likewise over the span of its backward (``backward_pre`` to ``backward_post``), and over a
-forward recomputed during backward (activation checkpointing). Held units are never evicted, in
+over a forward recomputed during backward (activation checkpointing); and over the span of
+its backward (``backward_pre`` to ``backward_post``) while the budget allows (backward reads
+parameters only through saved tensors, which are fetched again when unpacked, and a backward that
+does not reach a module never ends its scope). Held units are never evicted, in
 traced, planned and demand iterations alike. The tracer records the same scopes (it touches the
 parameters of every open scope at every op: ``pagemem.tracer.recorder``), so a plan holds them
 too and counts their memory. A read outside every scope (a parameter used outside its module, a
@@ -34,13 +36,23 @@ class Scopes:
         """(module key, units, opened during backward) of each open forward scope, outermost first."""
         self._backward: dict[int, tuple[int, ...]] = {}
         self._count: Counter = Counter()
+        self._soft: Counter = Counter()
+        """Units held by backward scopes: kept while the budget allows (a backward that does not
+        reach a module's parameters, ``autograd.grad`` with respect to the inputs, never ends
+        that module's backward scope; only saved tensors read parameters there, and they are
+        fetched again when unpacked)."""
 
     def held(self) -> frozenset[int]:
-        """Units some open scope holds."""
+        """Units some open forward scope holds."""
         return frozenset(self._count)
 
     def is_held(self, unit: int) -> bool:
+        """Held by an open forward scope: never evicted."""
         return unit in self._count
+
+    def is_soft_held(self, unit: int) -> bool:
+        """Held by an open backward scope: evicted only when nothing else can go."""
+        return unit in self._soft
 
     def on_op(self, op: Op, units: Iterable[int]) -> None:
         """An op starts (``units``: those of ``op.params``): open or close the scope it marks."""
@@ -55,9 +67,12 @@ class Scopes:
         elif ev == "backward_pre":
             if op.params and op.window not in self._backward:
                 self._backward[op.window] = u = tuple(units)
-                self._count.update(u)
+                self._soft.update(u)
         elif ev == "backward_post":
-            self._release(self._backward.pop(op.window, ()))
+            for u in self._backward.pop(op.window, ()):
+                self._soft[u] -= 1
+                if self._soft[u] <= 0:
+                    del self._soft[u]
         elif ev == "step":
             self.clear()
 
@@ -66,6 +81,7 @@ class Scopes:
         self._forward.clear()
         self._backward.clear()
         self._count.clear()
+        self._soft.clear()
 
     def _open_forward(self, key: int, units: tuple[int, ...], in_backward: bool) -> None:
         self._forward.append((key, units, in_backward))
