@@ -410,6 +410,15 @@ class Updater:
 
     # ------------------------------------------------------------------ state
 
+    def step_count(self, i: int) -> int:
+        """Updates parameter ``i`` has had (torch's ``state['step']``)."""
+        return self.steps[i]
+
+    def set_step_count(self, i: int, steps: int) -> None:
+        if not isinstance(steps, int) or steps < 0:
+            raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: step must be a count >= 0, got {steps!r}")
+        self.steps[i] = steps
+
     def state(self) -> dict[str, Any]:
         return {"steps": list(self.steps), "skipped_steps": self.skipped_steps,
                 "loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
