@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagemem.engine.arena import ArenaSizer
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, unit_layout
 from pagemem.engine.guard import Guard
@@ -56,7 +57,6 @@ from pagemem.engine.residency import Residency
 from pagemem.engine.peaks import PeakMeter
 from pagemem.engine.saved import SavedTensorHooks
 from pagemem.engine.scopes import Scopes
-from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.sched import InfeasiblePlan, Plan, plan, validate
 from pagemem.tracer import Op, OpClock, Recording, Trace, TraceError, TraceOptions
 
@@ -112,7 +112,7 @@ class Pager:
         # its trace (a plan would count them again, or cache them on the gpu a second time)
         self.static_gpu_pages = self.residency.used_pages
         self.trace_options = TraceOptions(optimizer_model="none" if optimizer_tier == "gpu" else "master_adam")
-        self.arena_resizes = 0
+        self.arena = ArenaSizer(bank, self.residency, self._warn)
         self.records: OrderedDict[tuple, SignatureRecord] = OrderedDict()
         """One record per input signature, the last ``MAX_PLANS`` used."""
         self.iterations: Counter = Counter()
@@ -142,23 +142,6 @@ class Pager:
         frozen or unfrozen)."""
         self.records.clear()
 
-    def _size_arena(self, pages: int) -> None:
-        """Give the gpu arena ``pages`` slots, after sending every unit home (see the Note). A
-        unit still pinned (a tensor derived from its old view is alive) leaves it as it is."""
-        gpu = self._gpu
-        if gpu.capacity == pages:
-            return
-        self.residency.release_all()
-        for u in range(len(self.bank.layers)):  # states a plan kept on the gpu go home (it re-places them)
-            self.bank.place_states(u, None)
-        self.bank.drop_lasting_views("gpu")
-        try:
-            self.store.resize("gpu", pages)
-        except (InvalidRequest, OutOfMemory) as exc:
-            self._warn("resize", f"pagemem: the gpu arena stays at {gpu.capacity} pages, not {pages} ({exc})")
-            return
-        self.arena_resizes += 1
-
     # ------------------------------------------------------------------ iterations
 
     def begin(self, args: tuple, kwargs: dict) -> None:
@@ -177,7 +160,7 @@ class Pager:
             if rec.next == "demand" or rec.schedule is None:
                 self._start_demand(reserve=rec.reserve)
                 return
-            self._size_arena(rec.arena_pages)
+            self.arena.size(rec.arena_pages)
             self.mode = "plan"
             self._executor = Executor(rec.schedule, self.residency, self.executor_totals)
             self._executor.begin()
@@ -188,7 +171,7 @@ class Pager:
             self._warn("replan", "pagemem: this iteration differs from the traced ones (other input shapes, "
                                  "or data-dependent control flow): it is traced and planned again. "
                                  "Results are unaffected; engine.stats()['replans'] counts these.")
-        self._size_arena(self._budget_pages)
+        self.arena.size(self._budget_pages)
         self.mode = "warmup"
         self.residency.new_iteration()
         self._op_pages = []
@@ -330,7 +313,7 @@ class Pager:
             "replans": self.replans,
             **self.peaks.stats(),
             "gpu_arena_bytes": self._gpu.capacity * self._page_bytes,
-            "arena_resizes": self.arena_resizes,
+            "arena_resizes": self.arena.resizes,
             "fetches": res.fetches, "prefetches": res.prefetches, "evictions": res.evictions,
             "misses": res.misses, "gpu_wait_seconds": res.wait_seconds,
             "executor_seconds": self.executor_totals.seconds, "executor_releases": self.executor_totals.releases,
