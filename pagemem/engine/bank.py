@@ -38,6 +38,26 @@ from pagemem.engine.values import FromModule, ValueSource, check_source, materia
 
 
 @dataclass
+class ParamRecord:
+    """[Note: parameter records] One parameter of the model, as the engine holds it: its name, the
+    ``nn.Parameter`` (whose identity never changes), its unit and position there (its pages are
+    ``layer.compute[position]``, ``layer.master[position]``, ...), the dtype it came with, whether
+    it trains (see [Note: frozen parameters]) and how many updates it has had. The bank owns the
+    record; the updater counts ``steps`` through ``ParamBank.count_step``; residency is per unit
+    (``UnitResidency``)."""
+
+    index: int
+    name: str
+    param: nn.Parameter
+    unit: int
+    position: int
+    original_dtype: torch.dtype
+    trainable: bool
+    steps: int = 0
+    """AdamW's update count (torch's ``state['step']``)."""
+
+
+@dataclass
 class Layer:
     """A paging unit: consecutive modules whose parameters move to and from the gpu together."""
 
@@ -135,8 +155,7 @@ class ParamBank:
         self.params, module_specs = owning_layers(model)
         if not self.params:
             raise InvalidRequest("the model has no parameters to train")
-        self.original_dtype = [p.dtype for _, p in self.params]
-        self.trainable = [p.requires_grad for _, p in self.params]
+        trainable = [p.requires_grad for _, p in self.params]
         """[Note: frozen parameters] A parameter that does not require a gradient when the bank is
         made keeps only its compute copy: no fp32 master, no moments, no gradient sums (a LoRA
         model pays optimizer memory for its adapters only). Unfrozen later, it gets them then
@@ -175,7 +194,7 @@ class ParamBank:
                 continue  # the master's groups, once they exist (see the Note)
             every = kind == "compute" or (kind == "master" and self.compute_is_master)
             for _name, idx in layer_specs:
-                members = [i for i in idx if every or self.trainable[i]]
+                members = [i for i in idx if every or trainable[i]]
                 group = store.allocate_group([(self.params[i][1].shape, dtype) for i in members], tier=tier,
                                              after=tail if kind != "compute" else None) if members else []
                 tail = group[-1] if group else tail
@@ -188,6 +207,10 @@ class ParamBank:
                 self.layer_of[i], self.position[i] = li, k
             self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
                                      groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
+        self.records = [ParamRecord(i, n, p, self.layer_of[i], self.position[i], p.dtype, trainable[i])
+                        for i, (n, p) in enumerate(self.params)]
+        """One record per parameter ([Note: parameter records]); ``layer_of`` and ``position``
+        are the same facts as flat lists, for the hot paths."""
         with torch.no_grad():  # [Note: first values]: one module at a time, from the source
             for mname, idx in module_specs:
                 given = source.values(mname, model.get_submodule(mname), [self.params[i] for i in idx])
@@ -212,7 +235,7 @@ class ParamBank:
         """Give a frozen parameter what training needs (see [Note: frozen parameters]): fp32
         master weights cast from its compute copy, zero moments, gradient sums, each beside its
         unit's (on pages of their own). Nothing changes if the pages cannot be had."""
-        if self.trainable[i]:
+        if self.records[i].trainable:
             return
         layer, k = self.where(i)
         shape = self.params[i][1].shape
@@ -233,7 +256,7 @@ class ParamBank:
             t.copy_(value if kind == "master" else torch.zeros(shape))
             getattr(layer, kind)[k] = t
         self._lasting = {key: v for key, v in self._lasting.items() if key[1] != i}
-        self.trainable[i] = True
+        self.records[i].trainable = True
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes the optimizer states (fp32 master weights where they are not the compute copy,
@@ -252,6 +275,17 @@ class ParamBank:
     def where(self, i: int) -> tuple[Layer, int]:
         """Parameter ``i``'s unit and its position in the unit's lists."""
         return self.layers[self.layer_of[i]], self.position[i]
+
+    def is_trainable(self, i: int) -> bool:
+        return self.records[i].trainable
+
+    def original_dtype_of(self, i: int) -> torch.dtype:
+        return self.records[i].original_dtype
+
+    def count_step(self, i: int) -> int:
+        """Parameter ``i`` was updated once more; returns its update count."""
+        self.records[i].steps += 1
+        return self.records[i].steps
 
     def host_value(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Parameter ``i``'s current value on the host: its fp32 master weights cast to ``dtype``."""
@@ -367,7 +401,7 @@ class ParamBank:
         (``optimizer_tier="gpu"``: counted with the pages at rest, not the plan's)."""
         if self.optimizer_tier == "gpu":
             return 0
-        sizes = [self.params[i][1].numel() * 4 for i in self.layers[li].params if self.trainable[i]]
+        sizes = [self.params[i][1].numel() * 4 for i in self.layers[li].params if self.records[i].trainable]
         return 4 * pack(sizes, self.store.page_bytes).pages if sizes else 0
 
     def place_states(self, li: int, tier: str | None) -> bool:

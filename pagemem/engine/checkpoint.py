@@ -113,7 +113,7 @@ def save(engine: "Engine", root: str) -> str:
         "page_bytes": engine.store.page_bytes,
         "state": engine.training_state(),
         "config": engine.config.to_dict(),
-        "params": [{"name": n, "shape": list(p.shape), "dtype": str(engine.bank.original_dtype[i])}
+        "params": [{"name": n, "shape": list(p.shape), "dtype": str(engine.bank.original_dtype_of(i))}
                    for i, (n, p) in enumerate(engine.bank.params)],
         "tensors": layout,
         "page_digests": digests,

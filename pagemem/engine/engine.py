@@ -122,7 +122,7 @@ class Engine:
         """Units whose gradients are final, as backward hands them off ([Note: the gradient hand-off])."""
         self.grad_handles = GradHandles(self.bank.params, self.updater.grad_norm, self.updater.scale_grad,
                                         self.updater.zero_grad)
-        self._trainable = list(self.bank.trainable)
+        self._trainable = [r.trainable for r in self.bank.records]
         self._hooks = self._hook_gradients()
         self.clock = OpClock(model, self.bank.params)
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
@@ -146,7 +146,7 @@ class Engine:
             if bank is not None and restore:
                 for i, (_, p) in enumerate(bank.params):
                     with torch._C.DisableTorchFunctionSubclass():
-                        p.data = bank.host_value(i, bank.original_dtype[i])
+                        p.data = bank.host_value(i, bank.original_dtype_of(i))
                     p.__class__ = nn.Parameter
         finally:
             self.store.close()
@@ -370,8 +370,8 @@ class Engine:
                 out[key] = value.detach().clone()
             else:
                 # on the host, wherever the pages are; a frozen parameter's compute copy as it was given
-                out[key] = self.bank.host_value(i, torch.float32 if self.bank.trainable[i] else
-                                                self.bank.original_dtype[i])
+                out[key] = self.bank.host_value(i, torch.float32 if self.bank.is_trainable(i) else
+                                                self.bank.original_dtype_of(i))
         return out
 
     def save(self, directory: str) -> str:
@@ -518,7 +518,7 @@ class OptimizerStates:
         out = {}
         for n, i in enumerate(self._numbered()):
             steps = engine.updater.step_count(i)
-            if not steps or not engine.bank.trainable[i]:
+            if not steps or not engine.bank.is_trainable(i):
                 continue
             out[n] = {"step": torch.tensor(float(steps)),
                       **{kind: engine.bank.host_state(i, kind) for kind in ("exp_avg", "exp_avg_sq")}}
@@ -533,7 +533,7 @@ class OptimizerStates:
                 raise InvalidRequest(f"optimizer.load_state_dict: state for parameter {n}, the optimizer has "
                                      f"{len(numbered)}")
             i = numbered[n]
-            if not engine.bank.trainable[i]:
+            if not engine.bank.is_trainable(i):
                 engine.bank.make_trainable(i)
             for kind in ("exp_avg", "exp_avg_sq"):
                 v = s.get(kind)

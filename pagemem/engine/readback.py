@@ -63,7 +63,7 @@ def give_weights_back(bank: ParamBank, guard: Guard) -> None:
     """The engine closes: each parameter gets its trained value (fp32 master weights in its
     original dtype) in host memory, and its plain class back, when host memory has room for them
     all; otherwise a warning, and every read of a parameter raises, naming why."""
-    need = sum(p.numel() * dt.itemsize for (_, p), dt in zip(bank.params, bank.original_dtype))
+    need = sum(r.param.numel() * r.original_dtype.itemsize for r in bank.records)
     free = host_memory_available()
     if free is not None and need > free * 0.9:
         why = (f"the engine is closed and the trained weights ({need} bytes) did not fit in host memory "
@@ -71,7 +71,7 @@ def give_weights_back(bank: ParamBank, guard: Guard) -> None:
         warnings.warn(f"pagemem: {why}", RuntimeWarning, stacklevel=3)
         guard.release(None, why)
         return
-    guard.release(lambda i: bank.host_value(i, bank.original_dtype[i]), "the engine is closed")
+    guard.release(lambda i: bank.host_value(i, bank.original_dtype_of(i)), "the engine is closed")
 
 
 def host_memory_available() -> int | None:

@@ -97,8 +97,6 @@ class Updater:
         self._writeback = None
         self.adam = CpuAdam(config.adam_threads)
         self.scaler = LossScaler(config.loss_scale)
-        self.steps = [0] * len(bank.params)
-        """AdamW's step count per parameter (torch's ``state['step']``)."""
         self.skipped_steps = 0
         self.overlapped_updates = 0
         self._has_grad: set[int] = set()
@@ -191,7 +189,7 @@ class Updater:
                 flat = grad.detach().reshape(-1)
                 pieces = [(s, dataclasses.replace(c, grad=flat[s:s + c.param.numel()])) for s, c in pieces]
             self._step_and_refresh(i, pieces, hp, None, None)
-            self.steps[i] += 1
+            self.bank.count_step(i)
         finally:
             for lease in leases:
                 lease.release()
@@ -206,7 +204,7 @@ class Updater:
         """Parameter ``i``'s update (one fused call over its pieces), then its compute copy
         written from the new master weights, on the same worker (the refresh runs on every
         worker, not after them on one thread)."""
-        fused_steps([c for _, c in pieces], self.steps[i] + 1, hp, scale, clip_coef=coef)
+        fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hp, scale, clip_coef=coef)
         for start, c in pieces:
             self.bank.refresh_compute(i, c.param, start)
 
@@ -278,7 +276,7 @@ class Updater:
         if i in self._early:
             raise InvalidRequest(f"parameter {name!r}: p.grad was assigned after its gradient was applied during "
                                  "backward (overlap_update); pass overlap_update=False")
-        if not self.bank.trainable[i]:
+        if not self.bank.is_trainable(i):
             raise InvalidRequest(f"parameter {name!r}: p.grad was assigned to a parameter that does not require a "
                                  "gradient")
         if tuple(grad.shape) != tuple(self.bank.params[i][1].shape):
@@ -341,7 +339,7 @@ class Updater:
             wait_all([self.adam.submit(self._update_params, g, hps, scale, coef) for g in groups])
             self.scaler.update(overflow=False)
             for i, _ in chunks:
-                self.steps[i] += 1
+                self.bank.count_step(i)
         finally:
             for lease in leases:
                 lease.release()
@@ -412,21 +410,22 @@ class Updater:
 
     def step_count(self, i: int) -> int:
         """Updates parameter ``i`` has had (torch's ``state['step']``)."""
-        return self.steps[i]
+        return self.bank.records[i].steps
 
     def set_step_count(self, i: int, steps: int) -> None:
         if not isinstance(steps, int) or steps < 0:
             raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: step must be a count >= 0, got {steps!r}")
-        self.steps[i] = steps
+        self.bank.records[i].steps = steps
 
     def state(self) -> dict[str, Any]:
-        return {"steps": list(self.steps), "skipped_steps": self.skipped_steps,
+        return {"steps": [r.steps for r in self.bank.records], "skipped_steps": self.skipped_steps,
                 "loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
 
     def restore(self, state: dict[str, Any]) -> None:
-        if len(state["steps"]) != len(self.steps):
+        if len(state["steps"]) != len(self.bank.records):
             raise InvalidRequest("the checkpoint's optimizer state does not fit this model")
-        self.steps = list(state["steps"])
+        for record, steps in zip(self.bank.records, state["steps"]):
+            record.steps = steps
         self.skipped_steps = state["skipped_steps"]
         self.scaler.scale = state["loss_scale"]
         self.scaler.good_steps = state["good_steps"]
