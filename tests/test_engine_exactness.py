@@ -743,3 +743,81 @@ def test_a_second_engine_on_a_held_model_is_refused(tmp_path):
             pagemem.Engine(model.out, cfg)
     with pagemem.Engine(model, cfg):  # once closed, the model is free again
         pass
+
+
+@pytest.mark.parametrize("optimizer_tier,overlap", [("cpu", True), ("gpu", None)])
+def test_accumulation_by_habit_with_updates_overlapping_backward(optimizer_tier, overlap, tmp_path):
+    """Two ``loss.backward()`` per ``optimizer.step()`` with updates during backward (the default
+    on CUDA and for states on the gpu): the engine learns from the first step how many backwards
+    make one, so no update runs early from a partial sum."""
+    kw = {} if overlap is None else {"overlap_update": overlap}
+    if optimizer_tier == "gpu":
+        kw["fraction"] = 30.0  # room for the states beside the paged parameters
+    stats = same_loop(seeded(ParamAfterChild), mse, accumulate_by_habit, 4, tmp_path,
+                      optimizer_tier=optimizer_tier, **kw)
+    assert stats["overlapped_updates"] > 0
+
+
+def test_a_backward_after_the_last_of_a_step_updated_early_is_refused(tmp_path):
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path, overlap_update=True)) as engine:
+        for s in range(2):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        engine.backward(loss(engine, model, 2))  # the last of its step: it updates during backward
+        with pytest.raises(pagemem.InvalidRequest, match="call step"):
+            engine.backward(loss(engine, model, 3))
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_engine_load_resumes_buffers_and_parameter_groups(optimizer_tier, tmp_path):
+    """``Engine.save`` / ``Engine.load`` carry the model's buffers (BatchNorm statistics) and the
+    parameter groups it was made with; resuming is uninterrupted training, bit for bit."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64))
+
+    xs = [torch.randn(16, 64, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+
+    def loss(run, model, s):
+        return run(xs[s]).pow(2).mean()
+
+    def groups(model):
+        decay, no_decay = pagemem.decay_groups(model, weight_decay=0.2)
+        no_decay["lr"] = 1e-3
+        return [decay, no_decay]
+
+    want = reference(make, loss, 6, groups=groups)
+    model = make()
+    cfg = engine_config(make(), loss, tmp_path, optimizer_tier)
+    with pagemem.Engine(model, cfg, param_groups=groups(model)) as engine:
+        for s in range(3):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        engine.save(str(tmp_path / "ckpt"))
+    model = make()
+    with pagemem.Engine.load(str(tmp_path / "ckpt"), model) as engine:
+        assert len(engine.optimizer.param_groups) == 2
+        assert int(model[1].num_batches_tracked) == 3
+        for s in range(3, 6):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        assert_same(want, engine.state_dict())
+    other = make()
+    with pytest.raises(pagemem.InvalidRequest, match="param_groups"):
+        pagemem.Engine.load(str(tmp_path / "ckpt"), other, param_groups=[{"params": other.parameters()}])
+
+
+def test_a_meta_model_with_a_buffer_nothing_fills_is_refused(tmp_path):
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+    with torch.device("meta"):
+        model = Rotary()
+    cfg = engine_config(Rotary(), lambda run, m, s: run.lin(torch.ones(2, 8)).sum(), tmp_path)
+    with pytest.raises(pagemem.ConfigError, match="inv_freq"):
+        pagemem.Engine(model, cfg, init=lambda name, m: m.reset_parameters())

@@ -9,6 +9,7 @@ Layout of ``save(root)``::
         master.pages         fp32 master weights, page after page as they lie in the store
         exp_avg.pages, exp_avg_sq.pages
         rng.bin              torch's CPU generator state (and CUDA's, when present)
+        buffers.bin          the model's persistent buffers (BatchNorm statistics, counters)
 
 [Note: atomic and durable] Everything is written into ``step-N.tmp-<random>``, each file
 fsynced, the directory fsynced and renamed to ``step-N``, the root fsynced; only then does
@@ -108,6 +109,8 @@ def save(engine: "Engine", root: str) -> str:
         layout[kind], digests[kind] = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"))
     rng = torch.get_rng_state().numpy().tobytes()
     _write_durable(os.path.join(tmp, "rng.bin"), rng)
+    buffers, entries = _buffer_bytes(engine.module)
+    _write_durable(os.path.join(tmp, "buffers.bin"), buffers)
     manifest = {
         "version": VERSION,
         "page_bytes": engine.store.page_bytes,
@@ -118,6 +121,7 @@ def save(engine: "Engine", root: str) -> str:
         "tensors": layout,
         "page_digests": digests,
         "rng": {"file": "rng.bin", "xxh3": xxhash.xxh3_64_intdigest(rng)},
+        "buffers": {"file": "buffers.bin", "xxh3": xxhash.xxh3_64_intdigest(buffers), "entries": entries},
     }
     _write_durable(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
     _fsync_dir(tmp)
@@ -156,6 +160,64 @@ def read_manifest(ckpt: str) -> dict[str, Any]:
     return manifest
 
 
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """(state-dict key, module, buffer name) of every buffer ``model.state_dict()`` holds."""
+    out = []
+    for mname, module in model.named_modules():
+        for bname, b in module._buffers.items():
+            if b is not None and bname not in module._non_persistent_buffers_set:
+                out.append((f"{mname}.{bname}" if mname else bname, module, bname))
+    return out
+
+
+def _buffer_bytes(model: torch.nn.Module) -> tuple[bytes, list[dict[str, Any]]]:
+    """The model's persistent buffers (BatchNorm statistics, counters) as raw bytes, and where
+    each lies: nothing is pickled."""
+    chunks, entries, offset = [], [], 0
+    for key, module, bname in persistent_buffers(model):
+        b = module._buffers[bname].detach().cpu().contiguous()
+        data = b.reshape(-1).view(torch.uint8).numpy().tobytes() if b.numel() else b""
+        entries.append({"name": key, "dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape),
+                        "offset": offset, "nbytes": len(data)})
+        chunks.append(data)
+        offset += len(data)
+    return b"".join(chunks), entries
+
+
+def _load_buffers(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
+    saved = manifest.get("buffers")
+    if saved is None:  # written before buffers were saved
+        return
+    with open(os.path.join(ckpt, saved["file"]), "rb") as f:
+        data = f.read()
+    if xxhash.xxh3_64_intdigest(data) != saved["xxh3"]:
+        raise CorruptPage("checkpoint", 0, saved["xxh3"], xxhash.xxh3_64_intdigest(data), f"{ckpt}/{saved['file']}")
+    where = {key: (module, bname) for key, module, bname in persistent_buffers(engine.module)}
+    for e in saved["entries"]:
+        if e["name"] not in where:
+            raise InvalidRequest(f"{ckpt}: the checkpoint has a buffer {e['name']!r} this model does not")
+        module, bname = where[e["name"]]
+        dtype = getattr(torch, e["dtype"])
+        raw = bytearray(data[e["offset"]:e["offset"] + e["nbytes"]])
+        value = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(e["shape"])
+        module._buffers[bname] = value.to(engine.device)
+
+
+def saved_groups(manifest: dict[str, Any], model: torch.nn.Module) -> list[dict[str, Any]] | None:
+    """The parameter groups the checkpoint was trained with, over ``model``'s parameters (in
+    the engine's order: its owning modules'), or None for one group of every parameter."""
+    state = manifest["state"]
+    group_of = state.get("group_of")
+    if group_of is None or (len(state["param_groups"]) == 1 and None not in group_of):
+        return None
+    from pagemem.models.gpt import owning_modules
+
+    params = [p for _, _, own in owning_modules(model) for p in own]
+    if len(params) != len(group_of):
+        raise InvalidRequest("the checkpoint was written for another model (parameters differ)")
+    return [{"params": [p for p, g in zip(params, group_of) if g == n]} for n in range(len(state["param_groups"]))]
+
+
 def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
     """Overwrite ``engine``'s states with the checkpoint's, verifying every page."""
     params = [(n, list(p.shape)) for n, p in engine.bank.params]
@@ -188,4 +250,5 @@ def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
     if xxhash.xxh3_64_intdigest(rng) != manifest["rng"]["xxh3"]:
         raise CorruptPage("checkpoint", 0, manifest["rng"]["xxh3"], xxhash.xxh3_64_intdigest(rng), f"{ckpt}/rng.bin")
     torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+    _load_buffers(engine, ckpt, manifest)
     engine.restore_training_state(manifest["state"])

@@ -67,6 +67,9 @@ class Engine:
             raise ConfigError(f"config: must be a pagemem.EngineConfig, got {type(config).__name__}")
         check_parameters(model)
         groups = checked_groups(model, param_groups, config.optimizer) if param_groups is not None else None
+        if groups is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+            groups = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in groups]
         self.module = model
         self.config = config
         self.store = PageStore(config.store)
@@ -85,6 +88,8 @@ class Engine:
                               unit_bytes=max(self.store.page_bytes, gpu_bytes // 16), source=source)
         if isinstance(source, FromStateDict):
             source.set_buffers(model, self.store.tier("gpu").device)
+        if not isinstance(source, FromCheckpoint):
+            check_no_meta_buffers(model)
         self.device = self.store.tier("gpu").device
         """Where the model computes: the ``gpu`` tier's device (the host for the stand-in). Put
         the inputs there."""
@@ -98,6 +103,9 @@ class Engine:
                     if b.device != self.device or b.dtype != dtype:
                         module._buffers[name] = b.to(self.device, dtype)
         params = [p for _, p in self.bank.params]
+        if groups is not None:  # by name: a model on meta got new Parameter objects (values.py)
+            now = dict(model.named_parameters(remove_duplicate=False))
+            groups = [{**g, "params": [now[n] for n in g["params"]]} for g in groups]
         self.optimizer = PagedOptimizer(groups if groups is not None else params, config.optimizer,
                                         step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad)
         index = {id(p): i for i, p in enumerate(params)}
@@ -118,6 +126,8 @@ class Engine:
         self._in_backward = False
         self._consume = False
         self._grads_to_drop: list[nn.Parameter] = []
+        self._per_step: int | None = None
+        """Backwards per step, as the last update saw them (None before any)."""
         self.handoff = GradHandoff(self.bank.layer_of)
         """Units whose gradients are final, as backward hands them off ([Note: the gradient hand-off])."""
         self.grad_handles = GradHandles(self.bank.params, self.updater.grad_norm, self.updater.scale_grad,
@@ -219,13 +229,22 @@ class Engine:
         self._end_backward()
         self._phase_seconds["backward"] += time.perf_counter() - t0
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, implicit: bool = False) -> None:
         """[Note: backward by habit] ``engine.backward(loss)`` and a plain ``loss.backward()`` start
         here: the first gradient hook of a backward the engine did not start calls this too (and
         queues ``_end_backward`` at the end of autograd's run), so both add gradients up the same
         way. Only loss scaling needs ``engine.backward`` (it scales the loss)."""
+        if self.updater.updated_during_backward():
+            raise InvalidRequest("backward: the previous backward was the last of a step and already updated "
+                                 f"parameters during backward (overlap_update, {self._per_step} backward(s) per step): "
+                                 "call step() first, set accumulation_steps to the backwards of one step, or pass "
+                                 "overlap_update=False")
         self._take_grads_back()
-        self.updater.begin_backward(final=self._micro + 1 == self.config.accumulation_steps)
+        # [Note: which backward is the last of a step] engine.backward counts accumulation_steps;
+        # a backward by habit learns it from the steps it saw (none yet: no update runs early)
+        per_step = self._per_step if self._per_step is not None else (None if implicit else
+                                                                       self.config.accumulation_steps)
+        self.updater.begin_backward(final=per_step is not None and self._micro + 1 == per_step)
         self.handoff.begin()
         self.guard.enter()
         self._in_backward = True
@@ -248,7 +267,7 @@ class Engine:
         if self.updater.scaler.scale is not None:
             raise InvalidRequest("loss.backward(): this engine scales the loss (loss_scale); call "
                                  "engine.backward(loss) instead")
-        self._begin_backward()
+        self._begin_backward(implicit=True)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_implicit_backward)
 
     def _end_implicit_backward(self) -> None:
@@ -351,6 +370,8 @@ class Engine:
             if not self._consume:  # a torch optimizer's step leaves p.grad until zero_grad()
                 self.grad_handles.show(self.updater.pending())
         finally:
+            if self._micro:
+                self._per_step = self._micro  # the backwards one step took: the next takes as many
             self._micro = 0
             self.global_step += 1
             self._phase_seconds["step"] += time.perf_counter() - t0
@@ -388,20 +409,29 @@ class Engine:
         return checkpoint.save(self, directory)
 
     @classmethod
-    def load(cls, directory: str, model: nn.Module, config: EngineConfig | None = None) -> "Engine":
+    def load(cls, directory: str, model: nn.Module, config: EngineConfig | None = None, *,
+             param_groups: Any = None) -> "Engine":
         """An engine over ``model`` resumed from the checkpoint ``directory`` names (or its
-        ``latest``): weights, optimizer states, counters, loss scale, optimizer groups, RNG.
-        ``config`` defaults to the one saved (its store paths must exist here). The model may be
-        built on the ``meta`` device (``with torch.device("meta"): model = ...``): its values
-        then come only from the checkpoint and host memory never holds a second copy."""
+        ``latest``): weights, buffers, optimizer states, counters, loss scale, optimizer groups
+        (which parameters each holds, and their hyperparameters), RNG. ``config`` defaults to the
+        one saved (its store paths must exist here); ``param_groups`` to the saved membership
+        (given, it must hold the same parameters in the same groups). The model may be built on
+        the ``meta`` device (``with torch.device("meta"): model = ...``): its values then come
+        only from the checkpoint and host memory never holds a second copy. A scheduler made
+        after this resets the learning rates, as torch's does when made after an optimizer state
+        is loaded: load its state, then set each group's ``lr`` from ``get_last_lr()``."""
         from pagemem.engine import checkpoint
 
         ckpt = checkpoint.resolve(directory)
         manifest = checkpoint.read_manifest(ckpt)
         meta = any(p.is_meta for p in model.parameters())
-        engine = cls(model, config or EngineConfig.from_dict(manifest["config"]), _values=not meta)
+        if param_groups is None:
+            param_groups = checkpoint.saved_groups(manifest, model)
+        engine = cls(model, config or EngineConfig.from_dict(manifest["config"]), _values=not meta,
+                     param_groups=param_groups)
         try:
             checkpoint.load_into(engine, ckpt, manifest)
+            check_no_meta_buffers(model)
         except BaseException:
             engine.close()
             raise
@@ -411,11 +441,16 @@ class Engine:
         """Counters, loss scale and optimizer groups as JSON-ready values (for checkpoints)."""
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                   for g in self.optimizer.param_groups]
-        return {"global_step": self.global_step, **self.updater.state(), "param_groups": groups}
+        return {"global_step": self.global_step, **self.updater.state(), "param_groups": groups,
+                "group_of": list(self.group_of)}
 
     def restore_training_state(self, state: dict[str, Any]) -> None:
         if len(state["param_groups"]) != len(self.optimizer.param_groups):
-            raise InvalidRequest("the checkpoint's optimizer state does not fit this model")
+            raise InvalidRequest(f"the checkpoint has {len(state['param_groups'])} parameter groups, this engine "
+                                 f"{len(self.optimizer.param_groups)}: pass the same param_groups")
+        if "group_of" in state and list(state["group_of"]) != list(self.group_of):
+            raise InvalidRequest("the checkpoint's parameter groups hold other parameters than this engine's: "
+                                 "pass the same param_groups (or none, to take the saved ones)")
         self.updater.restore(state)
         self.global_step = state["global_step"]
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
@@ -542,3 +577,12 @@ class OptimizerStates:
                                          f"{kind} of its shape")
                 engine.bank.set_state(i, kind, v.detach().float().cpu())
             engine.updater.set_step_count(i, int(float(s.get("step", 0))))
+
+
+def check_no_meta_buffers(model: nn.Module) -> None:
+    """A model built on ``meta`` computes its buffers nowhere: one left there (a non-persistent
+    one no state dict or checkpoint holds, as a rotary embedding's ``inv_freq``) is refused."""
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise ConfigError(f"buffer {name!r} is on 'meta' and nothing gave it a value (non-persistent buffers "
+                              "are in no state dict or checkpoint): build the model off 'meta', or set the buffer")

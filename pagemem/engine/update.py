@@ -227,6 +227,10 @@ class Updater:
 
     # ------------------------------------------------------------------ gradients by habit
 
+    def updated_during_backward(self) -> bool:
+        """Updates ran during a backward that no ``step()`` has followed yet."""
+        return bool(self._early)
+
     def pending(self) -> list[int]:
         """Parameters with a gradient (a sum, an update under way from one, or one a
         non-consuming update applied during backward) that no ``zero_grad`` discarded."""
