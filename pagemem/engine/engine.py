@@ -31,7 +31,9 @@ from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.grads import GradHandles
 from pagemem.engine.groups import checked_groups
 from pagemem.engine.handoff import GradHandoff
-from pagemem.engine.guard import Guard, GuardedParameter
+from pagemem.engine.guard import Guard
+from pagemem.engine.model_checks import check_no_meta_buffers, check_parameters
+from pagemem.engine.optimizer_states import OptimizerStates
 from pagemem.checks import check_rate
 from pagemem.engine.pager import Pager
 from pagemem.engine.readback import give_weights_back, hook_state_dicts
@@ -509,80 +511,3 @@ def _engine_hook(hook: Any) -> bool:
     if isinstance(hook, partial):
         return getattr(hook.func, "__name__", "") == "_grad_ready"
     return getattr(hook, "__qualname__", "").startswith("OpClock.")
-
-
-def check_parameters(model: nn.Module) -> None:
-    """Refuse parameters the engine cannot train exactly: not floating point of 16 or 32 bits (it
-    computes in float32, float16 or bfloat16, and would silently cast a float64 parameter), or
-    not contiguous (it keeps parameters contiguous in pages; a channels_last or transposed
-    parameter would compute along other kernels than in plain PyTorch)."""
-    for name, p in model.named_parameters():
-        if isinstance(p, GuardedParameter):
-            raise InvalidRequest(f"parameter {name!r} is held by another pagemem.Engine (or by one closed without "
-                                 "giving its weights back): close that engine first, or load a checkpoint")
-        if isinstance(p, nn.parameter.UninitializedParameter):
-            raise ConfigError(f"parameter {name!r}: uninitialized (a lazy module): run one forward before making "
-                              "the engine")
-        if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ConfigError(f"parameter {name!r}: dtype {p.dtype}; the engine trains float32, float16 and bfloat16 "
-                              "parameters (convert the model, e.g. model.float())")
-        if not p.is_meta and not p.is_contiguous():
-            raise ConfigError(f"parameter {name!r}: not contiguous (strides {p.stride()}); the engine keeps parameters "
-                              "contiguous, so it would not compute as this model does: make them contiguous first "
-                              "(model.to(memory_format=torch.contiguous_format), or p.data = p.data.contiguous())")
-
-
-class OptimizerStates:
-    """``engine.optimizer.state_dict()`` / ``load_state_dict()`` read and write the Adam states in
-    the pages, numbered as torch numbers the optimizer's parameters (group by group), so
-    optimizer checkpoints move between the engine and ``torch.optim.AdamW`` (and frameworks
-    that save ``optimizer.state_dict()`` resume exactly). fp32 master weights are not in it, as
-    torch keeps none: they are the model's values (``model.state_dict()``)."""
-
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
-
-    def _numbered(self) -> list[int]:
-        """Bank index of each parameter, in torch's numbering."""
-        index = {id(p): i for i, (_, p) in enumerate(self.engine.bank.params)}
-        return [index[id(p)] for g in self.engine.optimizer.param_groups for p in g["params"]]
-
-    def read(self) -> dict[int, dict[str, torch.Tensor]]:
-        engine = self.engine
-        engine.updater.flush()
-        out = {}
-        for n, i in enumerate(self._numbered()):
-            steps = engine.updater.step_count(i)
-            if not steps or not engine.bank.is_trainable(i):
-                continue
-            out[n] = {"step": torch.tensor(float(steps)),
-                      **{kind: engine.bank.host_state(i, kind) for kind in ("exp_avg", "exp_avg_sq")}}
-        return out
-
-    def write(self, state: dict[Any, dict[str, Any]]) -> None:
-        engine = self.engine
-        numbered = self._numbered()
-        for key, s in state.items():
-            n = int(key)
-            if not 0 <= n < len(numbered):
-                raise InvalidRequest(f"optimizer.load_state_dict: state for parameter {n}, the optimizer has "
-                                     f"{len(numbered)}")
-            i = numbered[n]
-            if not engine.bank.is_trainable(i):
-                engine.bank.make_trainable(i)
-            for kind in ("exp_avg", "exp_avg_sq"):
-                v = s.get(kind)
-                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(engine.bank.params[i][1].shape):
-                    raise InvalidRequest(f"optimizer.load_state_dict: parameter {engine.bank.params[i][0]!r} has no "
-                                         f"{kind} of its shape")
-                engine.bank.set_state(i, kind, v.detach().float().cpu())
-            engine.updater.set_step_count(i, int(float(s.get("step", 0))))
-
-
-def check_no_meta_buffers(model: nn.Module) -> None:
-    """A model built on ``meta`` computes its buffers nowhere: one left there (a non-persistent
-    one no state dict or checkpoint holds, as a rotary embedding's ``inv_freq``) is refused."""
-    for name, b in model.named_buffers():
-        if b.is_meta:
-            raise ConfigError(f"buffer {name!r} is on 'meta' and nothing gave it a value (non-persistent buffers "
-                              "are in no state dict or checkpoint): build the model off 'meta', or set the buffer")
