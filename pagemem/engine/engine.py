@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from functools import partial
 from typing import Any
 
 import torch
@@ -28,13 +27,11 @@ from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
-from pagemem.engine.grads import GradHandles
 from pagemem.engine.groups import checked_groups
-from pagemem.engine.handoff import GradHandoff
+from pagemem.engine.gradients import Gradients
 from pagemem.engine.guard import Guard
 from pagemem.engine.model_checks import check_no_meta_buffers, check_parameters
 from pagemem.engine.optimizer_states import OptimizerStates
-from pagemem.checks import check_rate
 from pagemem.engine.pager import Pager
 from pagemem.engine.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.update import Updater
@@ -123,19 +120,17 @@ class Engine:
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
         self._last_taken = False
-        self._last_grad_norm = 0.0
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._in_backward = False
         self._consume = False
-        self._grads_to_drop: list[nn.Parameter] = []
         self._per_step: int | None = None
         """Backwards per step, as the last update saw them (None before any)."""
-        self.handoff = GradHandoff(self.bank.layer_of)
+        self.gradients = Gradients(self.bank, self.updater)
+        """Gradients between autograd and the update (``gradients.py``)."""
+        self.handoff = self.gradients.handoff
         """Units whose gradients are final, as backward hands them off ([Note: the gradient hand-off])."""
-        self.grad_handles = GradHandles(self.bank.params, self.updater.grad_norm, self.updater.scale_grad,
-                                        self.updater.zero_grad)
         self._trainable = [r.trainable for r in self.bank.records]
-        self._hooks = self._hook_gradients()
+        self._hooks = self.gradients.hooks(self._trainable, self.group_of, self._before_accumulate)
         self.clock = OpClock(model, self.bank.params)
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
                            self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i),
@@ -163,14 +158,6 @@ class Engine:
         finally:
             self.store.close()
 
-    def _hook_gradients(self) -> list:
-        """The gradient hand-off: for each trainable parameter in a group, a hook before autograd
-        accumulates its gradient (a backward by habit starts there) and one after (the gradient
-        goes to the updater)."""
-        return [h for i, (_, p) in enumerate(self.bank.params) if self._trainable[i] and self.group_of[i] is not None
-                for h in (p.register_hook(self._before_accumulate),
-                          p.register_post_accumulate_grad_hook(partial(self._grad_ready, i)))]
-
     def _follow_requires_grad(self) -> None:
         """``requires_grad`` changed since the last iteration: a parameter unfrozen gets what
         training needs, the hooks follow, and iterations are traced and planned anew (their
@@ -188,7 +175,7 @@ class Engine:
         self._trainable = now
         for h in self._hooks:
             h.remove()
-        self._hooks = self._hook_gradients()
+        self._hooks = self.gradients.hooks(self._trainable, self.group_of, self._before_accumulate)
         self.clock.remove(quiet=True)
         self.clock.install()
         self.pager.forget_plans()
@@ -241,25 +228,21 @@ class Engine:
                                  f"parameters during backward (overlap_update, {self._per_step} backward(s) per step): "
                                  "call step() first, set accumulation_steps to the backwards of one step, or pass "
                                  "overlap_update=False")
-        self._take_grads_back()
+        self.gradients.begin_backward()
         # [Note: which backward is the last of a step] engine.backward counts accumulation_steps;
         # a backward by habit learns it from the steps it saw (none yet: no update runs early)
         per_step = self._per_step if self._per_step is not None else (None if implicit else
                                                                        self.config.accumulation_steps)
         self.updater.begin_backward(final=per_step is not None and self._micro + 1 == per_step)
-        self.handoff.begin()
         self.guard.enter()
         self._in_backward = True
 
     def _end_backward(self) -> None:
-        for p in self._grads_to_drop:
-            p.grad = None
-        self._grads_to_drop.clear()
-        self.handoff.end()
+        self.gradients.end_backward()
         self.pager.end_backward()
         self.updater.end_backward()
         self._micro += 1
-        self.grad_handles.show(self.updater.pending())
+        self.gradients.show()
 
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """A parameter's gradient is about to be accumulated: start a backward the engine did
@@ -293,33 +276,17 @@ class Engine:
 
     # ------------------------------------------------------------------ gradients
 
-    def _take_grads_back(self) -> None:
-        """Take the handles down; what code did with ``p.grad`` meanwhile (set it to None,
-        assigned a tensor) takes effect on the gradient sums (see [Note: gradient handles])."""
-        dropped, assigned = self.grad_handles.take_down()
-        if dropped:
-            self.updater.discard(dropped)
-        for i, g in assigned.items():
-            self.updater.set_grad(i, g)
-
     def _zero_grad(self) -> None:
         """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
         discard what it discarded (see [Note: gradient handles])."""
-        self._take_grads_back()
-        pending = self.updater.pending()
-        self.grad_handles.show(pending)
-        if not pending:
+        self.gradients.take_back()
+        if not self.gradients.show():
             self._micro = 0
 
     def get_global_grad_norm(self) -> float:
         """The 2-norm of all gradient sums now (as ``clip_grad_norm_`` computes it), or of the
         last update's gradients once they are consumed; 0.0 before any."""
-        self._take_grads_back()
-        pending = self.updater.pending()
-        self.grad_handles.show(pending)
-        if not pending:
-            return self._last_grad_norm
-        return float(self._total_norm(pending))
+        return self.gradients.global_norm()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient sums by their global 2-norm, bit for bit as
@@ -327,37 +294,9 @@ class Engine:
         clipping). For every step, ``EngineConfig(max_grad_norm=)`` does the same."""
         if norm_type not in (2, 2.0):
             raise InvalidRequest(f"clip_grad_norm_: norm_type must be 2, got {norm_type!r}")
-        check_rate("max_norm", max_norm)
-        pending = self.updater.pending()
-        if not pending:
-            return torch.zeros(())
-        total = self._total_norm(pending)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for i in pending:
-            self.updater.scale_grad(i, float(coef))
-        return total
-
-    def _total_norm(self, pending: list[int]) -> torch.Tensor:
-        norms = [self.updater.grad_norm(i) for i in pending]
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
-        self._last_grad_norm = float(total)
-        return total
+        return self.gradients.clip(max_norm)
 
     # ------------------------------------------------------------------ hooks
-
-    def _grad_ready(self, i: int, p: torch.Tensor) -> None:
-        """The gradient hand-off: autograd's gradient goes to the updater; ``p.grad`` is dropped
-        at once, unless hooks of the user's run after this one (they see it until the end of
-        the backward)."""
-        if p.grad is None:
-            return
-        self.updater.grad_ready(i, p.grad)
-        self.handoff.handed(i)
-        hooks = p._post_accumulate_grad_hooks
-        if hooks is not None and len(hooks) > 2 and any(not _engine_hook(h) for h in hooks.values()):
-            self._grads_to_drop.append(p)
-        else:
-            p.grad = None
 
     # ------------------------------------------------------------------ the update
 
@@ -366,11 +305,11 @@ class Engine:
         try:
             if not self._consume and self._in_backward:
                 raise InvalidRequest("optimizer.step(): called during backward")
-            self._take_grads_back()
+            self.gradients.take_back()
             self.pager.residency.keep_writes()  # [Note: writes to parameters]
             self._last_taken = self.updater.step(consume=self._consume)
             if not self._consume:  # a torch optimizer's step leaves p.grad until zero_grad()
-                self.grad_handles.show(self.updater.pending())
+                self.gradients.show()
         finally:
             if self._micro:
                 self._per_step = self._micro  # the backwards one step took: the next takes as many
@@ -503,11 +442,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-
-def _engine_hook(hook: Any) -> bool:
-    """A post-accumulate hook the engine or its op clock registered (not the user's)."""
-    if isinstance(hook, partial):
-        return getattr(hook.func, "__name__", "") == "_grad_ready"
-    return getattr(hook, "__qualname__", "").startswith("OpClock.")

@@ -65,7 +65,7 @@ HANDLERS: dict[tuple[str, str], Handler] = {
     ("release", "param"): Handler("release"),
     ("move_to_cpu", "optim"): Handler("fetch_optim"),
     ("offload", "grad"): Handler(None, "the gradient hand-off", "autograd's gradient is added into the fp32 "
-                                 "sums in its post-accumulate hook (Engine._grad_ready)"),
+                                 "sums in its post-accumulate hook (Gradients.hand_off)"),
     ("release", "grad"): Handler(None, "the gradient hand-off", "autograd's own gradient is dropped when the hook "
                                  "returns; the sums are the update's"),
     ("update", "layer"): Handler(None, "the updater", "in step(), or during backward where that is exact"),

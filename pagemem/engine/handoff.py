@@ -1,7 +1,7 @@
 """Gradients leave autograd through one hand-off, and units whose gradients are final are queued.
 
 [Note: the gradient hand-off]
-Each trainable parameter has one post-accumulate hook (``Engine._grad_ready``): autograd's
+Each trainable parameter has one post-accumulate hook (``Gradients.hand_off``): autograd's
 gradient is added into the parameter's fp32 sum (``Updater.grad_ready``: on the gradients'
 tier, or stepped at once where that is exact) and autograd's tensor is dropped. The hand-off
 counts them per unit: a unit is *final* in this backward once it has handed off as many
