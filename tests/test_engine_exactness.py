@@ -156,7 +156,7 @@ def test_an_evicted_parameter_is_fetched_when_read_and_never_computes_with_its_p
             assert torch.equal((p * 1).cpu(), want[name]), name
         assert engine.stats()["unforeseen_reads"] > reads
         # the placeholder itself is NaN, not a plausible value
-        from pagemem.engine.bank import placeholder
+        from pagemem.engine.records import placeholder
         assert placeholder(torch.Size([2, 2]), torch.float32, torch.device("cpu")).isnan().all()
 
 

@@ -36,7 +36,8 @@ from typing import Iterable
 
 import torch
 
-from pagemem.engine.bank import Layer, ParamBank, placeholder
+from pagemem.engine.bank import ParamBank
+from pagemem.engine.records import Layer, placeholder
 from pagemem.engine.unit_state import UnitResidency, UnitState
 from pagemem.engine.guard import Guard, Unguarded
 from pagemem.engine.scopes import Scopes

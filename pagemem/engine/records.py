@@ -1,0 +1,99 @@
+"""What the bank holds, record by record: one ``ParamRecord`` per parameter, one ``Layer`` per
+paging unit (its pages), and how a model's modules become units."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagemem.models.gpt import owning_modules
+from pagemem.store import PagedTensor
+
+
+@dataclass
+class ParamRecord:
+    """[Note: parameter records] One parameter of the model, as the engine holds it: its name, the
+    ``nn.Parameter`` (whose identity never changes), its unit and position there (its pages are
+    ``layer.compute[position]``, ``layer.master[position]``, ...), the dtype it came with, whether
+    it trains (see [Note: frozen parameters]) and how many updates it has had. The bank owns the
+    record; the updater counts ``steps`` through ``ParamBank.count_step``; residency is per unit
+    (``UnitResidency``)."""
+
+    index: int
+    name: str
+    param: nn.Parameter
+    unit: int
+    position: int
+    original_dtype: torch.dtype
+    trainable: bool
+    steps: int = 0
+    """AdamW's update count (torch's ``state['step']``)."""
+
+
+@dataclass
+class Layer:
+    """A paging unit: consecutive modules whose parameters move to and from the gpu together."""
+
+    index: int
+    name: str
+    params: list[int]
+    """Indices into ``ParamBank.params``."""
+    compute: list[PagedTensor]
+    master: list[PagedTensor | None]
+    """None for a frozen parameter (see [Note: frozen parameters]); the same as ``compute`` where
+    the compute copy is the master."""
+    exp_avg: list[PagedTensor | None]
+    exp_avg_sq: list[PagedTensor | None]
+    grad: list[PagedTensor | None] = field(default_factory=list)
+    """fp32 gradient sums on ``ParamBank.grad_tier_of(index)`` (valid for the parameters that got a
+    gradient this step)."""
+
+    def states(self) -> list[PagedTensor]:
+        """The optimizer-state tensors the unit has (master weights and moments), kind by kind."""
+        return [t for t in (*self.master, *self.exp_avg, *self.exp_avg_sq) if t is not None]
+
+
+def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, list[int]]]]:
+    """The model's distinct parameters, and the modules (name, parameter indices) owning them,
+    in module order (a tied parameter belongs to its first owner: ``owning_modules``)."""
+    params: list[tuple[str, nn.Parameter]] = []
+    modules = []
+    for mname, module, own in owning_modules(model):
+        names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+        modules.append((mname, list(range(len(params), len(params) + len(own)))))
+        params.extend((f"{mname}.{names[id(p)]}" if mname else names[id(p)], p) for p in own)
+    return params, modules
+
+
+def paging_units(modules: list[tuple[str, list[int]]], nbytes: list[int], cap: int) -> list[tuple[str, list[int]]]:
+    """Consecutive modules merged into paging units of at most ``cap`` bytes (a module larger
+    than ``cap`` is a unit of its own): a LayerNorm travels with its neighbours instead of taking a
+    page of its own, and a block's small layers cost one move. The warm-up trace is recorded over
+    these units, so the scheduler's layers are exactly them."""
+    units: list[tuple[str, list[int]]] = []
+    size = 0
+    for name, idx in modules:
+        b = sum(nbytes[i] for i in idx)
+        if units and size + b <= cap:
+            units[-1][1].extend(idx)
+            size += b
+            continue
+        units.append((name, list(idx)))
+        size = b
+    return units
+
+
+def grad_tier_beside(state_tier: str) -> str:
+    """Where fp32 gradient sums live beside optimizer states on ``state_tier``: on the gpu with
+    states there (a GPU's fused AdamW needs all its tensors on the device), else on the cpu."""
+    return "gpu" if state_tier == "gpu" else "cpu"
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` with one element of memory, NaN: evicted parameters
+    keep their shape and dtype for code that reads them, and a read that slips past the guard
+    computes NaN, never a plausible value (see [Note: evicted parameters] in ``guard.py``)."""
+    one = torch.full((), float("nan"), dtype=dtype, device=device)
+    return one.expand(shape) if len(shape) else one
