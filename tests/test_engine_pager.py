@@ -334,7 +334,7 @@ def test_units_whose_gradients_are_final_are_queued_during_backward():
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget_for(model), cpu_bytes=64 << 20)
     with pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP))) as engine:
         seen: list[tuple[int, int, bool]] = []
-        engine.handoff.subscribe(lambda u: seen.append((engine.global_step, u, engine._in_backward)))
+        engine.gradients.handoff.subscribe(lambda u: seen.append((engine.global_step, u, engine._in_backward)))
         for s in range(3):
             engine.backward(loss_of(engine, batch(32, s)))
             engine.step()

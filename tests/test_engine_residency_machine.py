@@ -52,24 +52,14 @@ class ResidencyMachine(RuleBasedStateMachine):
 
     units = st.integers(0, 4)
 
-    @rule(u=units)
-    def stage(self, u):
+    @rule(u=units, action=st.sampled_from(["stage", "bind", "ensure"]))
+    def bring(self, u, action):
+        """Stage, bind or ensure a unit; no room is an allowed outcome (OutOfMemory changes nothing)."""
+        u %= self.n
+        call = {"stage": lambda: self.res.stage(u), "bind": lambda: self.res.bind(u),
+                "ensure": lambda: self.res.ensure([u])}[action]
         try:
-            self.res.stage(u % self.n)
-        except OutOfMemory:
-            pass
-
-    @rule(u=units)
-    def bind(self, u):
-        try:
-            self.res.bind(u % self.n)
-        except OutOfMemory:
-            pass
-
-    @rule(u=units)
-    def ensure(self, u):
-        try:
-            self.res.ensure([u % self.n])
+            call()
         except OutOfMemory:
             pass
 

@@ -109,10 +109,10 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: AdamW | None = None,
                  step_fn: Callable[[PagedOptimizer], None] | None = None,
-                 zero_grad_fn: Callable[[], None] | None = None) -> None:
+                 zero_grad_fn: Callable[[], None] | None = None, states: Any = None) -> None:
         self.step_fn = step_fn
         self.zero_grad_fn = zero_grad_fn
-        self.states: Any = None
+        self.states = states
         """Reads and writes the per-parameter states where the engine keeps them (``read()``,
         ``write(state)``, keyed by torch's parameter numbers); None: this object's own."""
         self._sealed = False

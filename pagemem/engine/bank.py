@@ -199,6 +199,12 @@ class ParamBank:
         self.records[i].steps += 1
         return self.records[i].steps
 
+    def set_step_count(self, i: int, steps: int) -> None:
+        """Parameter ``i``'s update count, as a checkpoint or an optimizer state dict says."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise InvalidRequest(f"parameter {self.params[i][0]!r}: step must be a count >= 0, got {steps!r}")
+        self.records[i].steps = steps
+
     def host_value(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Parameter ``i``'s current value on the host: its fp32 master weights cast to ``dtype``."""
         layer, k = self.where(i)
@@ -246,13 +252,6 @@ class ParamBank:
         t.copy_(value)
         if kind == "master":
             self.refresh_compute(i, value)
-
-    def expected_compute(self, i: int) -> torch.Tensor:
-        """What parameter ``i``'s compute copy holds when nobody wrote it: its master weights
-        cast to the compute dtype (its compute copy, for a frozen one), on the host."""
-        layer, k = self.where(i)
-        t = layer.master[k] if layer.master[k] is not None else layer.compute[k]
-        return t.to_torch().reshape(self.params[i][1].shape).to(self.compute_dtype)
 
     def write_parameter(self, i: int, value: torch.Tensor) -> None:
         """Parameter ``i`` was written (in place, by user code): its master weights (or, frozen,

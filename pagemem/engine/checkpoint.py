@@ -210,9 +210,9 @@ def saved_groups(manifest: dict[str, Any], model: torch.nn.Module) -> list[dict[
     group_of = state.get("group_of")
     if group_of is None or (len(state["param_groups"]) == 1 and None not in group_of):
         return None
-    from pagemem.models.gpt import owning_modules
+    from pagemem.engine.records import owning_layers
 
-    params = [p for _, _, own in owning_modules(model) for p in own]
+    params = [p for _, p in owning_layers(model)[0]]
     if len(params) != len(group_of):
         raise InvalidRequest("the checkpoint was written for another model (parameters differ)")
     return [{"params": [p for p, g in zip(params, group_of) if g == n]} for n in range(len(state["param_groups"]))]

@@ -106,7 +106,8 @@ class Engine:
             now = dict(model.named_parameters(remove_duplicate=False))
             groups = [{**g, "params": [now[n] for n in g["params"]]} for g in groups]
         self.optimizer = PagedOptimizer(groups if groups is not None else params, config.optimizer,
-                                        step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad)
+                                        step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad,
+                                        states=OptimizerStates(self))
         index = {id(p): i for i, p in enumerate(params)}
         self.group_of: list[int | None] = [None] * len(params)
         """Each parameter's group in ``optimizer.param_groups`` (None: in none, never updated)."""
@@ -115,7 +116,6 @@ class Engine:
                 self.group_of[index[id(p)]] = g
         self.updater = Updater(self.bank, self.store, config, lambda g: check_no_amsgrad(self.optimizer.hyper(g)),
                                [g if g is not None else 0 for g in self.group_of])
-        self.optimizer.states = OptimizerStates(self)
         self._micro = 0
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
@@ -127,14 +127,11 @@ class Engine:
         """Backwards per step, as the last update saw them (None before any)."""
         self.gradients = Gradients(self.bank, self.updater)
         """Gradients between autograd and the update (``gradients.py``)."""
-        self.handoff = self.gradients.handoff
-        """Units whose gradients are final, as backward hands them off ([Note: the gradient hand-off])."""
         self._trainable = [r.trainable for r in self.bank.records]
         self._hooks = self.gradients.hooks(self._trainable, self.group_of, self._before_accumulate)
         self.clock = OpClock(model, self.bank.params)
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
-                           self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i),
-                           lambda i: self.pager.residency.data_replaced(i))
+                           self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i))
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self.pager.residency.keep_writes)
@@ -416,7 +413,7 @@ class Engine:
             "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),
             "unforeseen_reads": self.guard.reads,
             "parameter_writes": self.pager.residency.written,
-            "units_final_in_backward": self.handoff.early,
+            "units_final_in_backward": self.gradients.handoff.early,
             **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
             "loss_scale": self.updater.scaler.scale,
         }

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from pagemem.engine.guard import METADATA
+from pagemem.engine.guard import intercept
 from pagemem.errors import InvalidRequest
 
 _T = torch.Tensor
@@ -45,12 +45,7 @@ class GradHandle(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        owner = cls._owner
-        if owner is None or func in METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        return owner.handle(func, args, kwargs)
+        return intercept(cls._owner, func, args, kwargs)
 
 
 class GradHandles:
@@ -68,10 +63,6 @@ class GradHandles:
         self._shown: dict[int, torch.Tensor] = {}
         self._of: dict[int, int] = {}
         """id(handle) -> parameter index."""
-
-    @property
-    def shown(self) -> bool:
-        return bool(self._shown)
 
     def show(self, indices: Sequence[int]) -> None:
         """Put up a handle as ``p.grad`` of each parameter in ``indices`` that has none."""
@@ -113,15 +104,6 @@ class GradHandles:
         self._shown.clear()
         self._of.clear()
         return dropped, assigned
-
-    def forget(self) -> None:
-        """The gradients were consumed (by an update): remove the handles that are still up."""
-        with torch._C.DisableTorchFunctionSubclass():
-            for i, h in self._shown.items():
-                if self.params[i].grad is h:
-                    self.params[i].grad = None
-        self._shown.clear()
-        self._of.clear()
 
     # ---------------------------------------------------------------- what code does with them
     def handle(self, func: Any, args: Sequence, kwargs: dict) -> Any:

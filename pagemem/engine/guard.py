@@ -51,7 +51,19 @@ METADATA = frozenset([
 
 _DATA_GET = _T.data.__get__
 _REPLACES = frozenset([_T.data.__set__, _T.set_])
-"""Ops that give a parameter other memory (user code: the engine sets ``.data`` unguarded)."""
+"""Ops that give a parameter other memory (user code: the engine sets ``.data`` unguarded). The
+new memory must keep the shape and dtype; its values are kept when residency next checks the
+parameter (its storage moved: [Note: writes to parameters])."""
+
+
+def intercept(owner: Any, func: Any, args: Sequence, kwargs: dict | None) -> Any:
+    """The ``__torch_function__`` of the engine's tensor classes: metadata (or no owner) runs as
+    on a plain tensor, anything else goes to ``owner.handle``."""
+    kwargs = kwargs or {}
+    if owner is None or func in METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    return owner.handle(func, args, kwargs)
 
 
 class GuardedParameter(nn.Parameter):
@@ -62,12 +74,7 @@ class GuardedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        guard = cls._guard
-        if guard is None or func in METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        return guard.run(func, args, kwargs)
+        return intercept(cls._guard, func, args, kwargs)
 
 
 class Guard:
@@ -76,20 +83,17 @@ class Guard:
 
     def __init__(self, params: Sequence[tuple[str, nn.Parameter]], fetch: Callable[[int], None],
                  lock: Any, saved_hooks: Callable[[], Any] | None = None,
-                 data_taken: Callable[[int], None] | None = None,
-                 data_replaced: Callable[[int], None] | None = None) -> None:
+                 data_taken: Callable[[int], None] | None = None) -> None:
         """``fetch(i)`` makes parameter ``i``'s unit resident (under ``lock``); ``saved_hooks()``
         gives the context of the engine's saved-tensor hooks (for ops outside its calls);
         ``data_taken(i)``: parameter ``i``'s ``.data`` was handed out (code may write through it,
-        which its version counter does not see: [Note: writes to parameters]);
-        ``data_replaced(i)``: code gave parameter ``i`` other memory (``p.data = t``, ``set_``)."""
+        which its version counter does not see: [Note: writes to parameters])."""
         self.params = [p for _, p in params]
         self.names = [n for n, _ in params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.cls = type("GuardedParameter", (GuardedParameter,), {"_guard": self})
         self._fetch = fetch
         self._data_taken = data_taken
-        self._data_replaced = data_replaced
         self.lock = lock
         self._saved_hooks = saved_hooks
         self._resident = [False] * len(self.params)
@@ -128,10 +132,6 @@ class Guard:
             for p in self.params:
                 p.__class__ = self.cls
 
-    @property
-    def inside(self) -> bool:
-        return self._calls > 0
-
     def release(self, values: Callable[[int], torch.Tensor] | None, why: str) -> None:
         """The engine closes: give each parameter ``values(i)`` as its data and its plain class
         back; with ``values`` None, leave them guarded, refusing every read with ``why``."""
@@ -150,7 +150,8 @@ class Guard:
         the values in)."""
         return _Quiet(self._local)
 
-    def run(self, func: Any, args: Sequence, kwargs: dict) -> Any:
+    def handle(self, func: Any, args: Sequence, kwargs: dict) -> Any:
+        """An op on guarded parameters: fetch those evicted, then run it (see the Note)."""
         if not getattr(self._local, "quiet", 0):
             for i in self._guarded_in(args, kwargs):
                 if not self._resident[i]:
@@ -162,13 +163,7 @@ class Guard:
         if func in _REPLACES:
             self._check_replacement(args)
         with hooks, torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if func in _REPLACES and self._data_replaced is not None and not getattr(self._local, "quiet", 0):
-            i = self.index.get(id(args[0]))
-            if i is not None:
-                with self.lock:
-                    self._data_replaced(i)
-        return out
+            return func(*args, **kwargs)
 
     def _check_replacement(self, args: Sequence) -> None:
         i = self.index.get(id(args[0]))
@@ -190,9 +185,6 @@ class Guard:
             if not self._resident[i]:
                 self._fetch(i)
                 self.reads += 1
-        if not self._resident[i]:  # pragma: no cover - a fetch binds it or raises
-            raise InvalidRequest(f"parameter {self.names[i]!r} could not be fetched for "
-                                 f"{getattr(func, '__name__', func)}")
 
     def _guarded_in(self, args: Sequence, kwargs: dict) -> list[int]:
         out = []

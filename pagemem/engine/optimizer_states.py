@@ -32,7 +32,7 @@ class OptimizerStates:
         engine.updater.flush()
         out = {}
         for n, i in enumerate(self._numbered()):
-            steps = engine.updater.step_count(i)
+            steps = engine.bank.records[i].steps
             if not steps or not engine.bank.is_trainable(i):
                 continue
             out[n] = {"step": torch.tensor(float(steps)),
@@ -56,4 +56,4 @@ class OptimizerStates:
                     raise InvalidRequest(f"optimizer.load_state_dict: parameter {engine.bank.params[i][0]!r} has no "
                                          f"{kind} of its shape")
                 engine.bank.set_state(i, kind, v.detach().float().cpu())
-            engine.updater.set_step_count(i, int(float(s.get("step", 0))))
+            engine.bank.set_step_count(i, int(float(s.get("step", 0))))

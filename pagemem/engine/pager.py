@@ -250,8 +250,11 @@ class Pager:
     # ------------------------------------------------------------------ ops
 
     def _on_op(self, op_id: int, edge: str, op: Op) -> None:
+        # the units of a module about to read its parameters (what scopes hold and demand fetches)
+        units = (self.residency.units_of(op.params)
+                 if edge == "start" and op.params and op.event in ("forward_pre", "backward_pre") else [])
         if edge == "start":
-            self.scopes.on_op(op, self.residency.units_of(op.params) if op.params else ())
+            self.scopes.on_op(op, units)
         ex = self._executor
         if self.mode == "plan" and ex is not None:
             ex.on_op(op_id, edge, op)
@@ -265,7 +268,6 @@ class Pager:
             return
         res = self.residency
         reserve = self._recording.live_bytes if self._recording is not None else self._reserve
-        units = res.units_of(op.params) if op.params and op.event in ("forward_pre", "backward_pre") else []
         # warm-up keeps only what open scopes hold (its non-model peak is known only once it ends)
         res.make_room(units, res.budget_bytes if self.mode == "warmup" else reserve)
         if units:

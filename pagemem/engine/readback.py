@@ -18,6 +18,7 @@ from torch import nn
 
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.guard import Guard
+from pagemem.sched.measure import meminfo
 
 
 def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Callable[[], None]) -> list:
@@ -74,13 +75,7 @@ def give_weights_back(bank: ParamBank, guard: Guard) -> None:
     guard.release(lambda i: bank.host_value(i, bank.original_dtype_of(i)), "the engine is closed")
 
 
+
 def host_memory_available() -> int | None:
-    """Bytes of host memory available now (``MemAvailable``), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    """Bytes of host memory available now, or None where it cannot be read."""
+    return meminfo("MemAvailable")

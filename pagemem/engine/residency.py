@@ -291,9 +291,8 @@ class Residency:
                 p.data = data
             self.guard.bound(i)
             if data.numel():
-                ptr = data.untyped_storage().data_ptr()
+                ptr = _storage_ptr(data)
                 self._by_ptr[ptr] = i
-                u.ptrs.append(ptr)
                 u.bound_ptrs[i] = ptr
         with torch._C.DisableTorchFunctionSubclass():
             u.versions = [params[i][1]._version for i in layer.params]
@@ -340,9 +339,8 @@ class Residency:
         for lease in u.leases:
             lease.release()
         u.leases.clear()
-        for ptr in u.ptrs:
+        for ptr in u.bound_ptrs.values():
             self._by_ptr.pop(ptr, None)
-        u.ptrs.clear()
         u.bound_ptrs.clear()
         self._lru.pop(layer.index, None)
         self.evictions += not self.home_on_gpu
@@ -358,30 +356,16 @@ class Residency:
         its compute copy before the unit is evicted, before an update, and before the weights
         are read back. A write through ``p.data`` moves no version counter: a parameter whose
         ``.data`` the guard handed out (outside the engine's calls) is compared with its master
-        weights instead. Not seen: a write through ``.data`` inside a module's own forward (the
-        parameter is a plain one there). Call this before reading master weights."""
+        weights instead. A parameter given other memory (``p.data = t``, ``set_``, a
+        parametrization's ``right_inverse``) is found by its storage: bound, it no longer views its
+        pages (its values are kept and the unit is bound again); evicted, it no longer holds its
+        placeholder (its values are kept when it is bound). Not seen: a write through ``.data``
+        inside a module's own forward (the parameter is a plain one there). Call this before
+        reading master weights."""
         for layer, u in zip(self.bank.layers, self._units):
             if u.bound and self._keep_writes(layer):
                 self.evict(layer)  # a parameter given other memory: a view of its pages again
                 self.bind(layer.index)
-
-    def data_replaced(self, i: int) -> None:
-        """User code gave parameter ``i`` other memory (``p.data = t``, ``p.set_(t)``, a
-        parametrization's ``right_inverse``): its values go into the pages, and it becomes a view
-        of its pages again, so it keeps following the engine."""
-        li = self.bank.layer_of[i]
-        layer, u = self.bank.layers[li], self._units[li]
-        p = self.bank.params[i][1]
-        with torch._C.DisableTorchFunctionSubclass():
-            self.bank.write_parameter(i, p.data)
-        self.written += 1
-        if u.bound:  # rebind the whole unit (its views and records stay consistent)
-            self.evict(layer)
-            self.bind(li)
-        else:
-            with torch._C.DisableTorchFunctionSubclass():
-                p.data = placeholder(p.shape, p.dtype, p.device)
-            self.guard.evicted(i)
 
     def data_taken(self, i: int) -> None:
         """Parameter ``i``'s ``.data`` was handed out: a write through it moves no version
@@ -402,7 +386,7 @@ class Residency:
                 moved = p._version != u.versions[k]
                 elsewhere = p.numel() > 0 and _storage_ptr(p) != u.bound_ptrs.get(i)
                 if not moved and not elsewhere and i in self._data_taken:
-                    moved = not torch.equal(p.data, self.bank.expected_compute(i).to(p.device))
+                    moved = not torch.equal(p.data, self.bank.host_value(i, p.dtype).to(p.device))
                 self._data_taken.discard(i)
                 if moved or elsewhere:
                     self.bank.write_parameter(i, p.data)

@@ -42,10 +42,6 @@ class Scopes:
         that module's backward scope; only saved tensors read parameters there, and they are
         fetched again when unpacked)."""
 
-    def held(self) -> frozenset[int]:
-        """Units some open forward scope holds."""
-        return frozenset(self._count)
-
     def is_held(self, unit: int) -> bool:
         """Held by an open forward scope: never evicted."""
         return unit in self._count

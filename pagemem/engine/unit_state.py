@@ -57,11 +57,9 @@ class UnitResidency:
     staged_pages: int = 0
     leases: list[Any] = field(default_factory=list)
     """Leases of scattered pages lent to its parameters while bound."""
-    ptrs: list[int] = field(default_factory=list)
-    """Where its parameters' data starts while bound (for ``Residency.param_at``)."""
     bound_ptrs: dict[int, int] = field(default_factory=dict)
-    """Parameter index -> the storage its data views while bound (one that differs was given
-    other memory)."""
+    """Parameter index -> the storage its data views while bound (for ``Residency.param_at``;
+    one that differs was given other memory)."""
     versions: list[int] = field(default_factory=list)
     """Its parameters' version counters when bound: one that moved was written in place
     (``Residency.keep_writes``)."""

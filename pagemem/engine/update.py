@@ -249,30 +249,30 @@ class Updater:
         if not self._has_grad:
             self._gone.clear()
 
-    def _grad_view(self, i: int, fn: Callable[[torch.Tensor], Any]) -> Any:
-        """``fn`` of parameter ``i``'s gradient sum as one flat fp32 tensor (a view, or pieces
-        joined for reading)."""
+    def _grad_view(self, i: int, fn: Callable[[list[torch.Tensor]], Any]) -> Any:
+        """``fn`` of parameter ``i``'s gradient sum as flat fp32 views of its pages, in order (one,
+        or one per run of adjacent pages)."""
         if i in self._early or i in self._gone:
             raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
                                  "(overlap_update); pass overlap_update=False to read or clip gradients")
         x = self.bank.lasting_view("grad", i)
         if x is not None:
-            return fn(x)
+            return fn([x])
         layer, k = self.bank.where(i)
         with self.store.lease_many([layer.grad[k]], self.bank.grad_tier_of(layer.index), split=True)[0] as lease:
-            return fn(lease.pieces)
+            return fn([v for _, v in lease.pieces])
 
     def grad_norm(self, i: int) -> torch.Tensor:
         """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""
-        return self._grad_view(i, lambda x: _norm([x] if isinstance(x, torch.Tensor) else [v for _, v in x]))
+        return self._grad_view(i, _norm)
 
     def scale_grad(self, i: int, coef: float, divide: bool = False) -> None:
         """Multiply (``divide``: divide) parameter ``i``'s gradient sum by ``coef`` in place."""
-        def mul(x: Any) -> None:
+        def scale(views: list[torch.Tensor]) -> None:
             with torch.no_grad():
-                for v in ([x] if isinstance(x, torch.Tensor) else [v for _, v in x]):
+                for v in views:
                     v.div_(coef) if divide else v.mul_(coef)
-        self._grad_view(i, mul)
+        self._grad_view(i, scale)
 
     def set_grad(self, i: int, grad: torch.Tensor) -> None:
         """Parameter ``i``'s gradient sum becomes ``grad`` (a gradient assigned to ``p.grad``)."""
@@ -290,9 +290,9 @@ class Updater:
 
     def zero_grad(self, i: int) -> None:
         """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated."""
-        def zero(x: Any) -> None:
+        def zero(views: list[torch.Tensor]) -> None:
             with torch.no_grad():
-                for v in ([x] if isinstance(x, torch.Tensor) else [v for _, v in x]):
+                for v in views:
                     v.zero_()
         self._grad_view(i, zero)
         self._has_grad.add(i)
@@ -412,15 +412,6 @@ class Updater:
 
     # ------------------------------------------------------------------ state
 
-    def step_count(self, i: int) -> int:
-        """Updates parameter ``i`` has had (torch's ``state['step']``)."""
-        return self.bank.records[i].steps
-
-    def set_step_count(self, i: int, steps: int) -> None:
-        if not isinstance(steps, int) or steps < 0:
-            raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: step must be a count >= 0, got {steps!r}")
-        self.bank.records[i].steps = steps
-
     def state(self) -> dict[str, Any]:
         return {"steps": [r.steps for r in self.bank.records], "skipped_steps": self.skipped_steps,
                 "loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
@@ -428,8 +419,8 @@ class Updater:
     def restore(self, state: dict[str, Any]) -> None:
         if len(state["steps"]) != len(self.bank.records):
             raise InvalidRequest("the checkpoint's optimizer state does not fit this model")
-        for record, steps in zip(self.bank.records, state["steps"]):
-            record.steps = steps
+        for i, steps in enumerate(state["steps"]):
+            self.bank.set_step_count(i, steps)
         self.skipped_steps = state["skipped_steps"]
         self.scaler.scale = state["loss_scale"]
         self.scaler.good_steps = state["good_steps"]

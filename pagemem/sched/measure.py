@@ -258,15 +258,21 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _mem_total() -> int | None:
+def meminfo(field: str) -> int | None:
+    """Bytes of ``field`` (``MemTotal``, ``MemAvailable``) in ``/proc/meminfo``, or None where
+    it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _mem_total() -> int | None:
+    return meminfo("MemTotal")
 
 
 def _disk(path: str) -> dict[str, Any]:
