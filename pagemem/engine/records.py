@@ -3,6 +3,7 @@ paging unit (its pages), and how a model's modules become units."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -95,5 +96,13 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
     """A tensor of ``shape`` and ``dtype`` with one element of memory, NaN: evicted parameters
     keep their shape and dtype for code that reads them, and a read that slips past the guard
     computes NaN, never a plausible value (see [Note: evicted parameters] in ``guard.py``)."""
-    one = torch.full((), float("nan"), dtype=dtype, device=device)
-    return one.expand(shape) if len(shape) else one
+    if not len(shape):  # its own element: a 0-dim tensor can be written in place
+        return torch.full((), float("nan"), dtype=dtype, device=device)
+    return _nan(dtype, device).expand(shape)  # stride 0: in-place writes to it are refused
+
+
+@functools.lru_cache(maxsize=None)
+def _nan(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One NaN element per dtype and device, shared by the placeholders (one per eviction was
+    a tensor allocation per parameter per eviction)."""
+    return torch.full((), float("nan"), dtype=dtype, device=device)
