@@ -148,3 +148,21 @@ def test_work_given_to_the_adam_workers_runs_on_the_callers_stream():
     with CpuAdam(2) as adam, torch.cuda.stream(side):
         got = adam.submit(torch.cuda.current_stream).result()
     assert got == side
+
+
+def test_gradient_copies_to_host_pages_land_whole_behind_backward():
+    """[Note: gradient copies]: the copy waits for the kernel that made the gradient, keeps the
+    gradient's memory from reuse until it has read it, and an added one lands on the host."""
+    from pagemem.engine.grad_copies import GradCopies
+
+    copies = GradCopies()
+    dst = torch.zeros(1 << 20, pin_memory=True)
+    a = torch.randn(2048, 2048, device="cuda")
+    grad = (a @ a @ a).reshape(-1)[: 1 << 20]  # still being computed when put() queues the copy
+    want = grad.clone()
+    copies.put(0, dst, grad, first=True)
+    del grad
+    torch.empty(1 << 22, device="cuda").fill_(float("nan"))  # would take the freed memory
+    copies.put(0, dst, torch.ones(1 << 20, device="cuda", dtype=torch.bfloat16), first=False)
+    copies.landed()
+    assert torch.equal(dst, want.cpu() + 1) and copies.in_flight() == 0

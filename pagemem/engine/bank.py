@@ -23,6 +23,7 @@ Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``reside
 
 from __future__ import annotations
 
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch import nn
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store import PagedTensor, PageStore
 from pagemem.store.layout import pack
+from pagemem.engine.grad_copies import GradCopies
 from pagemem.engine.records import Layer, ParamRecord, grad_tier_beside, owning_layers, paging_units, placeholder
 from pagemem.engine.values import FromModule, ValueSource, check_source, materialize_meta
 
@@ -50,6 +52,7 @@ class ParamBank:
         """``source`` gives the first values (default: the module's own; see [Note: first values]
         in ``values.py``), one module at a time."""
         self.store = store
+        self.copies = GradCopies()
         self.compute_dtype = compute_dtype
         self.optimizer_tier = optimizer_tier
         self.compute_is_master = compute_dtype == torch.float32 and optimizer_tier == "gpu"
@@ -283,15 +286,22 @@ class ParamBank:
         gradient of this step, which replaces what the pages held)."""
         x = self.lasting_view("grad", i)
         if x is None:
+            self.copies.landed([i])
             layer, k = self.where(i)
             with layer.grad[k].lease(self.grad_tier_of(layer.index)) as x:
                 _accumulate(x, grad, first)
-        else:
-            _accumulate(x.view(grad.shape), grad, first)
+        else:  # [Note: gradient copies]: off the compute stream where it crosses to the host
+            self.copies.put(i, x.view(grad.shape), grad, first)
+
+    def grads_landed(self, params: Iterable[int] | None = None) -> None:
+        """Wait until the gradients handed to ``accumulate_grad`` for ``params`` (None: all) are
+        in their pages: call before reading gradient sums (see [Note: gradient copies])."""
+        self.copies.landed(params)
 
     def drop_lasting_views(self, tier: str) -> None:
         """Forget the lasting views of pages on ``tier`` (they pin them: before the store resizes
         the tier); they are made again at their next use."""
+        self.copies.landed()
         self._lasting = {key: v for key, v in self._lasting.items()
                          if self.tier_of(key[0], self.layer_of[key[1]]) != tier}
 
@@ -328,6 +338,7 @@ class ParamBank:
             return True
         layer = self.layers[li]
         kinds = ("master", "exp_avg", "exp_avg_sq", "grad")
+        self.grads_landed(layer.params)
         grad_tier = grad_tier_beside(tier)
         new: dict[str, list[PagedTensor]] = {}
         try:

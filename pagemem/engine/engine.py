@@ -235,6 +235,7 @@ class Engine:
         self._in_backward = True
 
     def _end_backward(self) -> None:
+        self.bank.grads_landed()  # every sum whole once backward returns ([Note: gradient copies])
         self.gradients.end_backward()
         self.pager.end_backward()
         self.updater.end_backward()
@@ -428,6 +429,7 @@ class Engine:
         self._hooks, self._state_dict_hooks = [], []
         self.clock.remove(quiet=True)
         self.pager.close()  # every unit goes home (writes to parameters kept) before the weights come back
+        self.bank.grads_landed()
         if self.guard.closed is None:
             self.updater.flush()
             give_weights_back(self.bank, self.guard)

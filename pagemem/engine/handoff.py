@@ -11,10 +11,17 @@ units are queued in the order they completed (``GradHandoff.queue``) and announc
 subscribers: the seam where an updater that works per unit, behind backward (the lock-free
 updater), plugs in. A unit is final at most once per backward.
 
-Each parameter has a second hook, before accumulation (``Engine._before_accumulate``): it starts
-a backward the engine did not start (``loss.backward()``) and takes the gradient handles down
-before autograd could add into one. It carries no gradient. Not done yet: on CUDA the copy of a
-gradient into cpu pages runs on the current stream, not on a side stream behind an event.
+Where the gradient sum lives in host pages and autograd's gradient on CUDA, the copy runs on a
+side stream behind an event ([Note: gradient copies] in ``grad_copies.py``): a subscriber waits
+for a final unit's copies (``ParamBank.grads_landed``) from its own thread, and every copy has
+landed when ``backward()`` returns.
+
+Each parameter also has a hook before accumulation (``Engine._before_accumulate``), which carries
+no gradient: it starts a backward the engine did not start (``loss.backward()``) and takes the
+gradient handles down before autograd could add into one. Torch offers no earlier per-backward
+event that every parameter's gradient passes (a hook on the model's output misses a loss term
+over the parameters alone), so this second hook stays; the gradient still leaves autograd
+through the one hand-off.
 """
 
 from __future__ import annotations

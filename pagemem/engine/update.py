@@ -255,6 +255,7 @@ class Updater:
         if i in self._early or i in self._gone:
             raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
                                  "(overlap_update); pass overlap_update=False to read or clip gradients")
+        self.bank.grads_landed([i])
         x = self.bank.lasting_view("grad", i)
         if x is not None:
             return fn([x])
@@ -379,6 +380,7 @@ class Updater:
         """Flat fp32 master weights, gradient and moments of each parameter, as pieces that are
         views of page memory: the bank's lasting views where it has them, else split leases
         (returned: release them when done), never a merged copy."""
+        self.bank.grads_landed(params)
         views = {i: [self.bank.lasting_view(kind, i) for kind in KINDS] for i in params}
         pieces = {i: [[(0, v)] for v in vs] for i, vs in views.items() if all(v is not None for v in vs)}
         leased = [i for i in params if i not in pieces]
