@@ -7,7 +7,7 @@ pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpack
 
 from pagemem.config import StoreConfig
 from pagemem.errors import (ConfigError, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
-                            TierIOError, TornPage)
+                            StepFailed, TierIOError, TornPage)
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore, StoreStats
 from pagemem.engine import AdamW, Engine, EngineConfig, decay_groups
 
@@ -31,4 +31,5 @@ __all__ = [
     "CorruptPage",
     "TierIOError",
     "TornPage",
+    "StepFailed",
 ]

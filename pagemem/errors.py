@@ -69,3 +69,8 @@ class InvalidRequest(PageMemError, ValueError):
 class TornPage(PageMemError):
     """A tensor's bytes were lost when an in-place disk write failed (there was no room for a
     copy-on-write). Reads of those bytes are refused until the tensor is written again."""
+
+
+class StepFailed(PageMemError):
+    """An update or a backward failed part-way. The message says what landed and what to do:
+    call ``step()`` again to finish the update exactly, or load a checkpoint."""

@@ -58,8 +58,8 @@ def engine_config(model: torch.nn.Module, loss: Callable, tmp_path, optimizer_ti
                                 nvme_bytes=40 * nbytes + 64 * PAGE if optimizer_tier == "nvme" else 0,
                                 nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
     kw.setdefault("optimizer", pagemem.AdamW(**HP))
-    return pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, executor=executor,
-                                adam_threads=2, **kw)
+    kw.setdefault("adam_threads", 2)
+    return pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, executor=executor, **kw)
 
 
 def through_engine(make, loss, steps: int, tmp_path, optimizer_tier="cpu", executor="plan", groups=None,

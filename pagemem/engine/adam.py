@@ -282,13 +282,28 @@ def _done(result: Any = None) -> Future:
     return fut
 
 
+def join_all(futures: Sequence[Future]) -> BaseException | None:
+    """Wait for every future, even through Ctrl-C (a ``KeyboardInterrupt`` while waiting is
+    raised once all are done), so no task still writes the caller's tensors when it returns;
+    the first task's error, or None."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+    return next((f.exception() for f in futures if f.exception() is not None), None)
+
+
 def wait_all(futures: Sequence[Future]) -> list[Any]:
     """Results of all futures; waits for every one before raising the first error, so no task
     still runs on the caller's tensors when it sees the error."""
-    wait(futures)
-    for f in futures:
-        if f.exception() is not None:
-            raise f.exception()
+    error = join_all(futures)
+    if error is not None:
+        raise error
     return [f.result() for f in futures]
 
 

@@ -34,7 +34,8 @@ class EngineConfig:
     run in. ``max_grad_norm``: clip by global norm (None: no clipping). ``accumulation_steps``:
     ``step()`` updates after this many ``backward()`` calls, their gradients summed.
     ``loss_scale``: ``"dynamic"`` (as ``torch.amp.GradScaler``), a number (static), or None;
-    the default is ``"dynamic"`` for float16 and None otherwise. ``rank`` / ``world_size``:
+    ``"default"`` is ``"dynamic"`` for float16 and None otherwise, resolved when used
+    (``effective_loss_scale``), so ``dataclasses.replace(cfg, compute_dtype=...)`` follows it. ``rank`` / ``world_size``:
     this process's place in data parallelism (1 process for now). ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
@@ -71,12 +72,8 @@ class EngineConfig:
         if self.max_grad_norm is not None:
             object.__setattr__(self, "max_grad_norm", check_rate("max_grad_norm", self.max_grad_norm))
         check_int("accumulation_steps", self.accumulation_steps, 1, 1 << 20)
-        scale = self.loss_scale
-        if scale == "default":
-            scale = "dynamic" if self.compute_dtype == torch.float16 else None
-        elif scale is not None and scale != "dynamic":
-            scale = check_rate("loss_scale", scale)
-        object.__setattr__(self, "loss_scale", scale)
+        if self.loss_scale not in (None, "default", "dynamic"):  # "default" is kept as given (see the docstring)
+            object.__setattr__(self, "loss_scale", check_rate("loss_scale", self.loss_scale))
         check_int("world_size", self.world_size, 1, 65536)
         check_int("rank", self.rank, 0, self.world_size - 1)
         if self.world_size != 1:
@@ -92,6 +89,13 @@ class EngineConfig:
                               f"({self.optimizer_tier}_bytes=0)")
         if not self.store.cpu_bytes:
             raise ConfigError("store.cpu_bytes: the engine keeps parameters' home copies on cpu; must be > 0")
+
+    @property
+    def effective_loss_scale(self) -> str | float | None:
+        """``loss_scale`` with ``"default"`` resolved: ``"dynamic"`` for float16, else None."""
+        if self.loss_scale == "default":
+            return "dynamic" if self.compute_dtype == torch.float16 else None
+        return self.loss_scale
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as JSON-ready values (for checkpoints)."""

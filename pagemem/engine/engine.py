@@ -17,6 +17,7 @@ Autograd's saved parameters are kept as references and fetched again when backwa
 from __future__ import annotations
 
 import time
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -35,7 +36,7 @@ from pagemem.engine.optimizer_states import OptimizerStates
 from pagemem.engine.pager import Pager
 from pagemem.engine.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.update import Updater
-from pagemem.errors import ConfigError, InvalidRequest
+from pagemem.errors import ConfigError, InvalidRequest, StepFailed
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
 
@@ -122,6 +123,12 @@ class Engine:
         self._last_taken = False
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._in_backward = False
+        self._implicit_open = False
+        """A backward by habit began and its end-of-backward callback has not run yet."""
+        self._closed = False
+        self._broken: str | None = None
+        """Why training cannot go on (a backward failed after updates ran during it)."""
+        self.failed_backwards = 0
         self._consume = False
         self._per_step: int | None = None
         """Backwards per step, as the last update saw them (None before any)."""
@@ -179,8 +186,19 @@ class Engine:
 
     # ------------------------------------------------------------------ the training loop
 
+    def _usable(self, what: str) -> None:
+        """Refuse use after ``close()`` or after a torn step; finish off a backward by habit
+        that raised (autograd never ran its end callback): see [Note: a step is a transaction]."""
+        if self._closed:
+            raise InvalidRequest(f"{what}: this engine is closed")
+        if self._implicit_open and torch._C._current_autograd_node() is None:
+            self._abort_backward(None)
+        if self._broken is not None:
+            raise StepFailed(f"{what}: {self._broken}")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model's forward."""
+        self._usable("forward")
         t0 = time.perf_counter()
         if not self._in_backward:
             self._follow_requires_grad()
@@ -201,6 +219,7 @@ class Engine:
         """Backward of ``loss``; gradients of successive calls add up until ``step()`` updates."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidRequest("backward: loss must be a one-element tensor")
+        self._usable("backward")
         if self._in_backward:
             raise InvalidRequest("backward: called while another backward through this engine runs")
         t0 = time.perf_counter()
@@ -209,6 +228,9 @@ class Engine:
         try:
             with self._saved_tensor_hooks():
                 (loss * scale if scale is not None else loss).backward()
+        except BaseException as exc:
+            self._abort_backward(exc)
+            raise
         finally:
             self.guard.exit()
             self._in_backward = False
@@ -234,6 +256,36 @@ class Engine:
         self.guard.enter()
         self._in_backward = True
 
+    def _abort_backward(self, exc: BaseException | None) -> None:
+        """A backward raised part-way (``exc``; None: a backward by habit found unfinished).
+        Its gradients are discarded, so the next iteration is as if its batch had been skipped;
+        see [Note: a step is a transaction]."""
+        self.guard.exit()
+        self._in_backward = self._implicit_open = False
+        self.failed_backwards += 1
+        try:
+            self.bank.grads_landed()  # no copy still lands in pages once this returns
+        finally:
+            applied, held = self.updater.abort_backward()
+            self.gradients.abort_backward()
+        if applied:
+            self._broken = (f"a backward failed after {applied} parameters were updated from it during backward "
+                            "(overlap_update): the model is part-way through a step, which can be neither "
+                            "finished nor undone exactly; load the last checkpoint (Engine.load), and pass "
+                            "overlap_update=False where a failed backward must be recoverable")
+            note = f"pagemem: {self._broken}"
+        elif held:
+            note = (f"pagemem: the failed backward's gradients were discarded, with those of the {self._micro} "
+                    "earlier backward(s) of this step (their sums held part of it): the step starts again")
+        else:
+            note = ("pagemem: the failed backward's gradients were discarded; the next backward starts the step "
+                    "as if this batch had been skipped")
+        self._micro = 0
+        if exc is not None:
+            exc.add_note(note)
+        else:
+            warnings.warn(note + " (the last loss.backward() raised)", RuntimeWarning, stacklevel=4)
+
     def _end_backward(self) -> None:
         self.bank.grads_landed()  # every sum whole once backward returns ([Note: gradient copies])
         self.gradients.end_backward()
@@ -247,15 +299,17 @@ class Engine:
         not start (see [Note: backward by habit])."""
         if self._in_backward:
             return
+        self._usable("loss.backward()")
         if self.updater.scaler.scale is not None:
             raise InvalidRequest("loss.backward(): this engine scales the loss (loss_scale); call "
                                  "engine.backward(loss) instead")
         self._begin_backward(implicit=True)
+        self._implicit_open = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_implicit_backward)
 
     def _end_implicit_backward(self) -> None:
         self.guard.exit()
-        self._in_backward = False
+        self._in_backward = self._implicit_open = False
         self._end_backward()
 
     def step(self) -> bool:
@@ -263,6 +317,7 @@ class Engine:
         between accumulation boundaries, or when an fp16 overflow skipped the update). The
         gradients are consumed: the next backward starts new sums (``engine.optimizer.step()``
         keeps them until ``zero_grad()``, as a torch optimizer does)."""
+        self._usable("step")
         if self._micro < self.config.accumulation_steps:
             return False
         self._consume = True
@@ -274,9 +329,17 @@ class Engine:
 
     # ------------------------------------------------------------------ gradients
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients summed so far (``set_to_none=False``: make them zero, still
+        stepped), as ``engine.optimizer.zero_grad()`` and ``model.zero_grad()`` do."""
+        self._usable("zero_grad")
+        self.updater.refuse_if_unfinished("zero_grad")
+        self.optimizer.zero_grad(set_to_none)
+
     def _zero_grad(self) -> None:
         """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
         discard what it discarded (see [Note: gradient handles])."""
+        self._usable("zero_grad")
         self.gradients.take_back()
         if not self.gradients.show():
             self._micro = 0
@@ -299,20 +362,22 @@ class Engine:
     # ------------------------------------------------------------------ the update
 
     def _update(self) -> None:
+        self._usable("step")
         t0 = time.perf_counter()
         try:
             if not self._consume and self._in_backward:
                 raise InvalidRequest("optimizer.step(): called during backward")
             self.gradients.take_back()
             self.pager.residency.keep_writes()  # [Note: writes to parameters]
+            # a failure leaves the counters: step() again finishes this update ([Note: a step is a transaction])
             self._last_taken = self.updater.step(consume=self._consume)
             if not self._consume:  # a torch optimizer's step leaves p.grad until zero_grad()
                 self.gradients.show()
-        finally:
             if self._micro:
                 self._per_step = self._micro  # the backwards one step took: the next takes as many
             self._micro = 0
             self.global_step += 1
+        finally:
             self._phase_seconds["step"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ results
@@ -321,6 +386,7 @@ class Engine:
         """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
         master weights on the host (wherever their pages are; a frozen parameter's compute copy
         in its original dtype), buffers as they are."""
+        self._usable("state_dict")
         index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
         self.pager.residency.keep_writes()
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -338,6 +404,8 @@ class Engine:
         """Write the whole training state as a new checkpoint under ``directory`` and point
         ``directory/latest`` at it once it is durable (see ``engine/checkpoint.py``). Call it
         between updates (not in the middle of gradient accumulation). Returns its path."""
+        self._usable("save")
+        self.updater.refuse_if_unfinished("save")
         if self._micro:
             raise InvalidRequest("save: gradients of an unfinished accumulation are not saved; "
                                  "call save() after step() has updated")
@@ -415,6 +483,7 @@ class Engine:
             "unforeseen_reads": self.guard.reads,
             "parameter_writes": self.pager.residency.written,
             "units_final_in_backward": self.gradients.handoff.early,
+            "failed_backwards": self.failed_backwards,
             **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
             "loss_scale": self.updater.scaler.scale,
         }
@@ -424,6 +493,9 @@ class Engine:
         its trained weights (the fp32 master weights, in each parameter's original dtype, in host
         memory) when host memory has room for them; otherwise it warns, and its parameters refuse
         every read (load a checkpoint instead)."""
+        if self._closed:
+            return
+        self._closed = True
         for h in self._hooks + self._state_dict_hooks:
             h.remove()
         self._hooks, self._state_dict_hooks = [], []

@@ -76,8 +76,6 @@ class GradCopies:
 
     def landed(self, params: Iterable[int] | None = None) -> None:
         """Wait until the gradients of ``params`` (None: all) have landed in their pages."""
-        if not self._pending:
-            return
         with self._lock:  # held while landing: another reader of the same sum waits for it whole
             keys = list(self._pending) if params is None else params
             for i in keys:

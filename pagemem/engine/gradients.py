@@ -51,6 +51,14 @@ class Gradients:
         self._to_drop.clear()
         self.handoff.end()
 
+    def abort_backward(self) -> None:
+        """A backward failed part-way: ``p.grad`` kept for the user's hooks goes, and the
+        hand-off forgets it (its counts are not a backward's)."""
+        for p in self._to_drop:
+            p.grad = None
+        self._to_drop.clear()
+        self.handoff.abort()
+
     def take_back(self) -> None:
         """Take the handles down; what code did with ``p.grad`` meanwhile (set it to None,
         assigned a tensor) takes effect on the gradient sums."""

@@ -61,6 +61,10 @@ class GradHandoff:
             self.early += 1
             self._finish(u)
 
+    def abort(self) -> None:
+        """The backward failed: nothing of it counts (what the last complete one taught stays)."""
+        self.begin()
+
     def end(self) -> None:
         """The backward ended: every unit that handed off a gradient is final now."""
         for u in self._got:

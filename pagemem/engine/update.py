@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import torch
 
-from pagemem.engine.adam import AdamW, Chunk, CpuAdam, fused_steps, total_sumsq, wait_all
+from pagemem.engine.adam import AdamW, Chunk, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.config import EngineConfig
-from pagemem.errors import InvalidRequest
+from pagemem.errors import InvalidRequest, StepFailed
 from pagemem.store import PageStore
 
 
@@ -62,6 +62,26 @@ def _norm(pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(pieces[0] if len(pieces) == 1 else torch.cat(pieces), 2.0)
 
 
+@dataclasses.dataclass
+class UnfinishedUpdate:
+    """One step's update while not every parameter in it has landed ([Note: a step is a
+    transaction]): what it updates and with what, and how far it got."""
+
+    params: list[int]
+    hps: list[AdamW]
+    scale: float | None
+    coef: float | None = None
+    checked: bool = False
+    """The loss scale's verdict taken and the clipping coefficient computed (first attempt)."""
+    stepped: set[int] = dataclasses.field(default_factory=set)
+    """Master weights and moments updated and the step counted."""
+    done: set[int] = dataclasses.field(default_factory=set)
+    """And the compute copy refreshed."""
+
+    def remaining(self) -> list[int]:
+        return [i for i in self.params if i not in self.done]
+
+
 class LossScaler:
     """``torch.amp.GradScaler``'s schedule: start at 2**16, double after 2000 good steps, halve on
     an overflow; a static scale never changes; None: no scaling."""
@@ -96,7 +116,7 @@ class Updater:
         """Each parameter's group."""
         self._writeback = None
         self.adam = CpuAdam(config.adam_threads)
-        self.scaler = LossScaler(config.loss_scale)
+        self.scaler = LossScaler(config.effective_loss_scale)
         self.skipped_steps = 0
         self.overlapped_updates = 0
         self._has_grad: set[int] = set()
@@ -107,7 +127,14 @@ class Updater:
         self._fires_now: dict[int, int] = {}
         self._early: dict[int, Any] = {}
         self._early_hp: dict[int, AdamW] = {}
+        self._early_stepped: set[int] = set()
+        """Parameters whose update during backward counted its step (before refreshing)."""
         self._final = False
+        self.unfinished: UnfinishedUpdate | None = None
+        """A step that failed part-way, until ``step()`` finishes it ([Note: a step is a transaction])."""
+        self._held_at_begin = 0
+        self._early_error: BaseException | None = None
+        self._early_taken = False
         self.overlap = self._overlap_exact()
         """Updates may run during backward (fixed by the configuration: see the Note)."""
 
@@ -120,9 +147,34 @@ class Updater:
                                  "(overlap_update) and their gradients are gone, so this backward cannot add to "
                                  "them as torch would: call optimizer.zero_grad() after optimizer.step(), or "
                                  "pass overlap_update=False")
+        self.refuse_if_unfinished("backward")
         self._final = final
         self._fires_now = {}
         self._early_hp = {}
+        self._held_at_begin = len(self._has_grad)
+
+    def refuse_if_unfinished(self, what: str) -> None:
+        """Raise ``StepFailed`` while a step that failed part-way is not finished."""
+        u = self.unfinished
+        if u is not None:
+            raise StepFailed(f"{what}: the last step failed after {len(u.done)} of {len(u.params)} parameters were "
+                             "updated; call step() again to finish it exactly (its gradients are kept), or load "
+                             "a checkpoint")
+
+    def abort_backward(self) -> tuple[int, bool]:
+        """A backward failed part-way ([Note: a step is a transaction]): its gradient sums are
+        discarded, with those held before it (they may hold part of it). Returns how many
+        parameters were already updated from it (during backward: the step is torn) and
+        whether gradients from before this backward were discarded too."""
+        early, self._early = self._early, {}
+        join_all(list(early.values()))  # none still writes pages once this returns
+        applied = sum(1 for f in early.values() if f.exception() is None)
+        held = self._held_at_begin > 0
+        self._has_grad.clear()
+        self._gone.clear()
+        self._fires_now = {}
+        self._early_stepped.clear()
+        return applied, held
 
     def end_backward(self) -> None:
         if self._final:
@@ -188,25 +240,29 @@ class Updater:
             if grad is not None:
                 flat = grad.detach().reshape(-1)
                 pieces = [(s, dataclasses.replace(c, grad=flat[s:s + c.param.numel()])) for s, c in pieces]
-            self._step_and_refresh(i, pieces, hp, None, None)
+            fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hp, None)
             self.bank.count_step(i)
+            self._early_stepped.add(i)
+            for start, c in pieces:
+                self.bank.refresh_compute(i, c.param, start)
         finally:
             for lease in leases:
                 lease.release()
 
-    def _update_params(self, group: list[tuple[int, list[StatePiece]]], hps: list[AdamW], scale: float | None,
-                       coef: float | None) -> None:
+    def _update_params(self, group: list[tuple[int, list[StatePiece]]], u: UnfinishedUpdate) -> None:
+        """Each parameter's update (one fused call over its pieces; its step counted at once),
+        then its compute copy written from the new master weights, on the same worker (the
+        refresh runs on every worker, not after them on one thread). What landed is marked in
+        ``u``, so a retry does the rest only."""
         for i, pieces in group:
-            self._step_and_refresh(i, pieces, hps[self.group_of[i]], scale, coef)
-
-    def _step_and_refresh(self, i: int, pieces: list[StatePiece], hp: AdamW, scale: float | None,
-                          coef: float | None) -> None:
-        """Parameter ``i``'s update (one fused call over its pieces), then its compute copy
-        written from the new master weights, on the same worker (the refresh runs on every
-        worker, not after them on one thread)."""
-        fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hp, scale, clip_coef=coef)
-        for start, c in pieces:
-            self.bank.refresh_compute(i, c.param, start)
+            if i not in u.stepped:
+                fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, u.hps[self.group_of[i]], u.scale,
+                            clip_coef=u.coef)
+                self.bank.count_step(i)
+                u.stepped.add(i)
+            for start, c in pieces:
+                self.bank.refresh_compute(i, c.param, start)
+            u.done.add(i)
 
     # ------------------------------------------------------------------ the step
 
@@ -215,15 +271,14 @@ class Updater:
         already updated during backward). False when an fp16 overflow skipped it. ``consume``:
         the next backward starts new sums; else they are kept (a torch optimizer's ``step()``
         leaves ``p.grad`` for ``zero_grad()``)."""
-        early = set(self._early)
-        try:
-            return self._step()
-        finally:
-            if consume:
-                self._has_grad.clear()
-            else:
-                self._has_grad -= early
-                self._gone = early
+        early = set(self._early) if self.unfinished is None else set()
+        taken = self._step()  # raises with the gradients kept (see the Note)
+        if consume:
+            self._has_grad.clear()
+        else:
+            self._has_grad -= early
+            self._gone = early
+        return taken
 
     # ------------------------------------------------------------------ gradients by habit
 
@@ -244,6 +299,7 @@ class Updater:
             raise InvalidRequest(f"zero_grad: the gradients of {applied[:3]}{'...' if len(applied) > 3 else ''} were "
                                  "already applied during backward (overlap_update); call step() first, or pass "
                                  "overlap_update=False")
+        self.refuse_if_unfinished("zero_grad")
         self._has_grad.difference_update(params)
         self._gone.difference_update(params)
         if not self._has_grad:
@@ -299,19 +355,28 @@ class Updater:
         self._has_grad.add(i)
 
     def _step(self) -> bool:
-        cfg = self.config
-        hps = [self.hyper(g) for g in range(max(self.group_of, default=0) + 1)]
-        early, self._early = self._early, {}
-        if early and any(hps[g] != hp for g, hp in self._early_hp.items()):
-            warnings.warn("pagemem: param_groups changed between backward and step(); the updates made during "
-                          "backward used the values before the change (pass overlap_update=False to read them "
-                          "in step())", RuntimeWarning, stacklevel=4)
-        self.overlapped_updates += len(early)
-        wait_all(list(early.values()))
-        touched = sorted(self._has_grad - set(early))
-        if not touched:
-            return bool(early)
-        layers = sorted({self.bank.layer_of[i] for i in touched})
+        """[Note: a step is a transaction] An update lands whole or the engine says what did
+        not. Every task is joined before anything it writes is released (an error or Ctrl-C
+        waits for the others). A task that fails leaves the update *unfinished*: the
+        parameters it updated are marked (their step counted the moment their master and
+        moments changed, their compute copy refreshed after), the gradient sums are kept, and
+        ``StepFailed`` says so; ``step()`` again updates the rest with the same
+        hyperparameters, loss scale and clipping coefficient, which gives the bits an
+        uninterrupted step gives. Until then backward and ``zero_grad`` are refused. An error
+        before any task ran (fetching states from nvme, say) leaves the gradients for a retry
+        and nothing changed. The loss scale moves only when the whole update landed."""
+        u = self.unfinished
+        if u is None:
+            u = self._begin_update()
+            if u is None:
+                return self._early_taken
+            self.unfinished = u
+        remaining = u.remaining()
+        if not remaining:  # every task had landed when Ctrl-C reached the waiting caller
+            self.unfinished = None
+            self.scaler.update(overflow=False)
+            return True
+        layers = sorted({self.bank.layer_of[i] for i in remaining})
         states = [t for li in layers if self.bank.state_tiers[li] == "nvme" for t in self.bank.layers[li].states()]
         fetched = bool(states)
         if fetched:  # whole pages in and out: each page read once and written once
@@ -324,33 +389,60 @@ class Updater:
             self.store.release(states, "nvme").wait()
         leases = []
         try:
-            chunks, leases = self._chunks(touched)
-            scale = self.scaler.scale
-            coef = None
-            if scale is not None:  # only finiteness counts here: per piece is enough
-                total = total_sumsq(wait_all([self.adam.sumsq(c.grad) for _, ps in chunks for _, c in ps]))
-                if not math.isfinite(total):
-                    self.scaler.update(overflow=True)
-                    self.skipped_steps += 1
-                    return False
-            if cfg.max_grad_norm is not None:
-                coef = self._clip_coefficient([[c.grad for _, c in ps] for _, ps in chunks], scale)
+            chunks, leases = self._chunks(remaining)
+            if not u.checked:  # the first attempt: the scale's verdict and the clip coefficient
+                if u.scale is not None:  # only finiteness counts here: per piece is enough
+                    total = total_sumsq(wait_all([self.adam.sumsq(c.grad) for _, ps in chunks for _, c in ps]))
+                    if not math.isfinite(total):
+                        self.unfinished = None
+                        self.scaler.update(overflow=True)
+                        self.skipped_steps += 1
+                        return False
+                if self.config.max_grad_norm is not None:
+                    u.coef = self._clip_coefficient([[c.grad for _, c in ps] for _, ps in chunks], u.scale)
+                u.checked = True
             # one task per unit: its parameters share pages, so their refreshes would queue for
             # each other on different workers; the largest units go first (the workers even out)
             by_unit: dict[int, list[tuple[int, list[StatePiece]]]] = {}
             for i, ps in chunks:
                 by_unit.setdefault(self.bank.layer_of[i], []).append((i, ps))
             groups = sorted(by_unit.values(), key=lambda g: -sum(c.param.numel() for _, ps in g for _, c in ps))
-            wait_all([self.adam.submit(self._update_params, g, hps, scale, coef) for g in groups])
+            error = join_all([self.adam.submit(self._update_params, g, u) for g in groups])
+            if error is None and self._early_error is not None:
+                error, self._early_error = self._early_error, None
+            if error is not None:
+                raise StepFailed(f"step: the update failed after {len(u.done)} of {len(u.params)} parameters were "
+                                 f"updated ({type(error).__name__}: {error}); their gradients are kept: call step() "
+                                 "again to finish it exactly, or load a checkpoint") from error
+            self.unfinished = None
             self.scaler.update(overflow=False)
-            for i, _ in chunks:
-                self.bank.count_step(i)
         finally:
             for lease in leases:
                 lease.release()
             if fetched:
                 self._writeback = self.store.move(states, "nvme")
         return True
+
+    def _begin_update(self) -> UnfinishedUpdate | None:
+        """A new step: wait for the updates made during backward (those that failed join this
+        update), and what the rest is updated with; None when nothing is left to update."""
+        hps = [self.hyper(g) for g in range(max(self.group_of, default=0) + 1)]
+        early, self._early = self._early, {}
+        if early and any(hps[g] != hp for g, hp in self._early_hp.items()):
+            warnings.warn("pagemem: param_groups changed between backward and step(); the updates made during "
+                          "backward used the values before the change (pass overlap_update=False to read them "
+                          "in step())", RuntimeWarning, stacklevel=5)
+        self._early_error = join_all(list(early.values()))
+        failed = {i for i, f in early.items() if f.exception() is not None}
+        self.overlapped_updates += len(early) - len(failed)
+        stepped = failed & self._early_stepped
+        self._early_stepped.clear()
+        touched = sorted((self._has_grad - set(early)) | failed)
+        self._early_taken = bool(early)
+        if not touched:
+            return None
+        u = UnfinishedUpdate(touched, hps, self.scaler.scale, stepped=stepped)
+        return u
 
     def flush(self) -> None:
         """Wait for the last write-back of optimizer states to nvme; raise its error if it failed
