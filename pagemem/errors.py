@@ -69,3 +69,14 @@ class InvalidRequest(PageMemError, ValueError):
 class TornPage(PageMemError):
     """A tensor's bytes were lost when an in-place disk write failed (there was no room for a
     copy-on-write). Reads of those bytes are refused until the tensor is written again."""
+
+
+class CorruptCheckpoint(PageMemError):
+    """A checkpoint cannot be read as written: a file is missing, short, unparsable or fails its
+    checksum, a value in its manifest is out of range, or ``latest`` names nothing. ``path`` is
+    the file at fault. Nothing of the checkpoint was applied."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"corrupt checkpoint: {path}: {reason}")
