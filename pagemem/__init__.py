@@ -6,7 +6,7 @@ pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpack
 """
 
 from pagemem.config import StoreConfig
-from pagemem.errors import (ConfigError, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
+from pagemem.errors import (ConfigError, CorruptCheckpoint, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
                             StepFailed, TierIOError, TornPage)
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore, StoreStats
 from pagemem.engine import AdamW, Engine, EngineConfig, decay_groups
@@ -29,6 +29,7 @@ __all__ = [
     "ConfigError",
     "OutOfMemory",
     "CorruptPage",
+    "CorruptCheckpoint",
     "TierIOError",
     "TornPage",
     "StepFailed",

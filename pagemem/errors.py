@@ -74,3 +74,14 @@ class TornPage(PageMemError):
 class StepFailed(PageMemError):
     """An update or a backward failed part-way. The message says what landed and what to do:
     call ``step()`` again to finish the update exactly, or load a checkpoint."""
+
+
+class CorruptCheckpoint(PageMemError):
+    """A checkpoint cannot be read as written: a file is missing, short, unparsable or fails its
+    checksum, a value in its manifest is out of range, or ``latest`` names nothing. ``path`` is
+    the file at fault. Nothing of the checkpoint was applied."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"corrupt checkpoint: {path}: {reason}")

@@ -1,34 +1,54 @@
-"""Checkpoints: the whole training state as a directory of raw pages, a JSON manifest and checksums.
+"""Checkpoints: the whole training state as a directory of raw pages, a checksummed JSON manifest
+and checksums.
 
 Layout of ``save(root)``::
 
     root/latest              the name of the newest durable checkpoint (replaced atomically)
     root/step-00000042/      one checkpoint (a second save at the same step gets a suffix)
-        manifest.json        version, counters, loss scale, optimizer groups, config, params,
-                             per-page XXH3 checksums, where each tensor lies; written last
+        manifest.json        version, checksum, counters, loss scale, optimizer groups, config,
+                             params, per-page XXH3 checksums, where each tensor lies; written last
         master.pages         fp32 master weights, page after page as they lie in the store
-        exp_avg.pages, exp_avg_sq.pages
-        rng.bin              torch's CPU generator state (and CUDA's, when present)
+        exp_avg.pages, exp_avg_sq.pages, compute.pages
+        rng.bin              torch's CPU generator state
         buffers.bin          the model's persistent buffers (BatchNorm statistics, counters)
 
 [Note: atomic and durable] Everything is written into ``step-N.tmp-<random>``, each file
 fsynced, the directory fsynced and renamed to ``step-N``, the root fsynced; only then does
 ``latest`` move (a temporary file, fsync, rename, fsync). A crash at any moment leaves the
-previous ``latest`` and its checkpoint intact; a half-written ``.tmp`` directory is ignored and
-removed by the next save.
+previous ``latest`` and its checkpoint intact; a half-written ``.tmp`` directory or
+``latest.tmp-*`` file is ignored and removed by the next save. A save that fails (ENOSPC, EIO:
+``TierIOError``; a page that does not verify: ``CorruptPage``) removes what it wrote, on every
+path, and ``latest`` still names the previous checkpoint. (Only a failed fsync of the root
+*after* ``latest`` was renamed is reported with ``latest`` already naming the new checkpoint,
+which is then complete and verified.)
 
 [Note: pages copied by the kernel] Pages go into the checkpoint through the store
-(``PageStore.export_page``): an optimizer page that lives only on NVMe is copied from the page
-file with ``copy_file_range`` (never read through Python), its checksum the one the tier
-recorded when it wrote the page; pages in memory are written from their buffers and checksummed
-on the way. Loading reads and verifies every page. Nothing is pickled.
+(``PageStore.export_page``, [Note: exported pages are verified]): an optimizer page that lives
+only on NVMe is copied from the page file with ``copy_file_range`` (a buffered copy where the
+kernel refuses, as between filesystems), and every page written is read back and must match its
+checksum, so a page gone bad on disk fails the save instead of being saved under its old
+checksum. Loading checks every file's size, reads and verifies every page, ``rng.bin`` and
+``buffers.bin``, and the manifest ([Note: the manifest is checked]). Nothing is pickled.
+
+[Note: a refused load changes nothing] ``load`` refuses what it can before it touches the model
+(``latest``, the manifest, the files' sizes); what it finds later (a page that fails its
+checksum) closes the new engine and puts the model back exactly as it was: every module's
+parameter objects, their values (the very tensors) and classes, and its buffers. Those tensors
+are kept referenced for the duration of the load (a model built on ``meta`` holds none).
+
+[Note: precision on load] The config in force (the one given, else the saved one) decides how to
+compute: its compute dtype (compute copies and floating buffers are cast to it) and its loss
+scaling. The saved loss scale and its count of good steps are kept only when the saved config
+scaled the same way (both ``"dynamic"``, or the same static scale); otherwise the scaler starts
+as the given config says. From the checkpoint come the values: fp32 master weights, Adam
+moments, step counts, ``global_step``, skipped steps, the groups' hyperparameters (learning
+rates as a scheduler left them), RNG and buffers.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -36,40 +56,35 @@ import numpy as np
 import torch
 import xxhash
 
-from pagemem.errors import CorruptPage, InvalidRequest
+from pagemem.engine import manifest as mf
+from pagemem.engine.ckpt_io import (fsync_dir, file_size, io_errors, read_file, remove, remove_leftovers,
+                                    write_durable)
+from pagemem.engine.ckpt_state import (buffer_bytes, load_buffers, model_snapshot, restore_model,
+                                       persistent_buffers)
+from pagemem.errors import ConfigError, CorruptCheckpoint, CorruptPage, InvalidRequest
 
 if TYPE_CHECKING:
+    from pagemem.engine.config import EngineConfig
     from pagemem.engine.engine import Engine
 
-VERSION = 1
-KINDS = ("master", "exp_avg", "exp_avg_sq", "compute")
-"""What a checkpoint holds per parameter: its states, and the compute copy (the only value a
-frozen parameter has; the others' is written too, small beside the states)."""
+VERSION = mf.VERSION
+KINDS = mf.KINDS
+MANIFEST = "manifest.json"
+NAME = re.compile(r"step-\d{8,}(-[0-9a-f]{8})?")
+"""What ``latest`` may name."""
+__all__ = ["VERSION", "KINDS", "save", "resolve", "read_manifest", "load", "load_into", "saved_groups",
+           "persistent_buffers"]
 
 
-def _write_durable(path: str, data: bytes | str) -> None:
-    """Write ``data`` to a new file at ``path`` and make it durable before returning."""
-    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+# ---------------------------------------------------------------------------------------- save
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict], list[int | None]]:
-    """Write every page holding a ``kind`` tensor into ``path``; return where each tensor lies
-    (page positions in the file, offset, bytes) and each page's checksum."""
+def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict | None], list[int]]:
+    """Write every page holding a ``kind`` tensor into ``path``, each verified; return where each
+    tensor lies (page positions in the file, offset, bytes) and each page's checksum."""
     store, bank = engine.store, engine.bank
     pb = store.page_bytes
     order: dict[int, int] = {}
-    tensors = []
+    tensors: list[dict | None] = []
     for i in range(len(bank.params)):
         layer, k = bank.where(i)
         t = getattr(layer, kind)[k]
@@ -81,38 +96,29 @@ def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict], li
             order.setdefault(page_id, len(order))
         tensors.append({"pages": [order[p] for p, _, _ in extents], "offset": extents[0][1] if extents else 0,
                         "nbytes": t.nbytes})
-    digests: list[int | None] = [None] * len(order)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, len(order) * pb)
-        for page_id, pos in order.items():
-            digests[pos] = store.export_page(page_id, fd, pos * pb)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    digests = [0] * len(order)
+    with io_errors("writing", path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, len(order) * pb)
+            for page_id, pos in order.items():
+                digests[pos] = store.export_page(page_id, fd, pos * pb, path)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return tensors, digests
 
 
-def save(engine: "Engine", root: str) -> str:
-    """Write a checkpoint of ``engine`` under ``root`` (see the module docs); returns its path."""
-    engine.store.synchronize()
-    os.makedirs(root, exist_ok=True)
-    for name in os.listdir(root):  # leftovers of a save that crashed
-        if ".tmp-" in name:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    name = f"step-{engine.global_step:08d}"
-    tmp = os.path.join(root, f"{name}.tmp-{uuid.uuid4().hex[:8]}")
-    os.mkdir(tmp)
-    layout = {}
-    digests = {}
+def _write_files(engine: "Engine", tmp: str) -> None:
+    """Every file of a checkpoint into the directory ``tmp``, the manifest last."""
+    layout, digests = {}, {}
     for kind in KINDS:
         layout[kind], digests[kind] = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"))
     rng = torch.get_rng_state().numpy().tobytes()
-    _write_durable(os.path.join(tmp, "rng.bin"), rng)
-    buffers, entries = _buffer_bytes(engine.module)
-    _write_durable(os.path.join(tmp, "buffers.bin"), buffers)
-    manifest = {
-        "version": VERSION,
+    write_durable(os.path.join(tmp, "rng.bin"), rng)
+    buffers, entries = buffer_bytes(engine.module)
+    write_durable(os.path.join(tmp, "buffers.bin"), buffers)
+    body = {
         "page_bytes": engine.store.page_bytes,
         "state": engine.training_state(),
         "config": engine.config.to_dict(),
@@ -120,87 +126,121 @@ def save(engine: "Engine", root: str) -> str:
                    for i, (n, p) in enumerate(engine.bank.params)],
         "tensors": layout,
         "page_digests": digests,
-        "rng": {"file": "rng.bin", "xxh3": xxhash.xxh3_64_intdigest(rng)},
-        "buffers": {"file": "buffers.bin", "xxh3": xxhash.xxh3_64_intdigest(buffers), "entries": entries},
+        "rng": {"file": "rng.bin", "xxh3": xxhash.xxh3_64_intdigest(rng), "nbytes": len(rng)},
+        "buffers": {"file": "buffers.bin", "xxh3": xxhash.xxh3_64_intdigest(buffers), "nbytes": len(buffers),
+                    "entries": entries},
     }
-    _write_durable(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
-    _fsync_dir(tmp)
-    final = os.path.join(root, name)
-    if os.path.exists(final):  # saved at this step before (maybe what ``latest`` names): keep it
-        name = f"{name}-{uuid.uuid4().hex[:8]}"
+    mf.validate(body)  # what a load would refuse is never written
+    write_durable(os.path.join(tmp, MANIFEST), mf.encode(body))
+
+
+def save(engine: "Engine", root: str) -> str:
+    """Write a checkpoint of ``engine`` under ``root`` (see the module docs); returns its path."""
+    engine.store.synchronize()
+    with io_errors("creating", root):
+        os.makedirs(root, exist_ok=True)
+    remove_leftovers(root)
+    name = f"step-{engine.global_step:08d}"
+    tmp = os.path.join(root, f"{name}.tmp-{uuid.uuid4().hex[:8]}")
+    final = None
+    try:
+        with io_errors("creating", tmp):
+            os.mkdir(tmp)
+        _write_files(engine, tmp)
+        fsync_dir(tmp)
         final = os.path.join(root, name)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    pointer = os.path.join(root, f"latest.tmp-{uuid.uuid4().hex[:8]}")
-    _write_durable(pointer, name)
-    os.rename(pointer, os.path.join(root, "latest"))
-    _fsync_dir(root)
+        if os.path.lexists(final):  # saved at this step before (maybe what ``latest`` names): keep it
+            final = os.path.join(root, f"{name}-{uuid.uuid4().hex[:8]}")
+        with io_errors("renaming", tmp):
+            os.rename(tmp, final)
+        fsync_dir(root)
+        _point_latest(root, os.path.basename(final))
+    except BaseException:
+        remove(tmp)
+        if final is not None and _latest_name(root) != os.path.basename(final):
+            remove(final)  # complete, but latest never named it: a failed save leaves nothing
+        raise
     return final
 
+
+def _point_latest(root: str, name: str) -> None:
+    """``root/latest`` names ``name``: a durable temporary file renamed over it."""
+    pointer = os.path.join(root, f"latest.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write_durable(pointer, name.encode())
+        with io_errors("renaming", pointer):
+            os.rename(pointer, os.path.join(root, "latest"))
+    except BaseException:
+        remove(pointer)
+        raise
+    fsync_dir(root)
+
+
+def _latest_name(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, "latest"), "rb") as f:
+            return f.read(256).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------- load
 
 def resolve(path: str) -> str:
     """The checkpoint directory ``path`` names: itself, or the one its ``latest`` points to."""
     latest = os.path.join(path, "latest")
-    if os.path.exists(latest):
-        with open(latest) as f:
-            name = f.read().strip()
-        if "/" in name or name.startswith("."):
-            raise InvalidRequest(f"{latest}: not a checkpoint name: {name!r}")
+    if os.path.lexists(latest):
+        raw = read_file(latest, 256)
+        name = raw.decode("ascii", "replace").strip()
+        if not NAME.fullmatch(name):
+            raise CorruptCheckpoint(latest, f"not a checkpoint name: {name[:64]!r}")
+        if not os.path.isfile(os.path.join(path, name, MANIFEST)):
+            raise CorruptCheckpoint(latest, f"names {name!r}, which has no {MANIFEST} (a dangling latest)")
         return os.path.join(path, name)
-    if os.path.exists(os.path.join(path, "manifest.json")):
+    if os.path.lexists(os.path.join(path, MANIFEST)):
         return path
-    raise InvalidRequest(f"{path}: no checkpoint here (neither 'latest' nor 'manifest.json')")
+    raise InvalidRequest(f"{path}: no checkpoint here (neither 'latest' nor '{MANIFEST}')")
 
 
 def read_manifest(ckpt: str) -> dict[str, Any]:
-    with open(os.path.join(ckpt, "manifest.json")) as f:
-        manifest = json.load(f)
-    if manifest.get("version") != VERSION:
-        raise InvalidRequest(f"{ckpt}: checkpoint version {manifest.get('version')!r}, this pagemem reads {VERSION}")
-    return manifest
+    """The checkpoint's manifest body, checksum verified and every value validated."""
+    path = os.path.join(ckpt, MANIFEST)
+    return mf.decode(read_file(path), path)
 
 
-def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
-    """(state-dict key, module, buffer name) of every buffer ``model.state_dict()`` holds."""
-    out = []
-    for mname, module in model.named_modules():
-        for bname, b in module._buffers.items():
-            if b is not None and bname not in module._non_persistent_buffers_set:
-                out.append((f"{mname}.{bname}" if mname else bname, module, bname))
-    return out
+def check_files(ckpt: str, manifest: dict[str, Any]) -> None:
+    """Every file the manifest names is there at its size (CorruptCheckpoint naming it if not)."""
+    pb = manifest["page_bytes"]
+    for kind in KINDS:
+        path = os.path.join(ckpt, f"{kind}.pages")
+        want, size = len(manifest["page_digests"][kind]) * pb, file_size(path)
+        if size != want:
+            raise CorruptCheckpoint(path, f"{size} bytes, the manifest says {want}")
+    for what in ("rng", "buffers"):
+        path = os.path.join(ckpt, manifest[what]["file"])
+        size = file_size(path)
+        if size != manifest[what]["nbytes"]:
+            raise CorruptCheckpoint(path, f"{size} bytes, the manifest says {manifest[what]['nbytes']}")
 
 
-def _buffer_bytes(model: torch.nn.Module) -> tuple[bytes, list[dict[str, Any]]]:
-    """The model's persistent buffers (BatchNorm statistics, counters) as raw bytes, and where
-    each lies: nothing is pickled."""
-    chunks, entries, offset = [], [], 0
-    for key, module, bname in persistent_buffers(model):
-        b = module._buffers[bname].detach().cpu().contiguous()
-        data = b.reshape(-1).view(torch.uint8).numpy().tobytes() if b.numel() else b""
-        entries.append({"name": key, "dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape),
-                        "offset": offset, "nbytes": len(data)})
-        chunks.append(data)
-        offset += len(data)
-    return b"".join(chunks), entries
+def _verified(ckpt: str, what: dict[str, Any]) -> bytes:
+    path = os.path.join(ckpt, what["file"])
+    data = read_file(path)
+    if len(data) != what["nbytes"] or xxhash.xxh3_64_intdigest(data) != what["xxh3"]:
+        raise CorruptCheckpoint(path, f"checksum {xxhash.xxh3_64_intdigest(data):#018x}, expected {what['xxh3']:#018x}")
+    return data
 
 
-def _load_buffers(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
-    saved = manifest.get("buffers")
-    if saved is None:  # written before buffers were saved
-        return
-    with open(os.path.join(ckpt, saved["file"]), "rb") as f:
-        data = f.read()
-    if xxhash.xxh3_64_intdigest(data) != saved["xxh3"]:
-        raise CorruptPage("checkpoint", 0, saved["xxh3"], xxhash.xxh3_64_intdigest(data), f"{ckpt}/{saved['file']}")
-    where = {key: (module, bname) for key, module, bname in persistent_buffers(engine.module)}
-    for e in saved["entries"]:
-        if e["name"] not in where:
-            raise InvalidRequest(f"{ckpt}: the checkpoint has a buffer {e['name']!r} this model does not")
-        module, bname = where[e["name"]]
-        dtype = getattr(torch, e["dtype"])
-        raw = bytearray(data[e["offset"]:e["offset"] + e["nbytes"]])
-        value = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(e["shape"])
-        module._buffers[bname] = value.to(engine.device)
+def saved_config(manifest: dict[str, Any], ckpt: str) -> "EngineConfig":
+    """The config the checkpoint was saved with (its store paths must exist here)."""
+    from pagemem.engine.config import EngineConfig
+
+    try:
+        return EngineConfig.from_dict(manifest["config"])
+    except ConfigError as exc:
+        raise ConfigError(f"{ckpt}/{MANIFEST}: the saved config: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpoint(os.path.join(ckpt, MANIFEST), f"config: {exc!r}") from None
 
 
 def saved_groups(manifest: dict[str, Any], model: torch.nn.Module) -> list[dict[str, Any]] | None:
@@ -218,19 +258,59 @@ def saved_groups(manifest: dict[str, Any], model: torch.nn.Module) -> list[dict[
     return [{"params": [p for p, g in zip(params, group_of) if g == n]} for n in range(len(state["param_groups"]))]
 
 
+def load(cls: type["Engine"], directory: str, model: torch.nn.Module, config: "EngineConfig | None",
+         param_groups: Any) -> "Engine":
+    """``Engine.load``: an engine over ``model`` from the checkpoint ``directory`` names; a
+    refused load leaves ``model`` as it was ([Note: a refused load changes nothing])."""
+    from pagemem.engine.model_checks import check_no_meta_buffers
+
+    ckpt = resolve(directory)
+    manifest = read_manifest(ckpt)
+    check_files(ckpt, manifest)
+    meta = any(p.is_meta for p in model.parameters())
+    if param_groups is None:
+        param_groups = saved_groups(manifest, model)
+    if config is None:
+        config = saved_config(manifest, ckpt)
+    before = model_snapshot(model)
+    try:
+        engine = cls(model, config, _values=not meta, param_groups=param_groups)
+    except BaseException:
+        restore_model(before)
+        raise
+    try:
+        load_into(engine, ckpt, manifest)
+        check_no_meta_buffers(model)
+    except BaseException:
+        try:
+            engine.close()
+        finally:
+            restore_model(before)
+        raise
+    return engine
+
+
 def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
-    """Overwrite ``engine``'s states with the checkpoint's, verifying every page."""
+    """Overwrite ``engine``'s states with the checkpoint's, verifying every page and file first
+    (the manifest is ``read_manifest``'s, already validated)."""
     params = [(n, list(p.shape)) for n, p in engine.bank.params]
     if [(p["name"], p["shape"]) for p in manifest["params"]] != params:
         raise InvalidRequest(f"{ckpt}: the checkpoint was written for another model (parameters differ)")
+    rng = _verified(ckpt, manifest["rng"])
+    buffers = _verified(ckpt, manifest["buffers"])
     pb = manifest["page_bytes"]
+    saved_dtype = getattr(torch, manifest["config"]["compute_dtype"])
     for kind in KINDS:
-        with open(os.path.join(ckpt, f"{kind}.pages"), "rb") as f:
-            data = f.read()
-        for pos, expected in enumerate(manifest["page_digests"][kind]):
-            actual = xxhash.xxh3_64_intdigest(data[pos * pb:(pos + 1) * pb])
-            if expected is not None and actual != expected:
-                raise CorruptPage("checkpoint", pos, expected, actual, f"{ckpt}/{kind}.pages")
+        path = os.path.join(ckpt, f"{kind}.pages")
+        data = read_file(path)
+        digests = manifest["page_digests"][kind]
+        if len(data) != len(digests) * pb:
+            raise CorruptCheckpoint(path, f"{len(data)} bytes, the manifest says {len(digests) * pb}")
+        view = memoryview(data)
+        for pos, expected in enumerate(digests):
+            actual = xxhash.xxh3_64_intdigest(view[pos * pb:(pos + 1) * pb])
+            if actual != expected:
+                raise CorruptPage("checkpoint", pos, expected, actual, path)
         raw = np.frombuffer(data, dtype=np.uint8)
         for i, where in enumerate(manifest["tensors"][kind]):
             if where is None or (kind == "compute" and manifest["tensors"]["master"][i] is not None):
@@ -242,13 +322,13 @@ def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
                 left -= take
                 lo = 0
             flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
-            dtype = torch.float32 if kind != "compute" else getattr(torch, manifest["config"]["compute_dtype"])
+            dtype = torch.float32 if kind != "compute" else saved_dtype
             value = torch.from_numpy(flat.copy()).view(dtype).reshape(engine.bank.params[i][1].shape)
             engine.bank.set_state(i, kind, value)
-    with open(os.path.join(ckpt, manifest["rng"]["file"]), "rb") as f:
-        rng = f.read()
-    if xxhash.xxh3_64_intdigest(rng) != manifest["rng"]["xxh3"]:
-        raise CorruptPage("checkpoint", 0, manifest["rng"]["xxh3"], xxhash.xxh3_64_intdigest(rng), f"{ckpt}/rng.bin")
     torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
-    _load_buffers(engine, ckpt, manifest)
-    engine.restore_training_state(manifest["state"])
+    load_buffers(engine.module, buffers, manifest["buffers"]["entries"], engine.device, engine.config.compute_dtype,
+                 os.path.join(ckpt, manifest["buffers"]["file"]))
+    state = dict(manifest["state"])
+    if manifest["config"]["loss_scale"] != engine.config.loss_scale:  # [Note: precision on load]
+        state["loss_scale"], state["good_steps"] = engine.updater.scaler.scale, 0
+    engine.restore_training_state(state)

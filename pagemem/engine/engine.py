@@ -426,23 +426,12 @@ class Engine:
         the ``meta`` device (``with torch.device("meta"): model = ...``): its values then come
         only from the checkpoint and host memory never holds a second copy. A scheduler made
         after this resets the learning rates, as torch's does when made after an optimizer state
-        is loaded: load its state, then set each group's ``lr`` from ``get_last_lr()``."""
+        is loaded: load its state, then set each group's ``lr`` from ``get_last_lr()``. A damaged
+        checkpoint raises a PageMemError naming the file, and a refused load leaves ``model`` as it
+        was; compute dtype and loss scaling are ``config``'s (``engine/checkpoint.py``)."""
         from pagemem.engine import checkpoint
 
-        ckpt = checkpoint.resolve(directory)
-        manifest = checkpoint.read_manifest(ckpt)
-        meta = any(p.is_meta for p in model.parameters())
-        if param_groups is None:
-            param_groups = checkpoint.saved_groups(manifest, model)
-        engine = cls(model, config or EngineConfig.from_dict(manifest["config"]), _values=not meta,
-                     param_groups=param_groups)
-        try:
-            checkpoint.load_into(engine, ckpt, manifest)
-            check_no_meta_buffers(model)
-        except BaseException:
-            engine.close()
-            raise
-        return engine
+        return checkpoint.load(cls, directory, model, config, param_groups)
 
     def training_state(self) -> dict[str, Any]:
         """Counters, loss scale and optimizer groups as JSON-ready values (for checkpoints)."""

@@ -182,11 +182,13 @@ class PageStore:
                 raise InvalidRequest(f"page {page_id} is not allocated")
             return {t.name: s for t, s in page.copies().items()}
 
-    def export_page(self, page_id: int, fd: int, offset: int) -> int:
+    def export_page(self, page_id: int, fd: int, offset: int, name: str = "") -> int:
         """Write logical page ``page_id``'s bytes at ``offset`` of the open file ``fd`` (a
-        checkpoint's); return their XXH3-64 checksum. Synchronize first (``store/export.py``)."""
+        checkpoint's, called ``name`` in errors), verified by reading them back; return their
+        XXH3-64 checksum. CorruptPage / TierIOError on failure. Synchronize first
+        (``store/export.py``)."""
         self._check_open()
-        return export_page(self, page_id, fd, offset)
+        return export_page(self, page_id, fd, offset, name)
 
     # ------------------------------------------------------------------ allocation
 
