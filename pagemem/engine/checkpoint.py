@@ -329,6 +329,6 @@ def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
     load_buffers(engine.module, buffers, manifest["buffers"]["entries"], engine.device, engine.config.compute_dtype,
                  os.path.join(ckpt, manifest["buffers"]["file"]))
     state = dict(manifest["state"])
-    if manifest["config"]["loss_scale"] != engine.config.loss_scale:  # [Note: precision on load]
+    if mf.saved_loss_scale(manifest["config"]) != engine.config.effective_loss_scale:  # [Note: precision on load]
         state["loss_scale"], state["good_steps"] = engine.updater.scaler.scale, 0
     engine.restore_training_state(state)

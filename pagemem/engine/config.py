@@ -35,8 +35,8 @@ class EngineConfig:
     ``step()`` updates after this many ``backward()`` calls, their gradients summed.
     ``loss_scale``: ``"dynamic"`` (as ``torch.amp.GradScaler``), a number (static), or None;
     ``"default"`` is ``"dynamic"`` for float16 and None otherwise, resolved when used
-    (``effective_loss_scale``), so ``dataclasses.replace(cfg, compute_dtype=...)`` follows it. ``rank`` / ``world_size``:
-    this process's place in data parallelism (1 process for now). ``adam_threads``: CPU Adam
+    (``effective_loss_scale``), so ``dataclasses.replace(cfg, compute_dtype=...)`` follows it.
+    ``rank`` / ``world_size``: this process's place in data parallelism (1 process for now). ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
     means on when the gpu tier is CUDA (backward runs on the GPU while the CPU updates) or the

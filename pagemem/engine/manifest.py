@@ -109,6 +109,15 @@ def _list(value: Any, field: str, n: int | None = None) -> list[Any]:
     return value
 
 
+def saved_loss_scale(config: dict[str, Any]) -> Any:
+    """The loss scaling a saved config meant (its ``"default"`` resolved by its compute dtype, as
+    ``EngineConfig.effective_loss_scale`` does)."""
+    scale = config["loss_scale"]
+    if scale == "default":
+        return "dynamic" if config["compute_dtype"] == "float16" else None
+    return scale
+
+
 def validate(m: dict[str, Any]) -> None:
     """Raise (a PageMemError) unless every value of the manifest body ``m`` is in range."""
     _dict(m, "manifest", ("page_bytes", "state", "config", "params", "tensors", "page_digests", "rng", "buffers"))
@@ -117,7 +126,7 @@ def validate(m: dict[str, Any]) -> None:
     config = _dict(m["config"], "config", ("store", "optimizer", "compute_dtype", "loss_scale"))
     _need(config["compute_dtype"] in COMPUTE_DTYPES, "config.compute_dtype", "float32, float16 or bfloat16",
           config["compute_dtype"])
-    scale = config["loss_scale"]
+    scale = saved_loss_scale(config)
     if scale is not None and scale != "dynamic":
         _real(scale, "config.loss_scale", positive=True)
     params = _list(m["params"], "params")
