@@ -14,12 +14,14 @@ class ConfigError(PageMemError, ValueError):
 class OutOfMemory(PageMemError, MemoryError):
     """A tier has too few free pages for a request. Raised before anything changes.
 
-    Attributes name the tier, the pages and bytes asked for, and what was free.
+    Attributes name the tier, the pages and bytes asked for, and what was free; where a budget
+    is refused as too small, ``least_bytes`` is the smallest that works (else None).
     """
 
     def __init__(self, tier: str, requested_pages: int, free_pages: int, page_bytes: int,
-                 what: str = "") -> None:
+                 what: str = "", least_bytes: int | None = None) -> None:
         self.tier = tier
+        self.least_bytes = least_bytes
         self.requested_pages = requested_pages
         self.free_pages = free_pages
         self.page_bytes = page_bytes
@@ -32,6 +34,8 @@ class OutOfMemory(PageMemError, MemoryError):
             f"tier {tier!r} is out of memory{detail}: requested {requested_pages} pages "
             f"({format_bytes(self.requested_bytes)}), free {free_pages} pages "
             f"({format_bytes(self.free_bytes)}); nothing was changed"
+            + (f"; the smallest budget that works is {tier}_bytes={least_bytes} ({format_bytes(least_bytes)})"
+               if least_bytes is not None else "")
         )
 
 

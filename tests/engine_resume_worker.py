@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pagemem  # noqa: E402
 from pagemem.models.gpt import GPT, GPTConfig  # noqa: E402
 
+from conftest import engine_gpu_budget  # noqa: E402
+
 PAGE = 64 * 1024
 
 
@@ -33,7 +35,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=nbytes // 2, cpu_bytes=16 * nbytes + 64 * PAGE,
+    # the activations plus a third of the parameters, as the in-process tests (nbytes // 2 ran over it)
+    gpu = engine_gpu_budget(model, lambda m: torch.nn.functional.cross_entropy(
+        m(batch(0)[0]).reshape(-1, 128), batch(0)[1].reshape(-1)).backward(), PAGE, 1 / 3)
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=16 * nbytes + 64 * PAGE,
                                 nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=args.nvme)
     cfg = pagemem.EngineConfig(store=store, optimizer_tier="nvme", adam_threads=1,
                                optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1))

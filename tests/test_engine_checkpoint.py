@@ -17,6 +17,8 @@ import torch
 import pagemem
 from pagemem.models.gpt import GPT, GPTConfig
 
+from conftest import engine_gpu_budget
+
 PAGE = 64 * 1024
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_resume_worker.py")
 
@@ -31,18 +33,27 @@ def make(tmp_path, seed=0, optimizer_tier="nvme"):
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
-    gpu = nbytes // 2 if optimizer_tier != "gpu" else 4 * nbytes + 64 * PAGE  # states + activations
+    # the activations plus a third of the parameters (was nbytes // 2, too small for the activations:
+    # it ran over the budget, which the engine now refuses); states + activations on the gpu
+    gpu = (engine_gpu_budget(model, lambda m: loss(m, batch(0)).backward(), PAGE, 1 / 3) if optimizer_tier != "gpu"
+           else 4 * nbytes + 64 * PAGE)
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=16 * nbytes + 64 * PAGE,
                                 nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=str(nvme))
     return model, pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, adam_threads=1,
                                        optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1))
 
 
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1000 + step))
+
+
+def loss(model, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 128), x[:, 1:].reshape(-1))
+
+
 def train(engine, until: int):
     while engine.global_step < until:
-        g = torch.Generator().manual_seed(1000 + engine.global_step)
-        x = torch.randint(0, 128, (2, 17), generator=g)
-        engine.backward(torch.nn.functional.cross_entropy(engine(x[:, :-1]).reshape(-1, 128), x[:, 1:].reshape(-1)))
+        engine.backward(loss(engine, batch(engine.global_step)))
         engine.step()
 
 

@@ -42,11 +42,14 @@ def budget_for(model, fraction: float = 1 / 3) -> int:
     return engine_gpu_budget(model, lambda m: loss_of(m, x).backward(), PAGE, fraction)
 
 
-def make_engine(model, gpu_bytes: int, **cfg) -> pagemem.Engine:
+def _config(model, gpu_bytes: int, **cfg) -> pagemem.EngineConfig:
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu_bytes, cpu_bytes=16 * nbytes + 64 * PAGE)
-    return pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP),
-                                                      adam_threads=2, **cfg))
+    return pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), adam_threads=2, **cfg)
+
+
+def make_engine(model, gpu_bytes: int, **cfg) -> pagemem.Engine:
+    return pagemem.Engine(model, _config(model, gpu_bytes, **cfg))
 
 
 def plain_run(model, steps):
@@ -123,17 +126,54 @@ def test_evaluation_calls_between_training_iterations_leave_the_plan_alone():
     assert all(torch.equal(a, b) for a, b in zip(evals, ref_evals))
 
 
-def test_without_a_plan_it_pages_on_demand_and_says_why():
+def test_a_budget_too_small_for_the_activations_is_refused_after_the_traced_iteration(tmp_path):
+    """Was: warned and paged on demand over the budget. Now the next iteration with those inputs
+    is refused, naming the least budget; the run resumes under it exactly ([Note: gpu budgets
+    refused early])."""
     model = small_gpt()
     steps = [(batch(32, s), True) for s in range(4)]
     ref, _ = plain_run(copy.deepcopy(model), steps)
+    after_one, _ = plain_run(copy.deepcopy(model), steps[:1])
     least = budget_for(model, 0.0)
-    with make_engine(model, least // 2 // PAGE * PAGE) as engine:
-        with pytest.warns(RuntimeWarning, match="no plan fits"):
-            got, _ = engine_run(engine, steps)
-        stats = engine.stats()
-    assert stats["iterations"] == {"traced": 1, "demand": 3}
-    assert "gpu" in stats["plan_note"] and stats["plan"] is None
+    engine = make_engine(model, least // 2 // PAGE * PAGE)
+    engine_run(engine, steps[:1])  # traced: its activations were unknown before it ran
+    with pytest.raises(pagemem.OutOfMemory, match=r"gpu_bytes: the traced iteration's activations .* refused.*"
+                                                  r"the smallest budget that works is gpu_bytes=\d+") as err:
+        engine_run(engine, steps[1:])
+    stats = engine.stats()
+    assert stats["iterations"] == {"traced": 1} and stats["plan"] is None  # nothing ran over the budget
+    assert "smallest budget" in stats["plan_note"]
+    named = err.value.least_bytes
+    assert least // 2 < named <= least and named % PAGE == 0
+    with pytest.raises(pagemem.OutOfMemory):
+        engine(batch(32, 9)[:, :-1])  # every such iteration, not only the first
+    saved = engine.save(str(tmp_path))
+    engine.close()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert_same(model.state_dict(), after_one)  # the model holds its values
+    with pagemem.Engine.load(saved, model, _config(model, named - PAGE)) as smaller:  # a page less: refused
+        engine_run(smaller, steps[1:2])
+        with pytest.raises(pagemem.OutOfMemory):
+            engine_run(smaller, steps[2:3])
+    # this budget merges the units into fewer, larger ones (up to gpu_bytes / 16), so the least
+    # named was for the old units, and said so; the new units' least is named in turn, and works
+    assert "(at least: a budget that size merges the paging units otherwise" in str(err.value)
+    rounds = []
+    while True:  # each refusal names the least for its own units: following them converges
+        with pagemem.Engine.load(saved, model, _config(model, named)) as coarser:
+            engine_run(coarser, steps[1:2])
+            try:
+                engine_run(coarser, steps[2:3])
+                break
+            except pagemem.OutOfMemory as again:
+                rounds.append(again.least_bytes)
+                assert again.least_bytes > named
+                named = again.least_bytes
+    assert len(rounds) <= 2
+    resumed = pagemem.Engine.load(saved, model, _config(model, named))
+    with resumed:
+        got, _ = engine_run(resumed, steps[1:])
+        assert resumed.stats()["iterations"] == {"traced": 1, "planned": 2}
     assert_same(got, ref)
 
 

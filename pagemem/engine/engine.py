@@ -26,6 +26,7 @@ from torch import nn
 
 from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.bank import ParamBank
+from pagemem.engine.budget_checks import check_units_fit, unit_cap
 from pagemem.engine.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.groups import checked_groups
@@ -72,6 +73,7 @@ class Engine:
             groups = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in groups]
         self.module = model
         self.config = config
+        check_units_fit(model, config)  # [Note: gpu budgets refused early], before anything is made
         self.store = PageStore(config.store)
         try:
             self._build(model, config, groups, init, values, _values)
@@ -81,11 +83,10 @@ class Engine:
 
     def _build(self, model: nn.Module, config: EngineConfig, groups: list | None, init: ModuleInit | None,
                values: Any, from_module: bool) -> None:
-        gpu_bytes = self.store.tier("gpu").capacity * self.store.page_bytes
         source = (FromInit(init) if init is not None else FromStateDict(values) if values is not None
                   else FromModule() if from_module else FromCheckpoint())
         self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
-                              unit_bytes=max(self.store.page_bytes, gpu_bytes // 16), source=source)
+                              unit_bytes=unit_cap(config.store), source=source)
         if isinstance(source, FromStateDict):
             source.set_buffers(model, self.store.tier("gpu").device)
         if not isinstance(source, FromCheckpoint):

@@ -13,8 +13,10 @@ shapes, dtypes and the other arguments (the *signature*):
   trace's largest non-model bytes, and the plan is dropped: the next iteration with this
   signature is traced and planned again (a *re-plan*, counted, with a warning the first time).
   A signature that left its plan ``MAX_DIVERGENCES`` times is paged on demand from then on.
-- **demand**: no plan can be made (the scheduler finds none, or ``EngineConfig.executor`` is
-  ``"demand"``), or a forward without gradients (evaluation): demand paging.
+- **demand**: no plan can be made (the scheduler finds none for the cpu or nvme budget, or
+  ``EngineConfig.executor`` is ``"demand"``), or a forward without gradients (evaluation):
+  demand paging. Where the plan finds the *gpu* budget too small, iterations with those inputs
+  are refused instead (``OutOfMemory``, [Note: gpu budgets refused early] in ``budget_checks.py``).
 
 Plans are kept per signature (the last ``MAX_PLANS``), so alternating sequence lengths are
 traced once each.
@@ -51,12 +53,14 @@ from torch import nn
 
 from pagemem.engine.arena import ArenaSizer
 from pagemem.engine.bank import ParamBank
+from pagemem.engine.budget_checks import refusal
 from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, unit_layout
 from pagemem.engine.guard import Guard
 from pagemem.engine.residency import Residency
 from pagemem.engine.peaks import PeakMeter
 from pagemem.engine.saved import SavedTensorHooks
 from pagemem.engine.scopes import Scopes
+from pagemem.errors import OutOfMemory
 from pagemem.sched import InfeasiblePlan, Plan, plan, validate
 from pagemem.tracer import Op, OpClock, Recording, Trace, TraceError, TraceOptions
 
@@ -135,12 +139,15 @@ class Pager:
         self._reserve = 0
         self._op_pages: list[int] = []
         self._warned: set[str] = set()
+        self.refusals: dict[tuple, OutOfMemory] = {}
+        """Input signatures refused: their traced iteration found the gpu budget too small."""
         clock.subscribe(self._on_op)
 
     def forget_plans(self) -> None:
         """Every signature is traced and planned again (the model's ops changed: a parameter was
         frozen or unfrozen)."""
         self.records.clear()
+        self.refusals.clear()
 
     # ------------------------------------------------------------------ iterations
 
@@ -154,6 +161,8 @@ class Pager:
         if not torch.is_grad_enabled() or not self.use_plans:
             self._start_demand(reserve=0)
             return
+        if sig in self.refusals:  # the gpu budget is too small for these inputs
+            raise self.refusals[sig].with_traceback(None)
         rec = self.records.get(sig)
         if rec is not None and rec.next != "trace":
             self.records.move_to_end(sig)
@@ -235,7 +244,16 @@ class Pager:
             p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=1, optimizer_tier=self.plan_tier,
                      page_bytes=pb, layout=unit_layout(trace, self.bank, pb))
             schedule = Schedule.compile(p, trace, self.bank)
-        except (InfeasiblePlan, PlanMismatch) as exc:
+        except InfeasiblePlan as exc:
+            self.plan_note = str(exc)
+            if exc.tier == "gpu":  # [Note: gpu budgets refused early]
+                self.refusals[self._sig] = refusal(exc, self.model, self.bank.units, self.bank.compute_dtype,
+                                                   s.config, self.static_gpu_pages)
+                self.plan_note = str(self.refusals[self._sig])
+                return None, 0
+            self._warn("noplan", f"pagemem: no plan fits this iteration ({exc}); it is paged on demand")
+            return None, 0
+        except PlanMismatch as exc:
             self.plan_note = str(exc)
             self._warn("noplan", f"pagemem: no plan fits this iteration ({exc}); it is paged on demand")
             return None, 0

@@ -18,7 +18,7 @@ from torch import nn
 
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.guard import Guard
-from pagemem.sched.measure import meminfo
+from pagemem.machine import host_memory_available
 
 
 def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Callable[[], None]) -> list:
@@ -73,9 +73,3 @@ def give_weights_back(bank: ParamBank, guard: Guard) -> None:
         guard.release(None, why)
         return
     guard.release(lambda i: bank.host_value(i, bank.original_dtype_of(i)), "the engine is closed")
-
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available now, or None where it cannot be read."""
-    return meminfo("MemAvailable")

@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 
 from pagemem.checks import check_int
+from pagemem.machine import meminfo
 from pagemem.sched.hardware import HOST_STAND_IN_SHARED, HardwareProfile
 from pagemem.units import parse_size
 
@@ -256,19 +257,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def meminfo(field: str) -> int | None:
-    """Bytes of ``field`` (``MemTotal``, ``MemAvailable``) in ``/proc/meminfo``, or None where
-    it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _mem_total() -> int | None:

@@ -10,6 +10,7 @@ from pagemem.config import StoreConfig
 from pagemem.errors import ConfigError, InvalidRequest
 from pagemem.tiers.arena import CudaArena, HostArena, HostBuffer
 from pagemem.tiers.base import TIER_NAMES, Tier
+from pagemem.tiers.budgets import check_budgets
 from pagemem.tiers.copy import CudaCopyEngine, HostCopyEngine
 from pagemem.tiers.fence import Fence
 from pagemem.tiers.memory import MemoryTier
@@ -55,6 +56,7 @@ def build_tiers(config: StoreConfig) -> TierSet:
     if use_cuda and config.cuda_device >= torch.cuda.device_count():
         raise ConfigError(
             f"cuda_device: must be in [0, {torch.cuda.device_count() - 1}], got {config.cuda_device}")
+    check_budgets(config, use_cuda)  # [Note: budgets checked up front]: before anything is allocated
     pb = config.page_bytes
     # closed in reverse: engines first (they wait for work in flight), then memory
     memory: list = []

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagemem.machine import device_memory_free
 from pagemem.units import format_bytes
 
 
@@ -108,10 +109,7 @@ class CudaArena:
         self.nbytes = nbytes
         self.device = device
         self.closed = False
-        free, total = torch.cuda.mem_get_info(device) if nbytes else (0, 0)
-        if nbytes > free:  # blocks the caching allocator keeps but does not use count as taken
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(device)
+        free, total = device_memory_free(device, nbytes) if nbytes else (0, 0)
         if nbytes > free:
             raise MemoryError(
                 f"gpu_bytes={format_bytes(nbytes)} does not fit on {device}: "

@@ -25,6 +25,9 @@ class SlotFreeList:
     slot handed out or given back. Not thread-safe: the owning tier's caller serialises calls.
     """
 
+    HOST_BYTES_PER_SLOT = 1
+    """Host memory this list takes per slot (the in-use flags), however many are free."""
+
     __slots__ = ("capacity", "_used", "_free", "_len_at", "_start_at", "_lengths", "_count", "_heaps")
 
     def __init__(self, capacity: int) -> None:

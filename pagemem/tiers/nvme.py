@@ -15,7 +15,9 @@ from pagemem.tiers.base import PageDone, Tier
 from pagemem.tiers.checksum import NAME as CHECKSUM_NAME
 from pagemem.tiers.checksum import page_checksum
 from pagemem.tiers.fence import Fence
+from pagemem.tiers.freelist import SlotFreeList
 from pagemem.tiers.io.base import EngineUnavailable, make_engine
+from pagemem.machine import disk_free
 from pagemem.units import format_bytes
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -47,8 +49,7 @@ class PageFile:
     def __init__(self, directory: str, nbytes: int, direct: bool) -> None:
         self.path = os.path.join(directory, f"pagemem-{os.getpid()}-{uuid.uuid4().hex[:12]}.pages")
         self.nbytes = nbytes
-        st = os.statvfs(directory)
-        available = st.f_bavail * st.f_frsize
+        available, _fs = disk_free(directory)
         if nbytes > available:
             raise TierIOError(
                 f"nvme: cannot preallocate {format_bytes(nbytes)} in {directory}: only "
@@ -118,13 +119,21 @@ def _open_direct(path: str) -> int | None:
     return fd
 
 
+def slots_per_file(capacity: int, files: int) -> int:
+    """Slots in each page file when ``capacity`` slots are striped over ``files`` files."""
+    return -(-capacity // files) if files else 0
+
+
 class NvmeTier(Tier):
     """Page slots striped over one file per directory in ``paths``."""
+
+    HOST_BYTES_PER_SLOT = SlotFreeList.HOST_BYTES_PER_SLOT + 8 + 1
+    """Host memory per slot: the free list's, a checksum reference and a torn flag."""
 
     def __init__(self, paths: tuple[str, ...], capacity: int, page_bytes: int, *,
                  engine: str, io_depth: int, direct: bool, checksums: bool) -> None:
         super().__init__("nvme", capacity, page_bytes)
-        per_file = -(-capacity // len(paths)) if paths else 0
+        per_file = slots_per_file(capacity, len(paths))
         self.files: list[PageFile] = []
         try:
             for directory in paths:
