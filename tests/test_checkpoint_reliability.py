@@ -5,6 +5,8 @@ the model as it was, and the config in force decides the precision policy."""
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import errno
 import json
@@ -20,6 +22,7 @@ import pagemem
 from pagemem.engine import manifest as mf
 from pagemem.models.gpt import GPT, GPTConfig
 from pagemem.store import export
+from conftest import engine_gpu_budget
 
 PAGE = 64 * 1024
 
@@ -29,10 +32,24 @@ def tiny_gpt(seed: int = 0) -> GPT:
     return GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=16))
 
 
+def _batch(step: int):
+    x = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1000 + step))
+    return x[:, :-1], x[:, 1:]
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_budget() -> int:
+    """The activations plus a third of the parameters (``nbytes // 2`` is below the activations,
+    which the engine now refuses)."""
+    idx, targets = _batch(0)
+    return engine_gpu_budget(tiny_gpt(), lambda m: torch.nn.functional.cross_entropy(
+        m(idx).reshape(-1, 128), targets.reshape(-1)).backward(), PAGE, 1 / 3)
+
+
 def config(nvme: str, dtype: torch.dtype = torch.float32, **kw) -> pagemem.EngineConfig:
     nbytes = sum(p.numel() * 4 for p in tiny_gpt().parameters())
     os.makedirs(nvme, exist_ok=True)
-    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=nbytes // 2,
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=_gpu_budget(),
                                 cpu_bytes=16 * nbytes + 64 * PAGE, nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=nvme)
     return pagemem.EngineConfig(store=store, optimizer_tier="nvme", adam_threads=1, compute_dtype=dtype,
                                 optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1), **kw)
@@ -40,9 +57,8 @@ def config(nvme: str, dtype: torch.dtype = torch.float32, **kw) -> pagemem.Engin
 
 def train(engine, until: int) -> None:
     while engine.global_step < until:
-        g = torch.Generator().manual_seed(1000 + engine.global_step)
-        x = torch.randint(0, 128, (2, 17), generator=g)
-        engine.backward(torch.nn.functional.cross_entropy(engine(x[:, :-1]).reshape(-1, 128), x[:, 1:].reshape(-1)))
+        idx, targets = _batch(engine.global_step)
+        engine.backward(torch.nn.functional.cross_entropy(engine(idx).reshape(-1, 128), targets.reshape(-1)))
         engine.step()
 
 

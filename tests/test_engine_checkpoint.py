@@ -138,9 +138,9 @@ def test_saving_mid_accumulation_is_refused_and_leftovers_are_ignored(tmp_path):
         pagemem.Engine.load(str(tmp_path / "ckpt"), tiny_gpt(), cfg)
 
 
-def _run(tmp_path, out: str, save: bool, kill_after=None) -> subprocess.CompletedProcess | None:
+def _run(tmp_path, out: str, save: bool, kill_after=None, steps: int = 8) -> subprocess.CompletedProcess | None:
     cmd = [sys.executable, WORKER, "--ckpt", str(tmp_path / "ckpt"), "--nvme", str(tmp_path / "nvme"),
-           "--out", str(tmp_path / out), "--steps", "8"] + (["--save"] if save else [])
+           "--out", str(tmp_path / out), "--steps", str(steps)] + (["--save"] if save else [])
     (tmp_path / "nvme").mkdir(exist_ok=True)
     if kill_after is None:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
@@ -158,6 +158,7 @@ def _run(tmp_path, out: str, save: bool, kill_after=None) -> subprocess.Complete
         time.sleep(value)
     proc.kill()
     proc.wait(timeout=60)
+    proc.stdout.close()
     return None
 
 
@@ -181,6 +182,35 @@ def test_killed_at_a_random_moment_resumes_to_the_uninterrupted_result(tmp_path,
     assert got.keys() == expected.keys()
     for k in expected:
         assert np.array_equal(got[k], expected[k]), k
+
+
+def crash_loop(tmp_path, kills: int, steps: int, seed: int) -> None:
+    """``kills`` SIGKILLs, each during a save or between them, each followed by a resume; then
+    a run to the end: its weights are the uninterrupted run's, and no page file is left (the
+    killed processes' were removed by the next store, the last one's by its close)."""
+    rng = random.Random(seed)
+    (tmp_path / "a").mkdir()
+    _run(tmp_path / "a", "out", save=False, steps=steps)
+    work = tmp_path / "b"
+    work.mkdir()
+    for _ in range(kills):
+        kill = ("during_save", (rng.randint(1, 2), rng.random() * 0.05))
+        _run(work, "unused", save=True, kill_after=kill, steps=steps)
+    _run(work, "out", save=True, steps=steps)
+    expected, got = _weights(tmp_path / "a" / "out"), _weights(work / "out")
+    assert got.keys() == expected.keys()
+    assert all(np.array_equal(got[k], expected[k]) for k in expected)
+    assert os.listdir(work / "nvme") == []
+    assert not [n for n in os.listdir(work / "ckpt") if ".tmp" in n]
+
+
+def test_four_sigkills_in_a_row_resume_to_the_uninterrupted_result(tmp_path):
+    crash_loop(tmp_path, kills=4, steps=8, seed=3)
+
+
+@pytest.mark.slow
+def test_twenty_sigkills_in_a_row_resume_to_the_uninterrupted_result(tmp_path):
+    crash_loop(tmp_path, kills=20, steps=30, seed=4)
 
 
 def test_a_model_built_on_meta_resumes_from_a_checkpoint(tmp_path):
