@@ -69,3 +69,10 @@ class InvalidRequest(PageMemError, ValueError):
 class TornPage(PageMemError):
     """A tensor's bytes were lost when an in-place disk write failed (there was no room for a
     copy-on-write). Reads of those bytes are refused until the tensor is written again."""
+
+
+class OperationFailed(PageMemError, RuntimeError):
+    """Code that runs or completes an operation raised unexpectedly (a bug, a ``MemoryError``),
+    typically on one of pagemem's threads. The operation failed with this error instead of never
+    finishing; the message names the operation and the original exception is chained as
+    ``__cause__``."""
