@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagemem.config import StoreConfig
-from pagemem.errors import ConfigError, InvalidRequest
+from pagemem.errors import ConfigError, FirstError, InvalidRequest
 from pagemem.tiers.arena import CudaArena, HostArena, HostBuffer
 from pagemem.tiers.base import TIER_NAMES, Tier
 from pagemem.tiers.copy import CudaCopyEngine, HostCopyEngine
@@ -40,10 +40,13 @@ class TierSet:
         return iter((self.gpu, self.cpu, self.nvme))
 
     def close(self) -> None:
-        """Stop the engines (waiting for work in flight), then give back memory and files."""
-        for close in reversed(self._closers):
-            close()
-        self._closers.clear()
+        """Stop the engines (waiting for work in flight), then give back memory and files; every
+        part is closed even if one raises, then the first error is raised
+        ([Note: closing releases everything])."""
+        closers, self._closers = list(reversed(self._closers)), []
+        with FirstError() as step:
+            for close in closers:
+                step(close)
 
 
 def build_tiers(config: StoreConfig) -> TierSet:
@@ -88,8 +91,9 @@ def build_tiers(config: StoreConfig) -> TierSet:
         staging = StagingPool(config.staging_pages, pb, pin=pin)
         memory.append(staging.close)
     except BaseException:
-        for close in reversed(memory + engines):
-            close()
+        with FirstError() as step:
+            for close in reversed(memory + engines):
+                step(close)
         raise
     closers = memory + engines
     return TierSet(gpu, cpu, nvme, staging, use_cuda, closers)
