@@ -68,6 +68,9 @@ def test_store_close_releases_everything_when_a_part_of_closing_raises(tmp_path,
     pagemem.PageStore(store_config(tmp_path, engine)).close()
     before_fds, before_threads = fds(), threads()
     store = pagemem.PageStore(store_config(tmp_path, engine))
+    t = store.allocate((2 * PAGE,), torch.uint8, tier="cpu")
+    for tier in ("gpu", "nvme", "cpu"):  # every engine's threads run
+        t.move(tier).wait()
     io = store.tier("nvme").engine
     real_close = type(io).close
 
