@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 
 class PageMemError(Exception):
     """Base class of every error pagemem raises on purpose."""
@@ -89,3 +91,42 @@ class CorruptCheckpoint(PageMemError):
         self.path = path
         self.reason = reason
         super().__init__(f"corrupt checkpoint: {path}: {reason}")
+
+
+class OperationFailed(PageMemError, RuntimeError):
+    """Code that runs or completes an operation raised unexpectedly (a bug, a ``MemoryError``),
+    typically on one of pagemem's threads. The operation failed with this error instead of never
+    finishing; the message names the operation and the original exception is chained as
+    ``__cause__``."""
+
+
+class FirstError:
+    """Cleanup whose every step must run: ``step(fn, *args)`` calls ``fn`` and keeps what it
+    raises; leaving the ``with`` block raises the first error kept (a note counts the others).
+
+    [Note: closing releases everything]
+    ``close()`` gives back files, fds, threads and memory even when an earlier part of closing
+    raises (a failed nvme write-back, a dead worker): each part is a step, later steps still
+    run, and the caller gets the first error once everything is released.
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+
+    def __call__(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except BaseException as exc:  # every step runs; the first error is raised at the end
+            self.errors.append(exc)
+
+    def __enter__(self) -> "FirstError":
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None or not self.errors:
+            return
+        first = self.errors[0]
+        if len(self.errors) > 1:
+            first.add_note(f"closing raised {len(self.errors) - 1} more error(s): "
+                           + "; ".join(repr(e) for e in self.errors[1:]))
+        raise first

@@ -37,7 +37,7 @@ from pagemem.engine.optimizer_states import OptimizerStates
 from pagemem.engine.pager import Pager
 from pagemem.engine.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.update import Updater
-from pagemem.errors import ConfigError, InvalidRequest, StepFailed
+from pagemem.errors import ConfigError, FirstError, InvalidRequest, StepFailed
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
 
@@ -482,21 +482,24 @@ class Engine:
         """Remove the hooks, stop the workers and give the store's memory back. The module keeps
         its trained weights (the fp32 master weights, in each parameter's original dtype, in host
         memory) when host memory has room for them; otherwise it warns, and its parameters refuse
-        every read (load a checkpoint instead)."""
+        every read (load a checkpoint instead). Each step runs even if an earlier one raises (a
+        failed nvme write-back), so the store's files and threads are always released; then the
+        first error is raised ([Note: closing releases everything], errors.py)."""
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks + self._state_dict_hooks:
-            h.remove()
-        self._hooks, self._state_dict_hooks = [], []
-        self.clock.remove(quiet=True)
-        self.pager.close()  # every unit goes home (writes to parameters kept) before the weights come back
-        self.bank.grads_landed()
-        if self.guard.closed is None:
-            self.updater.flush()
-            give_weights_back(self.bank, self.guard)
-        self.updater.close()
-        self.store.close()
+        with FirstError() as step:
+            for h in self._hooks + self._state_dict_hooks:
+                step(h.remove)
+            self._hooks, self._state_dict_hooks = [], []
+            step(self.clock.remove, quiet=True)
+            step(self.pager.close)  # every unit goes home (writes to parameters kept) before the weights come back
+            step(self.bank.grads_landed)
+            if self.guard.closed is None:
+                step(self.updater.flush)
+                step(give_weights_back, self.bank, self.guard)
+            step(self.updater.close)
+            step(self.store.close)
 
     def __enter__(self) -> "Engine":
         return self

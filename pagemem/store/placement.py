@@ -26,6 +26,7 @@ from pagemem.store.queue import OpQueue
 from pagemem.store.stats import TransferMeter
 from pagemem.store.transfer import Mover, Run, runs_of
 from pagemem.tiers import Tier
+from pagemem.tiers.completion import Once, as_pagemem_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class _Batch:
     src: Tier
     run: Run
     pages: list[tuple[Page, int, int]]  # (page, source slot, destination slot)
+    counted: bool = False
+    """Its landing was counted in ``op.remaining`` (a fallback must not count it again)."""
 
 
 class Placement:
@@ -129,7 +132,9 @@ class Placement:
             self._finish(op)
             return
         for batch in batches:
-            done = partial(self._landed, op, plan, batch)
+            # [Note: no operation is lost] whatever raises while this batch completes, on
+            # whichever thread, completes it with that error (``_lost``), at most once
+            done = Once(partial(self._landed, op, plan, batch), partial(self._lost, op, plan, batch))
             try:
                 self.mover.transfer(batch.src, plan.dest, batch.run, done,
                                     after=plan.fence if batch.src is self.gpu else None)
@@ -166,11 +171,28 @@ class Placement:
                 else:
                     plan.dest.release([d for _, _, d in batch.pages])
                     self.meter.end(direction, 0, 0)
-                    op.errors.append(error)
+                    op.errors.append(as_pagemem_error(error, f"{plan.kind} of pages {direction}"))
             except Exception as exc:  # a broken invariant: report it rather than hang the waiters
-                op.errors.append(exc)
+                op.errors.append(as_pagemem_error(exc, f"{plan.kind} of pages {direction}"))
+            batch.counted = True
             op.remaining -= 1
             last = op.remaining == 0
+        if last:
+            self._finish(op)
+
+    def _lost(self, op: Op, plan: PlacementPlan, batch: _Batch, exc: BaseException) -> None:
+        """``_landed`` raised: complete the batch with that error. Destination slots the pages
+        do not hold are given back; a batch already counted only has its operation finished."""
+        with self.queue.lock:
+            op.errors.append(as_pagemem_error(
+                exc, f"completing a {plan.kind} of pages {batch.src.name}->{plan.dest.name}"))
+            last = op.remaining == 0
+            if not batch.counted:
+                held = [d for page, _, d in batch.pages if page.copy_on(plan.dest) == d]
+                plan.dest.release([d for _, _, d in batch.pages if d not in held])
+                batch.counted = True
+                op.remaining -= 1
+                last = op.remaining == 0
         if last:
             self._finish(op)
 

@@ -43,8 +43,11 @@ class OpQueue:
         return op
 
     def complete(self, op: Op) -> None:
-        """Mark ``op`` finished and start what was waiting for it."""
+        """Mark ``op`` finished and start what was waiting for it. Idempotent: a fallback may
+        complete an operation again ([Note: no operation is lost])."""
         with self.lock:
+            if op.finished:
+                return
             ready = ordering.finish(op)
             self._unfinished -= 1
             if not self._unfinished:

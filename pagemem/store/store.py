@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import torch
 
 from pagemem.config import StoreConfig
-from pagemem.errors import InvalidRequest, OutOfMemory
+from pagemem.errors import FirstError, InvalidRequest, OutOfMemory
 from pagemem.store.export import export_page
 from pagemem.store.data import DataPath
 from pagemem.store.lending import Lender
@@ -75,14 +75,19 @@ class PageStore:
     def close(self) -> None:
         """Wait for operations in flight, then give the memory back and delete the page files.
         Tensors, views and leases used afterwards raise ``InvalidRequest`` (stale raw views read
-        zeros, never another tensor's data)."""
+        zeros, never another tensor's data). Every file, fd and thread is released even if a part
+        of closing raises; then the first error is raised ([Note: closing releases everything])."""
         with self._queue.lock:
             if self._closed:
                 return
             self._closed = True
             self._data.closed = True
-        self._queue.drain()
-        self._finalizer()
+        with FirstError() as step:
+            step(self._queue.drain)
+            step(self._finalizer)
+            step(self._forget_pages)
+
+    def _forget_pages(self) -> None:
         with self._queue.lock:
             self._pages.clear()
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 from pagemem.tiers import StagingPool, Tier
 from pagemem.tiers.arena import HostBuffer
+from pagemem.tiers.completion import Once
 
 RunDone = Callable[[BaseException | None], None]
 
@@ -83,19 +84,29 @@ class Mover:
         dst.start_write(slot, src, done)
 
     def _bounce(self, src: Tier, src_slot: int, dst: Tier, dst_slot: int, done: RunDone, after) -> None:
+        # runs on whichever thread frees a staging page: nothing may escape it, and the staging
+        # page goes back exactly once ([Note: no operation is lost], tiers/completion.py)
         def staged(bufs: list[HostBuffer]) -> None:
             buf = bufs[0]
 
-            def written(error: BaseException | None) -> None:
+            def finish(error: BaseException | None) -> None:
                 self.staging.release(bufs)
                 done(error)
+
+            written = Once(finish, done)
 
             def read(error: BaseException | None) -> None:
                 if error is not None:
                     written(error)
-                else:
+                    return
+                try:
                     self.put(dst, dst_slot, buf, written)
+                except BaseException as exc:
+                    written(exc)
 
-            self.fetch(src, src_slot, buf, read, after)
+            try:
+                self.fetch(src, src_slot, buf, read, after)
+            except BaseException as exc:
+                written(exc)
 
         self.staging.acquire(1, staged)

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pagemem.config import StoreConfig
-from pagemem.errors import ConfigError, InvalidRequest
+from pagemem.errors import ConfigError, FirstError, InvalidRequest
 from pagemem.tiers.arena import CudaArena, HostArena, HostBuffer
 from pagemem.tiers.base import TIER_NAMES, Tier
+from pagemem.tiers.pagefile import remove_stale
 from pagemem.tiers.budgets import check_budgets
 from pagemem.tiers.copy import CudaCopyEngine, HostCopyEngine
 from pagemem.tiers.fence import Fence
@@ -41,10 +42,13 @@ class TierSet:
         return iter((self.gpu, self.cpu, self.nvme))
 
     def close(self) -> None:
-        """Stop the engines (waiting for work in flight), then give back memory and files."""
-        for close in reversed(self._closers):
-            close()
-        self._closers.clear()
+        """Stop the engines (waiting for work in flight), then give back memory and files; every
+        part is closed even if one raises, then the first error is raised
+        ([Note: closing releases everything])."""
+        closers, self._closers = list(reversed(self._closers)), []
+        with FirstError() as step:
+            for close in closers:
+                step(close)
 
 
 def build_tiers(config: StoreConfig) -> TierSet:
@@ -56,6 +60,9 @@ def build_tiers(config: StoreConfig) -> TierSet:
     if use_cuda and config.cuda_device >= torch.cuda.device_count():
         raise ConfigError(
             f"cuda_device: must be in [0, {torch.cuda.device_count() - 1}], got {config.cuda_device}")
+    if config.pages("nvme"):
+        for directory in config.nvme_paths:  # dead owners' page files first: their space counts as free
+            remove_stale(directory)
     check_budgets(config, use_cuda)  # [Note: budgets checked up front]: before anything is allocated
     pb = config.page_bytes
     # closed in reverse: engines first (they wait for work in flight), then memory
@@ -90,8 +97,9 @@ def build_tiers(config: StoreConfig) -> TierSet:
         staging = StagingPool(config.staging_pages, pb, pin=pin)
         memory.append(staging.close)
     except BaseException:
-        for close in reversed(memory + engines):
-            close()
+        with FirstError() as step:
+            for close in reversed(memory + engines):
+                step(close)
         raise
     closers = memory + engines
     return TierSet(gpu, cpu, nvme, staging, use_cuda, closers)

@@ -11,7 +11,6 @@ callback has run.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,17 +18,15 @@ from typing import Callable
 
 import torch
 
+from pagemem.errors import OperationFailed
+from pagemem.tiers.completion import deliver
 from pagemem.tiers.fence import Fence
 
 CopyDone = Callable[[BaseException | None], None]
-_log = logging.getLogger("pagemem")
 
 
 def _call(done: CopyDone, error: BaseException | None) -> None:
-    try:
-        done(error)
-    except Exception:
-        _log.exception("copy completion callback failed")
+    deliver(done, error, "a copy's completion")  # never raises ([Note: no operation is lost])
 
 
 class HostCopyEngine:
@@ -58,7 +55,7 @@ class HostCopyEngine:
             if after is not None:
                 after.synchronize()
             dst.copy_(src)
-        except Exception as exc:  # reported to the waiter, not lost on a pool thread
+        except BaseException as exc:  # reported to the waiter, not lost on a pool thread
             _call(done, exc)
             return
         _call(done, None)
@@ -69,19 +66,30 @@ class HostCopyEngine:
 
 
 class _EventWaiter:
-    """A thread that waits on CUDA events in submission order and runs their callbacks."""
+    """A thread that waits on CUDA events in submission order and runs their callbacks. If the
+    thread dies, what it holds and every later push fail with that error at once."""
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.broken: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def push(self, event: torch.cuda.Event, done: CopyDone) -> None:
-        self._queue.put((event, done))
+        with self._lock:
+            broken = self.broken
+            if broken is None:
+                self._queue.put((event, done))
+        if broken is not None:
+            _call(done, broken)
 
     def _run(self) -> None:
-        while self._wait_one():
-            pass
+        try:
+            while self._wait_one():
+                pass
+        except BaseException as exc:  # the waiter dies: fail what it would have completed
+            self._die(exc)
 
     def _wait_one(self) -> bool:
         """Complete the next request; False at close. Its references go when this returns, so
@@ -92,14 +100,33 @@ class _EventWaiter:
         event, done = item
         try:
             event.synchronize()
-        except Exception as exc:
+        except BaseException as exc:
             _call(done, exc)
             return True
         _call(done, None)
         return True
 
+    def _die(self, cause: BaseException) -> None:
+        err = OperationFailed(f"{threading.current_thread().name}, the CUDA event waiter, died: {cause!r}; "
+                              "copies queued on it and later copies fail")
+        err.__cause__ = cause
+        pending = []
+        with self._lock:
+            self.broken = err
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    pending.append(item[1])
+        for done in pending:
+            _call(done, err)
+
     def close(self) -> None:
-        self._queue.put(None)
+        with self._lock:
+            if self.broken is None:
+                self._queue.put(None)
         self._thread.join()
 
 

@@ -4,10 +4,6 @@ I/O engine, every page checksummed on write and verified on read."""
 from __future__ import annotations
 
 import errno
-import mmap
-import os
-import uuid
-import weakref
 
 from pagemem.errors import ConfigError, CorruptPage, PageMemError, TierIOError
 from pagemem.tiers.arena import HostBuffer
@@ -17,14 +13,9 @@ from pagemem.tiers.checksum import page_checksum
 from pagemem.tiers.fence import Fence
 from pagemem.tiers.freelist import SlotFreeList
 from pagemem.tiers.io.base import EngineUnavailable, make_engine
-from pagemem.machine import disk_free
-from pagemem.units import format_bytes
+from pagemem.tiers.pagefile import PageFile, errname as _errname
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def _errname(code: int) -> str:
-    return f"{errno.errorcode.get(code, 'E?')} ({os.strerror(code)})"
+__all__ = ["NvmeTier", "PageFile", "TornSlot"]
 
 
 class TornSlot(CorruptPage):
@@ -41,82 +32,6 @@ class TornSlot(CorruptPage):
             self,
             f"corrupt page in tier {tier!r} slot {slot}{loc}: the last write to this slot failed, "
             "so its bytes on disk may be partial; the data was not returned")
-
-
-class PageFile:
-    """One preallocated file of ``nbytes``, mode 0600, opened with O_DIRECT when supported."""
-
-    def __init__(self, directory: str, nbytes: int, direct: bool) -> None:
-        self.path = os.path.join(directory, f"pagemem-{os.getpid()}-{uuid.uuid4().hex[:12]}.pages")
-        self.nbytes = nbytes
-        available, _fs = disk_free(directory)
-        if nbytes > available:
-            raise TierIOError(
-                f"nvme: cannot preallocate {format_bytes(nbytes)} in {directory}: only "
-                f"{format_bytes(available)} free ({_errname(errno.ENOSPC)})", errno.ENOSPC)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self._fds = [fd]
-        self._finalizer = weakref.finalize(self, _remove, self.path, self._fds)
-        try:
-            _preallocate(fd, nbytes, self.path)
-        except BaseException:
-            self.close()
-            raise
-        self.direct = False
-        self.fd = fd
-        if direct and _O_DIRECT:
-            dfd = _open_direct(self.path)
-            if dfd is not None:
-                self._fds.append(dfd)
-                self.fd = dfd
-                self.direct = True
-
-    def close(self) -> None:
-        """Close and delete the file (also done at garbage collection and interpreter exit)."""
-        self._finalizer()
-
-
-def _remove(path: str, fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _preallocate(fd: int, nbytes: int, path: str) -> None:
-    if nbytes == 0:
-        return
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            os.ftruncate(fd, nbytes)  # filesystem without fallocate: a sparse file
-            return
-        raise TierIOError(
-            f"nvme: cannot preallocate {format_bytes(nbytes)} for {path}: {_errname(exc.errno or errno.EIO)}",
-            exc.errno) from exc
-
-
-def _open_direct(path: str) -> int | None:
-    """Open ``path`` with O_DIRECT and prove an aligned read works; None if unsupported."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | _O_DIRECT)
-    except OSError:
-        return None
-    probe = mmap.mmap(-1, 4096)
-    try:
-        os.preadv(fd, [probe], 0)
-    except OSError:
-        os.close(fd)
-        return None
-    finally:
-        probe.close()
-    return fd
 
 
 def slots_per_file(capacity: int, files: int) -> int:
@@ -180,11 +95,16 @@ class NvmeTier(Tier):
 
     def start_write(self, slot: int, src: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
         """Write ``src`` to ``slot``. If the write fails (error or short), the slot is marked torn
-        until a later write succeeds or it is released. ``after`` is ignored: ``src`` is host memory."""
-        digest = page_checksum(src.view) if self.checksums else 0
+        until a later write succeeds or it is released. ``after`` is ignored: ``src`` is host memory.
+        Any exception while writing or completing is ``done``'s error ([Note: no operation is lost])."""
         f, offset = self.locate(slot)
+        try:
+            digest = page_checksum(src.view) if self.checksums else 0
+        except BaseException as exc:  # nothing was written: the slot is unchanged, not torn
+            done(self._raised("write", slot, f, offset, "computing its checksum", exc))
+            return
 
-        def complete(n: int) -> None:
+        def complete(n: int | BaseException) -> None:
             if n == self.page_bytes:
                 self._digest[slot] = digest
                 self._torn[slot] = 0
@@ -197,7 +117,8 @@ class NvmeTier(Tier):
 
     def start_read(self, slot: int, into: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
         """Read ``slot`` into ``into``, verifying its checksum. A torn slot (last write failed)
-        reports TornSlot, a CorruptPage, without touching ``into``. ``after`` is ignored."""
+        reports TornSlot, a CorruptPage, without touching ``into``. ``after`` is ignored. Any
+        exception while reading or verifying is ``done``'s error ([Note: no operation is lost])."""
         if self._torn[slot]:
             f, offset = self.locate(slot)
             done(TornSlot("nvme", slot, f"{f.path} at offset {offset}"))
@@ -209,12 +130,16 @@ class NvmeTier(Tier):
             return
         f, offset = self.locate(slot)
 
-        def complete(n: int) -> None:
+        def complete(n: int | BaseException) -> None:
             if n != self.page_bytes:
                 done(self._error("read", slot, f, offset, n))
                 return
             if self.checksums:
-                actual = page_checksum(into.view)
+                try:
+                    actual = page_checksum(into.view)
+                except BaseException as exc:
+                    done(self._raised("read", slot, f, offset, "verifying its checksum", exc))
+                    return
                 if actual != expected:
                     done(CorruptPage("nvme", slot, expected, actual, f"{f.path} at offset {offset}"))
                     return
@@ -222,8 +147,20 @@ class NvmeTier(Tier):
 
         self.engine.submit(False, f.fd, offset, into.view, complete)
 
-    def _error(self, op: str, slot: int, f: PageFile, offset: int, n: int) -> TierIOError:
+    def _raised(self, op: str, slot: int, f: PageFile, offset: int, step: str,
+                exc: BaseException) -> TierIOError:
+        """The TierIOError of a request whose ``step`` raised ``exc`` (chained)."""
+        keep = "the source copy is unchanged and still readable" if op == "write" else \
+            "the page stays where it was"
+        err = TierIOError(f"nvme {op} of slot {slot} ({f.path} at offset {offset}) failed: {step} "
+                          f"raised {exc!r}; {keep}", errno.EIO)
+        err.__cause__ = exc
+        return err
+
+    def _error(self, op: str, slot: int, f: PageFile, offset: int, n: int | BaseException) -> TierIOError:
         what = f"nvme {op} of slot {slot} ({f.path} at offset {offset})"
+        if isinstance(n, BaseException):  # the engine's code raised, or its thread died
+            return self._raised(op, slot, f, offset, "the I/O engine", n)
         if n < 0:
             reason = _errname(-n)
             code = -n
@@ -246,6 +183,9 @@ class NvmeTier(Tier):
         }
 
     def close(self) -> None:
-        self.engine.close()
-        for f in self.files:
-            f.close()
+        """Stop the I/O engine and delete the page files, the files even if stopping raised."""
+        try:
+            self.engine.close()
+        finally:
+            for f in self.files:
+                f.close()

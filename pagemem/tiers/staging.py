@@ -4,6 +4,7 @@ caller never holds some buffers while waiting for more: no deadlock, no starvati
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from typing import Callable
@@ -59,8 +60,11 @@ class StagingPool:
             while self._waiters and len(self._free) >= self._waiters[0][0]:
                 count, then = self._waiters.popleft()
                 served.append((then, self._take(count)))
-        for then, got in served:
-            then(got)
+        for then, got in served:  # one waiter's failure must not starve the others
+            try:
+                then(got)
+            except BaseException:  # a waiter's ``then`` must complete its own operation
+                logging.getLogger("pagemem").exception("a staging waiter's callback raised")
 
     def _take(self, count: int) -> list[HostBuffer]:
         bufs = self._free[-count:]

@@ -8,10 +8,11 @@ back as negative result codes, not exceptions.
 from __future__ import annotations
 
 import errno
-import logging
 import threading
 from collections import deque
 
+from pagemem.errors import OperationFailed
+from pagemem.tiers.completion import deliver
 from pagemem.tiers.io.base import Done, EngineUnavailable, IOEngine
 
 
@@ -23,11 +24,8 @@ def _load_libaio():
     return libaio
 
 
-def _run_callback(done: Done, res: int) -> None:
-    try:
-        done(res)
-    except Exception:  # a failing callback must not stop the reaper
-        logging.getLogger("pagemem").exception("I/O completion callback failed")
+def _run_callback(done: Done, res: "int | BaseException") -> None:
+    deliver(done, res, "an aio request's completion")  # never raises: the reaper lives on
 
 
 _REAP_WAIT = 0.05
@@ -61,34 +59,61 @@ class AioEngine(IOEngine):
         with self._cv:
             if self._closed:
                 raise RuntimeError("I/O engine is closed")
-            self._callbacks[block] = done
-            if self._inflight >= self.depth:
-                self._backlog.append(block)
-                return
-            self._inflight += 1
-            self._cv.notify()
+            broken = self.broken
+            if broken is None:
+                self._callbacks[block] = done
+                if self._inflight >= self.depth:
+                    self._backlog.append(block)
+                    return
+                self._inflight += 1
+                self._cv.notify()
+        if broken is not None:  # the reaper died: nothing would ever complete this request
+            _run_callback(done, broken)
+            return
         self._io_submit([block])
 
     def _io_submit(self, blocks: list) -> None:
         """Hand ``blocks`` (already counted in flight) to the kernel; fail what it refuses."""
         submitted = 0
-        error = errno.EIO
+        error: int | BaseException = -errno.EIO
         try:
             submitted = self._ctx.submit(blocks)
         except OSError as exc:
-            error = exc.errno or errno.EIO
+            error = -(exc.errno or errno.EIO)
+        except BaseException as exc:  # not the kernel's refusal: the request's error all the same
+            error = exc
         if submitted == len(blocks):
             return
         refused = blocks[submitted:]
         with self._cv:
             self._inflight -= len(refused)
-            callbacks = [self._callbacks.pop(b) for b in refused]
+            callbacks = [self._callbacks.pop(b) for b in refused if b in self._callbacks]
+            self._cv.notify_all()
         for done in callbacks:
-            _run_callback(done, -error)
+            _run_callback(done, error)
 
     def _reap(self) -> None:
-        while self._reap_once():
-            pass
+        try:
+            while self._reap_once():
+                pass
+        except BaseException as exc:  # the reaper dies: fail what it would have completed
+            self._die(exc)
+
+    def _die(self, cause: BaseException) -> None:
+        """Mark the engine broken and complete every request it holds with that error
+        ([Note: no operation is lost]); later submissions fail with it at once."""
+        err = OperationFailed(f"the aio reaper thread died: {cause!r}; requests in flight and later "
+                              "requests on this engine fail")
+        err.__cause__ = cause
+        with self._cv:
+            self.broken = err
+            callbacks = list(self._callbacks.values())
+            self._callbacks.clear()
+            self._backlog.clear()
+            self._inflight = 0
+            self._cv.notify_all()
+        for done in callbacks:
+            _run_callback(done, err)
 
     def _reap_once(self) -> bool:
         """Collect one batch of completions and run their callbacks; False once closed and idle.
@@ -110,7 +135,8 @@ class AioEngine(IOEngine):
             while self._backlog and self._inflight < self.depth:
                 refill.append(self._backlog.popleft())
                 self._inflight += 1
-            callbacks = [(self._callbacks.pop(block), res) for block, res, _ in events]
+            callbacks = [(self._callbacks.pop(block), res) for block, res, _ in events
+                         if block in self._callbacks]
             self._cv.notify_all()
         if refill:
             self._io_submit(refill)
@@ -126,5 +152,7 @@ class AioEngine(IOEngine):
                 self._cv.wait()
             self._closed = True
             self._cv.notify_all()
-        self._reaper.join()
-        self._ctx.close()
+        try:
+            self._reaper.join()
+        finally:
+            self._ctx.close()  # io_destroy: waits for what the kernel still holds

@@ -5,8 +5,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable
 
-Done = Callable[[int], None]
-"""Completion callback: bytes transferred, or a negative errno. Runs on an engine thread."""
+Done = Callable[["int | BaseException"], None]
+"""Completion callback: bytes transferred, a negative errno, or the exception that stopped the
+request (the engine's own code raised, or its thread died). Runs on an engine thread."""
 
 
 class EngineUnavailable(RuntimeError):
@@ -18,11 +19,16 @@ class IOEngine(ABC):
 
     ``submit`` never blocks on the disk: requests beyond ``depth`` in flight wait in a queue.
     ``done`` is called exactly once per request, from an engine thread (or from ``submit``'s
-    caller when the request fails before reaching the disk).
+    caller when the request fails before reaching the disk); a ``done`` that raises is called
+    once more with that exception (``tiers/completion.py``, [Note: no operation is lost]). An
+    engine whose thread died is ``broken``: its queued and later requests complete with that
+    error at once.
     """
 
     name: str
     depth: int
+    broken: BaseException | None = None
+    """The error that killed an engine thread, or None while the engine works."""
 
     @abstractmethod
     def submit(self, write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:

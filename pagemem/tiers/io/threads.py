@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import errno
-import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from pagemem.tiers.completion import deliver
 from pagemem.tiers.io.base import Done, IOEngine
 
 
@@ -24,15 +24,17 @@ class ThreadEngine(IOEngine):
 
     @staticmethod
     def _run(write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
-        # the pool drops its work item (and so ``buf`` and ``done``) as soon as this returns
+        # the pool drops its work item (and so ``buf`` and ``done``) as soon as this returns;
+        # nothing may escape: the pool would keep it in a future nobody reads ([Note: no
+        # operation is lost])
+        n: int | BaseException
         try:
             n = os.pwritev(fd, [buf], offset) if write else os.preadv(fd, [buf], offset)
         except OSError as exc:
             n = -(exc.errno or errno.EIO)
-        try:
-            done(n)
-        except Exception:
-            logging.getLogger("pagemem").exception("I/O completion callback failed")
+        except BaseException as exc:  # not the disk's error (a MemoryError, a bad buffer)
+            n = exc
+        deliver(done, n, "a threads-engine request's completion")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
