@@ -407,7 +407,12 @@ class Updater:
             for i, ps in chunks:
                 by_unit.setdefault(self.bank.layer_of[i], []).append((i, ps))
             groups = sorted(by_unit.values(), key=lambda g: -sum(c.param.numel() for _, ps in g for _, c in ps))
-            error = join_all([self.adam.submit(self._update_params, g, u) for g in groups])
+            futures = []
+            try:
+                for g in groups:
+                    futures.append(self.adam.submit(self._update_params, g, u))
+            finally:  # a refused submit (a dead worker) still joins what was queued before it
+                error = join_all(futures)
             if error is None and self._early_error is not None:
                 error, self._early_error = self._early_error, None
             if error is not None:
