@@ -46,6 +46,10 @@ class EngineConfig:
     ``executor``: ``"plan"`` (default: the first iteration with given input shapes runs under the
     tracer with demand paging, the scheduler plans it, later ones follow the plan) or
     ``"demand"`` (never trace: demand paging with a one-unit-ahead guess, every iteration).
+    ``lock_free``: ``step()`` hands the gradients to an updating thread that updates behind the
+    compute (ANGEL-PTM's lock-free updater; [Note: the lock-free updater] in ``lockfree.py``);
+    ``max_staleness``: with it, the most iterations a unit's parameters may lag before an
+    iteration waits (0: synchronous, bit for bit; None: never waits).
     """
 
     store: StoreConfig
@@ -60,6 +64,8 @@ class EngineConfig:
     adam_threads: int | None = None
     overlap_update: bool | None = None
     executor: str = "plan"
+    lock_free: bool = False
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -83,12 +89,34 @@ class EngineConfig:
         if self.overlap_update is not None:
             check_bool("overlap_update", self.overlap_update)
         check_choice("executor", self.executor, EXECUTORS)
+        self._check_lock_free()
         tier_bytes = {"gpu": self.store.gpu_bytes, "cpu": self.store.cpu_bytes, "nvme": self.store.nvme_bytes}
         if not tier_bytes[self.optimizer_tier]:
             raise ConfigError(f"optimizer_tier: {self.optimizer_tier!r} has no bytes in store "
                               f"({self.optimizer_tier}_bytes=0)")
         if not self.store.cpu_bytes:
             raise ConfigError("store.cpu_bytes: the engine keeps parameters' home copies on cpu; must be > 0")
+
+    def _check_lock_free(self) -> None:
+        """What the lock-free updater cannot do ([Note: the lock-free updater], ``lockfree.py``)."""
+        check_bool("lock_free", self.lock_free)
+        if self.max_staleness is not None:
+            if not self.lock_free:
+                raise ConfigError("max_staleness: bounds the lock-free updater; set lock_free=True or leave it None")
+            check_int("max_staleness", self.max_staleness, 0, 1 << 20)
+        if not self.lock_free:
+            return
+        refused = {"optimizer_tier": (self.optimizer_tier == "gpu", "must be 'cpu' or 'nvme' (states on the gpu "
+                                      "are updated in the gradient hook)"),
+                   "max_grad_norm": (self.max_grad_norm is not None, "must be None: clipping by the global norm "
+                                     "needs every unit's gradient before any update"),
+                   "loss_scale": (self.effective_loss_scale is not None, "must be None: an overflow anywhere "
+                                  "would have to skip every unit's update"),
+                   "overlap_update": (self.overlap_update is True, "must not be True: the updating thread "
+                                      "updates behind backward")}
+        for field, (bad, why) in refused.items():
+            if bad:
+                raise ConfigError(f"{field}: with lock_free=True it {why}")
 
     @property
     def effective_loss_scale(self) -> str | float | None:
@@ -114,6 +142,8 @@ class EngineConfig:
             "world_size": self.world_size,
             "adam_threads": self.adam_threads,
             "overlap_update": self.overlap_update,
+            "lock_free": self.lock_free,
+            "max_staleness": self.max_staleness,
             "executor": self.executor,
         }
 
@@ -129,4 +159,5 @@ class EngineConfig:
                    compute_dtype=dtype, max_grad_norm=d["max_grad_norm"],
                    accumulation_steps=d["accumulation_steps"], loss_scale=d["loss_scale"], rank=d["rank"],
                    world_size=d["world_size"], adam_threads=d["adam_threads"],
-                   overlap_update=d.get("overlap_update"), executor=d.get("executor", "plan"))
+                   overlap_update=d.get("overlap_update"), executor=d.get("executor", "plan"),
+                   lock_free=d.get("lock_free", False), max_staleness=d.get("max_staleness"))

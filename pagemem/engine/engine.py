@@ -32,6 +32,7 @@ from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.groups import checked_groups
 from pagemem.engine.gradients import Gradients
 from pagemem.engine.guard import Guard
+from pagemem.engine.lockfree import LockFreeUpdater
 from pagemem.engine.model_checks import check_no_meta_buffers, check_parameters
 from pagemem.engine.optimizer_states import OptimizerStates
 from pagemem.engine.pager import Pager
@@ -134,6 +135,13 @@ class Engine:
         self._per_step: int | None = None
         """Backwards per step, as the last update saw them (None before any)."""
         self.gradients = Gradients(self.bank, self.updater)
+        self.lockfree: LockFreeUpdater | None = None
+        """The updating thread, with ``config.lock_free`` ([Note: the lock-free updater])."""
+        if config.lock_free:
+            self.lockfree = LockFreeUpdater(self.bank, self.store, self.updater.chunks, self.updater.take_sum,
+                                            [g if g is not None else 0 for g in self.group_of], config.max_staleness)
+            self.gradients.sink = self.lockfree.accumulate
+            self.gradients.handoff.subscribe(self.lockfree.unit_final)
         """Gradients between autograd and the update (``gradients.py``)."""
         self._trainable = [r.trainable for r in self.bank.records]
         self._hooks = self.gradients.hooks(self._trainable, self.group_of, self._before_accumulate)
@@ -142,7 +150,13 @@ class Engine:
                            self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i))
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
-        self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self.pager.residency.keep_writes)
+        self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights)
+
+    def _before_reading_weights(self) -> None:
+        """A state dict is read: updates submitted land first, writes to parameters are kept."""
+        if self.lockfree is not None:
+            self.lockfree.quiesce()
+        self.pager.residency.keep_writes()
 
     def _undo_build(self, model: nn.Module, restore: bool) -> None:
         """Construction failed: hooks off, workers stopped, the store closed, and (``restore``:
@@ -151,6 +165,8 @@ class Engine:
             h.remove()
         if getattr(self, "clock", None) is not None:
             self.clock.remove(quiet=True)
+        if getattr(self, "lockfree", None) is not None:
+            self.lockfree.close()
         if getattr(self, "updater", None) is not None:
             self.updater.close()
         bank = getattr(self, "bank", None)
@@ -201,6 +217,8 @@ class Engine:
         """Run the wrapped model's forward."""
         self._usable("forward")
         t0 = time.perf_counter()
+        if self.lockfree is not None and not self._in_backward:
+            self.lockfree.before_iteration()
         if not self._in_backward:
             self._follow_requires_grad()
         self.pager.begin(args, kwargs)
@@ -269,7 +287,13 @@ class Engine:
         finally:
             applied, held = self.updater.abort_backward()
             self.gradients.abort_backward()
-        if applied:
+            if self.lockfree is not None:
+                self.lockfree.end_backward()
+        if self.lockfree is not None and self.lockfree.has_fresh():
+            self._broken = ("a backward failed after adding gradients to sums the lock-free updater shares with "
+                            "earlier iterations: they cannot be taken back; load the last checkpoint")
+            note = f"pagemem: {self._broken}"
+        elif applied:
             self._broken = (f"a backward failed after {applied} parameters were updated from it during backward "
                             "(overlap_update): the model is part-way through a step, which can be neither "
                             "finished nor undone exactly; load the last checkpoint (Engine.load), and pass "
@@ -290,6 +314,8 @@ class Engine:
     def _end_backward(self) -> None:
         self.bank.grads_landed()  # every sum whole once backward returns ([Note: gradient copies])
         self.gradients.end_backward()
+        if self.lockfree is not None:
+            self.lockfree.end_backward()
         self.pager.end_backward()
         self.updater.end_backward()
         self._micro += 1
@@ -341,6 +367,9 @@ class Engine:
         """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
         discard what it discarded (see [Note: gradient handles])."""
         self._usable("zero_grad")
+        if self.lockfree is not None and self.lockfree.has_fresh():
+            raise InvalidRequest("zero_grad: with lock_free the gradients of this iteration share sums with those "
+                                 "already handed to the updating thread, and cannot be discarded alone")
         self.gradients.take_back()
         if not self.gradients.show():
             self._micro = 0
@@ -371,7 +400,11 @@ class Engine:
             self.gradients.take_back()
             self.pager.residency.keep_writes()  # [Note: writes to parameters]
             # a failure leaves the counters: step() again finishes this update ([Note: a step is a transaction])
-            self._last_taken = self.updater.step(consume=self._consume)
+            if self.lockfree is not None:
+                hps = [check_no_amsgrad(self.optimizer.hyper(g)) for g in range(len(self.optimizer.param_groups))]
+                self._last_taken = self.lockfree.submit(hps)
+            else:
+                self._last_taken = self.updater.step(consume=self._consume)
             if not self._consume:  # a torch optimizer's step leaves p.grad until zero_grad()
                 self.gradients.show()
             if self._micro:
@@ -388,6 +421,8 @@ class Engine:
         master weights on the host (wherever their pages are; a frozen parameter's compute copy
         in its original dtype), buffers as they are."""
         self._usable("state_dict")
+        if self.lockfree is not None:
+            self.lockfree.quiesce()
         index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
         self.pager.residency.keep_writes()
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -407,6 +442,10 @@ class Engine:
         between updates (not in the middle of gradient accumulation). Returns its path."""
         self._usable("save")
         self.updater.refuse_if_unfinished("save")
+        if self.lockfree is not None:
+            if self.lockfree.has_fresh():
+                raise InvalidRequest("save: call step() first (gradients of this iteration are not saved)")
+            self.lockfree.quiesce()  # a checkpoint of a drained updater is a synchronous one
         if self._micro:
             raise InvalidRequest("save: gradients of an unfinished accumulation are not saved; "
                                  "call save() after step() has updated")
@@ -474,6 +513,7 @@ class Engine:
             "parameter_writes": self.pager.residency.written,
             "units_final_in_backward": self.gradients.handoff.early,
             "failed_backwards": self.failed_backwards,
+            "staleness": self.lockfree.stats() if self.lockfree is not None else None,
             **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
             "loss_scale": self.updater.scaler.scale,
         }
@@ -489,6 +529,8 @@ class Engine:
             return
         self._closed = True
         with FirstError() as step:
+            if self.lockfree is not None:
+                step(self.lockfree.close)  # what was submitted lands, then the thread stops
             for h in self._hooks + self._state_dict_hooks:
                 step(h.remove)
             self._hooks, self._state_dict_hooks = [], []

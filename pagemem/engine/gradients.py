@@ -23,6 +23,8 @@ class Gradients:
         self.handles = GradHandles(bank.params, updater.grad_norm, updater.scale_grad, updater.zero_grad)
         self.handoff = GradHandoff(bank.layer_of)
         """Units whose gradients are final, as backward hands them off."""
+        self.sink = updater.grad_ready
+        """Where each handed-off gradient goes: the updater, or the lock-free updater's buffers."""
         self._to_drop: list[nn.Parameter] = []
         self.last_norm = 0.0
         """The global norm last computed (``global_norm``, ``clip``)."""
@@ -33,7 +35,7 @@ class Gradients:
         it until the end of the backward)."""
         if p.grad is None:
             return
-        self.updater.grad_ready(i, p.grad)
+        self.sink(i, p.grad)
         self.handoff.handed(i)
         hooks = p._post_accumulate_grad_hooks
         if hooks is not None and len(hooks) > 2 and any(not _engine_hook(h) for h in hooks.values()):

@@ -230,7 +230,7 @@ class Updater:
         else:
             wanted = cfg.overlap_update
         return (wanted and cfg.max_grad_norm is None and self.scaler.scale is None
-                and cfg.optimizer_tier != "nvme")
+                and cfg.optimizer_tier != "nvme" and not cfg.lock_free)
 
     def _update_one(self, i: int, hp: AdamW, grad: torch.Tensor | None = None) -> None:
         """Parameter ``i``'s AdamW update and compute-copy refresh (on a CPU worker, or in the
@@ -304,6 +304,14 @@ class Updater:
         self._gone.difference_update(params)
         if not self._has_grad:
             self._gone.clear()
+
+    def take_sum(self, i: int) -> torch.Tensor:
+        """A flat copy of parameter ``i``'s gradient sum (the lock-free updater takes it)."""
+        return self._grad_view(i, lambda views: torch.cat(views) if len(views) > 1 else views[0].clone())
+
+    def chunks(self, params: list[int]) -> tuple[list[tuple[int, list[StatePiece]]], list]:
+        """``params``' states as pieces of page memory, and the leases to release after."""
+        return self._chunks(params)
 
     def _grad_view(self, i: int, fn: Callable[[list[torch.Tensor]], Any]) -> Any:
         """``fn`` of parameter ``i``'s gradient sum as flat fp32 views of its pages, in order (one,

@@ -1,0 +1,282 @@
+"""The lock-free updater: optimizer states updated behind the compute (ANGEL-PTM §4.3, Algorithm 2).
+
+[Note: the lock-free updater]
+With ``EngineConfig(lock_free=True)`` the update leaves the iteration. ``step()`` only *submits*
+the iteration's gradients; one updating thread walks the units in reverse, over and over, and
+for each unit with submitted gradients: fetches its fp32 master weights and Adam moments (from
+nvme, the next unit's fetch in flight meanwhile), takes its gradient sums, updates, writes the
+states back and *publishes* the new compute-dtype values. The compute side never waits for the
+SSD: it reads the buffered parameters (the units' compute pages) as they are.
+
+The two buffers of Algorithm 2 are the engine's own pages, each with one writer at a time:
+- **buffered gradients** are the fp32 gradient sums (fp32, not the compute dtype: summing
+  several iterations in bf16 would round). The hand-off adds into them; the updating thread
+  *takes* a unit's sums (copies them out, and the next gradient replaces instead of adding)
+  only while no backward is adding to that unit: a unit is *open* from its first gradient of a
+  backward until it is final (the hand-off's queue) or the backward ends. So every gradient is
+  applied exactly once, and a unit's update covers whole iterations;
+- **buffered parameters** are the compute pages. A published update is written into them on
+  the compute thread at the start of the next iteration (``before_iteration``), when no op reads
+  them and every copy of them to the gpu is ordered behind the write by the store: a unit's
+  buffered parameters are always the cast of one whole update, never a mix of two.
+
+An update that finds the gradients of ``k`` iterations in a unit's sums applies their mean (the
+learning rate keeps its meaning; ``k = 1`` is the sum itself, bit for bit), with the
+hyperparameters ``param_groups`` held at the newest of those ``step()`` calls; its step count
+counts updates, not iterations. *Staleness* is how many submitted iterations with gradients for
+a unit its buffered parameters lack when an iteration starts (``stats()["staleness"]``: mean,
+max, histogram). ``max_staleness``: the compute side waits at an iteration's start until no
+unit lags more than that (0: every update lands first, which is synchronous training, bit for
+bit); None never waits (the paper's behaviour). Refused with it: clipping by the global norm and
+loss scaling (both need every unit's gradient before any update), updates during backward, and
+optimizer states on the gpu. ``zero_grad`` and a failed backward cannot take back gradients that
+share a sum with submitted ones: the first is refused while the iteration has gradients, the
+second makes the engine refuse to go on (load a checkpoint). ``save()`` drains: it waits until
+every submitted iteration is applied and published, so a checkpoint is a synchronous one. A
+failing or dead updating thread raises in the training loop at the next call (its error
+chained), never hangs: every wait checks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter, deque
+from typing import Any, Callable
+
+import torch
+
+from pagemem.engine.adam import AdamW, fused_steps
+from pagemem.engine.bank import ParamBank
+from pagemem.errors import StepFailed
+from pagemem.store import PageStore
+
+_POLL_SECONDS = 0.05
+"""How often a waiting compute side checks that the updating thread is alive."""
+
+
+@dataclasses.dataclass
+class _Published:
+    unit: int
+    iterations: int
+    """How many submitted iterations of this unit's gradients the update applied."""
+    values: dict[int, torch.Tensor]
+    """Each parameter's new value in the compute dtype."""
+
+
+class LockFreeUpdater:
+    """The updating thread and both buffers' bookkeeping (see the Note)."""
+
+    def __init__(self, bank: ParamBank, store: PageStore, chunks: Callable[[list[int]], Any],
+                 take_sum: Callable[[int], torch.Tensor], group_of: list[int], max_staleness: int | None,
+                 delay: Callable[[str], None] | None = None) -> None:
+        """``chunks(params)``: the updater's state pieces and leases (``Updater._chunks``);
+        ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat. ``delay(where)``: called
+        at the seams of both sides (``"take"``, ``"update"``, ``"publish"``, ``"accumulate"``,
+        ``"drain"``); tests inject delays there."""
+        self.bank, self.store = bank, store
+        self._chunks, self._take_sum = chunks, take_sum
+        self.group_of = group_of
+        self.max_staleness = max_staleness
+        self._delay = delay or (lambda where: None)
+        n = len(bank.layers)
+        self._cond = threading.Condition()
+        self._open: set[int] = set()
+        self._has_sum = [False] * len(bank.params)
+        self._fresh: set[int] = set()
+        """Units with gradients in the current (unsubmitted) iteration."""
+        self._pending = [0] * n
+        """Submitted iterations whose gradients sit in each unit's sums, not yet taken."""
+        self._owed = [0] * n
+        """Submitted iterations each unit's buffered parameters lack (taken or not)."""
+        self._hps: list[AdamW] = []
+        self._published: deque[_Published] = deque()
+        self._locks = [threading.Lock() for _ in range(n)]
+        self._stop = False
+        self._error: BaseException | None = None
+        self.iterations = 0
+        self.updates = 0
+        self.staleness: Counter = Counter()
+        """How many (unit, iteration start) pairs saw each staleness."""
+        self._thread = threading.Thread(target=self._run, name="pagemem-lockfree", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the hand-off side
+
+    def accumulate(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient of this backward (the hand-off): into its sum."""
+        u = self.bank.layer_of[i]
+        with self._cond:
+            self._open.add(u)  # waits while the updating thread takes this unit's sums
+            first = not self._has_sum[i]
+            self._has_sum[i] = True
+            self._fresh.add(u)
+        self._delay("accumulate")
+        self.bank.accumulate_grad(i, grad, first=first)
+
+    def unit_final(self, u: int) -> None:
+        """Unit ``u`` has all its gradients of this backward."""
+        with self._cond:
+            self._open.discard(u)
+            self._cond.notify_all()
+
+    def end_backward(self) -> None:
+        with self._cond:
+            self._open.clear()
+            self._cond.notify_all()
+
+    def has_fresh(self) -> bool:
+        """Gradients since the last ``submit`` (they share sums with submitted ones)."""
+        return bool(self._fresh)
+
+    def submit(self, hps: list[AdamW]) -> bool:
+        """``step()``: this iteration's gradients go to the updating thread, with the
+        hyperparameters to update them with. False when there were none."""
+        self.check()
+        with self._cond:
+            if not self._fresh:
+                return False
+            for u in self._fresh:
+                self._pending[u] += 1
+                self._owed[u] += 1
+            self._fresh.clear()
+            self._hps = list(hps)
+            self.iterations += 1
+            self._cond.notify_all()
+        return True
+
+    # ------------------------------------------------------------------ the compute side
+
+    def before_iteration(self) -> None:
+        """An iteration starts: write what was published into the buffered parameters, wait
+        while a unit lags more than ``max_staleness``, record each unit's staleness."""
+        self.drain(limit=self.max_staleness)
+        for u, owed in enumerate(self._owed):
+            if any(self.bank.is_trainable(i) for i in self.bank.layers[u].params):
+                self.staleness[owed] += 1
+
+    def drain(self, limit: int | None = None) -> None:
+        """Write every published update into the compute pages; with ``limit``, wait (writing
+        as updates arrive) until no unit lags more than ``limit`` iterations."""
+        while True:
+            self.check()
+            with self._cond:
+                ready = list(self._published)
+                self._published.clear()
+                if not ready and (limit is None or max(self._owed, default=0) <= limit):
+                    return
+                if not ready:
+                    self._cond.wait(_POLL_SECONDS)
+                    continue
+            for p in ready:
+                self._delay("drain")
+                for i, value in p.values.items():
+                    self.bank.refresh_compute(i, value)
+                with self._cond:
+                    self._owed[p.unit] -= p.iterations
+
+    def quiesce(self) -> None:
+        """Wait until every submitted iteration is applied and in the buffered parameters."""
+        self.drain(limit=0)
+
+    def check(self) -> None:
+        """Raise if the updating thread failed or died."""
+        if self._error is not None:
+            raise StepFailed(f"the lock-free updater failed ({type(self._error).__name__}: {self._error}); "
+                             "load the last checkpoint") from self._error
+        if not self._thread.is_alive() and not self._stop:
+            raise StepFailed("the lock-free updater's thread died; load the last checkpoint")
+
+    def unit_lock(self, u: int) -> threading.Lock:
+        """Held while unit ``u``'s master weights and moments change (readers take it too)."""
+        return self._locks[u]
+
+    def stats(self) -> dict[str, Any]:
+        seen = sum(self.staleness.values())
+        return {"iterations": self.iterations, "updates": self.updates,
+                "mean": sum(k * c for k, c in self.staleness.items()) / seen if seen else 0.0,
+                "max": max(self.staleness, default=0), "histogram": dict(sorted(self.staleness.items()))}
+
+    def close(self) -> None:
+        """Apply what was submitted, then stop the thread (raises its error, if any)."""
+        try:
+            if self._thread.is_alive() and self._error is None:
+                self.quiesce()
+        finally:
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            self._thread.join()
+        self.check()
+
+    # ------------------------------------------------------------------ the updating thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop and not any(self._pending):
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    order = [u for u in reversed(range(len(self._pending))) if self._pending[u]]
+                fetch = self._fetch(order[0])
+                writebacks = []
+                for n, u in enumerate(order):
+                    fetched, fetch = fetch, (self._fetch(order[n + 1]) if n + 1 < len(order) else None)
+                    writebacks.append(self._update(u, fetched))
+                for handle in writebacks:  # a failed write-back raises here (the states stay valid on the cpu)
+                    if handle is not None:
+                        handle.wait()
+        except BaseException as exc:  # surfaces in the training loop (check)
+            self._error = exc
+            with self._cond:
+                self._cond.notify_all()
+
+    def _fetch(self, u: int) -> Any:
+        """Start reading unit ``u``'s states from nvme into cpu memory (None where they are there)."""
+        if self.bank.state_tiers[u] != "nvme":
+            return None
+        return self.store.move(self.bank.layers[u].states(), "cpu")
+
+    def _update(self, u: int, fetched: Any) -> Any:
+        """Unit ``u``'s update; returns its write-back to nvme (None where its states stay)."""
+        layer = self.bank.layers[u]
+        if fetched is not None:
+            fetched.wait()
+            self.store.release(layer.states(), "nvme").wait()
+        self._delay("take")
+        params = [i for i in layer.params if self.bank.is_trainable(i)]
+        self.bank.grads_landed(params)
+        with self._cond:
+            while u in self._open:
+                self._cond.wait()
+            k, self._pending[u] = self._pending[u], 0
+            hps = self._hps
+            taken = [i for i in params if self._has_sum[i]]
+            grads = {i: self._take_sum(i) for i in taken}
+            for i in taken:
+                self._has_sum[i] = False
+        self._delay("update")
+        values: dict[int, torch.Tensor] = {}
+        with self._locks[u]:
+            chunks, leases = self._chunks(taken)
+            try:
+                for i, pieces in chunks:
+                    g = grads[i] if k == 1 else grads[i] / k
+                    pieces = [(s, dataclasses.replace(c, grad=g[s:s + c.param.numel()])) for s, c in pieces]
+                    fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.group_of[i]], None)
+                    self.bank.count_step(i)
+                    master = torch.cat([c.param for _, c in pieces]) if len(pieces) > 1 else pieces[0][1].param
+                    values[i] = master.to(self.bank.compute_dtype, copy=True).reshape(self.bank.params[i][1].shape)
+            finally:
+                for lease in leases:
+                    lease.release()
+        # the write-back: the store orders the next read of these pages behind it
+        writeback = self.store.move(layer.states(), "nvme") if fetched is not None else None
+        self._delay("publish")
+        with self._cond:
+            self._published.append(_Published(u, k, values))
+            self.updates += 1
+            self._cond.notify_all()
+        return writeback
