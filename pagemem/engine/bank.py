@@ -48,9 +48,11 @@ def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 
 class ParamBank:
     def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype, optimizer_tier: str,
-                 unit_bytes: int | None = None, source: ValueSource | None = None) -> None:
+                 unit_bytes: int | None = None, source: ValueSource | None = None,
+                 states_apart: bool = False) -> None:
         """``source`` gives the first values (default: the module's own; see [Note: first values]
-        in ``values.py``), one module at a time."""
+        in ``values.py``), one module at a time. ``states_apart``: each unit's optimizer states on
+        pages of their own (the lock-free updater moves one unit's states at a time)."""
         self.store = store
         self.copies = GradCopies()
         self.compute_dtype = compute_dtype
@@ -98,7 +100,8 @@ class ParamBank:
         # [Note: layout] each kind is allocated for every layer before the next kind, so a kind's
         # pages are adjacent in its tier and every state tensor can be viewed in place. Compute
         # groups start on fresh pages (a unit is paged alone, so evicting it never drags a
-        # resident neighbour's page); states and gradients are chained (they move together)
+        # resident neighbour's page); states and gradients are chained (they move together),
+        # except states apart for the lock-free updater (it moves one unit's states at a time)
         for kind, dtype, tier in (("compute", compute_dtype, "cpu"), ("master", torch.float32, optimizer_tier),
                                   ("exp_avg", torch.float32, optimizer_tier),
                                   ("exp_avg_sq", torch.float32, optimizer_tier),
@@ -108,10 +111,11 @@ class ParamBank:
             if kind == "compute" and self.compute_is_master:
                 continue  # the master's groups, once they exist (see the Note)
             every = kind == "compute" or (kind == "master" and self.compute_is_master)
+            chained = kind == "grad" or (kind != "compute" and not states_apart)
             for _name, idx in layer_specs:
                 members = [i for i in idx if every or trainable[i]]
                 group = store.allocate_group([(self.params[i][1].shape, dtype) for i in members], tier=tier,
-                                             after=tail if kind != "compute" else None) if members else []
+                                             after=tail if chained else None) if members else []
                 tail = group[-1] if group else tail
                 at = dict(zip(members, group))
                 groups[kind].append([at.get(i) for i in idx])

@@ -87,7 +87,7 @@ class Engine:
         source = (FromInit(init) if init is not None else FromStateDict(values) if values is not None
                   else FromModule() if from_module else FromCheckpoint())
         self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
-                              unit_bytes=unit_cap(config.store), source=source)
+                              unit_bytes=unit_cap(config.store), source=source, states_apart=config.lock_free)
         if isinstance(source, FromStateDict):
             source.set_buffers(model, self.store.tier("gpu").device)
         if not isinstance(source, FromCheckpoint):

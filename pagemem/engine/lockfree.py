@@ -54,6 +54,9 @@ from pagemem.store import PageStore
 _POLL_SECONDS = 0.05
 """How often a waiting compute side checks that the updating thread is alive."""
 
+SEAM: Callable[[str], None] | None = None
+"""Tests only: called at the seams of both sides (see ``LockFreeUpdater``), to inject delays."""
+
 
 @dataclasses.dataclass
 class _Published:
@@ -68,17 +71,14 @@ class LockFreeUpdater:
     """The updating thread and both buffers' bookkeeping (see the Note)."""
 
     def __init__(self, bank: ParamBank, store: PageStore, chunks: Callable[[list[int]], Any],
-                 take_sum: Callable[[int], torch.Tensor], group_of: list[int], max_staleness: int | None,
-                 delay: Callable[[str], None] | None = None) -> None:
-        """``chunks(params)``: the updater's state pieces and leases (``Updater._chunks``);
-        ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat. ``delay(where)``: called
-        at the seams of both sides (``"take"``, ``"update"``, ``"publish"``, ``"accumulate"``,
-        ``"drain"``); tests inject delays there."""
+                 take_sum: Callable[[int], torch.Tensor], group_of: list[int], max_staleness: int | None) -> None:
+        """``chunks(params)``: the updater's state pieces and leases (``Updater.chunks``);
+        ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat. The seams of both sides
+        (``"take"``, ``"update"``, ``"publish"``, ``"accumulate"``, ``"drain"``) call ``SEAM``."""
         self.bank, self.store = bank, store
         self._chunks, self._take_sum = chunks, take_sum
         self.group_of = group_of
         self.max_staleness = max_staleness
-        self._delay = delay or (lambda where: None)
         n = len(bank.layers)
         self._cond = threading.Condition()
         self._open: set[int] = set()
@@ -111,7 +111,7 @@ class LockFreeUpdater:
             first = not self._has_sum[i]
             self._has_sum[i] = True
             self._fresh.add(u)
-        self._delay("accumulate")
+        _seam("accumulate")
         self.bank.accumulate_grad(i, grad, first=first)
 
     def unit_final(self, u: int) -> None:
@@ -169,7 +169,7 @@ class LockFreeUpdater:
                     self._cond.wait(_POLL_SECONDS)
                     continue
             for p in ready:
-                self._delay("drain")
+                _seam("drain")
                 for i, value in p.values.items():
                     self.bank.refresh_compute(i, value)
                 with self._cond:
@@ -245,7 +245,7 @@ class LockFreeUpdater:
         if fetched is not None:
             fetched.wait()
             self.store.release(layer.states(), "nvme").wait()
-        self._delay("take")
+        _seam("take")
         params = [i for i in layer.params if self.bank.is_trainable(i)]
         self.bank.grads_landed(params)
         with self._cond:
@@ -257,7 +257,7 @@ class LockFreeUpdater:
             grads = {i: self._take_sum(i) for i in taken}
             for i in taken:
                 self._has_sum[i] = False
-        self._delay("update")
+        _seam("update")
         values: dict[int, torch.Tensor] = {}
         with self._locks[u]:
             chunks, leases = self._chunks(taken)
@@ -274,9 +274,14 @@ class LockFreeUpdater:
                     lease.release()
         # the write-back: the store orders the next read of these pages behind it
         writeback = self.store.move(layer.states(), "nvme") if fetched is not None else None
-        self._delay("publish")
+        _seam("publish")
         with self._cond:
             self._published.append(_Published(u, k, values))
             self.updates += 1
             self._cond.notify_all()
         return writeback
+
+
+def _seam(where: str) -> None:
+    if SEAM is not None:
+        SEAM(where)

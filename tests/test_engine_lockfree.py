@@ -1,0 +1,254 @@
+"""The lock-free updater ([Note: the lock-free updater] in ``engine/lockfree.py``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import pagemem
+from pagemem.engine import lockfree
+from pagemem.engine import update as update_module
+from exactness import HP, assert_same, engine_config, reference, train_both
+from test_engine_exactness import CASES, hf_model, lm_loss, mse, seeded
+from exactness_models import ParamAfterChild
+
+TIERS = ["cpu", "nvme"]
+
+
+# ---------------------------------------------------------------- max_staleness=0 is synchronous
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+@pytest.mark.parametrize("case", ["parameter read after a child", "class token and position embedding"])
+def test_max_staleness_zero_is_bit_identical_to_synchronous_training(case, optimizer_tier, tmp_path):
+    make, loss = CASES[case]
+    stats = train_both(make, loss, 5, tmp_path, optimizer_tier=optimizer_tier, lock_free=True, max_staleness=0)
+    assert stats["staleness"]["max"] == 0 and stats["staleness"]["updates"] > 0
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_max_staleness_zero_on_hugging_face_gpt2(optimizer_tier, tmp_path):
+    train_both(hf_model("gpt2"), lm_loss, 4, tmp_path, optimizer_tier=optimizer_tier, lock_free=True,
+               max_staleness=0)
+
+
+def test_max_staleness_zero_with_groups_a_scheduler_and_accumulation(tmp_path):
+    """Each update takes the hyperparameters of its iteration's ``step()``; the backwards of an
+    accumulation are summed as in synchronous training."""
+    make, loss = CASES["parameter read after a child"]
+
+    def groups(model):
+        decay, no_decay = pagemem.decay_groups(model, weight_decay=0.2)
+        no_decay["lr"] = 1e-3
+        return [decay, no_decay]
+
+    def scheduler(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    train_both(make, loss, 5, tmp_path, groups=groups, scheduler=scheduler, lock_free=True, max_staleness=0)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("optimizer_tier", dict(optimizer_tier="gpu")),
+    ("max_grad_norm", dict(max_grad_norm=1.0)),
+    ("loss_scale", dict(compute_dtype=torch.float16)),
+    ("overlap_update", dict(overlap_update=True)),
+])
+def test_what_the_lock_free_updater_cannot_do_is_refused_naming_the_field(field, kw):
+    store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=1 << 24, cpu_bytes=1 << 24)
+    with pytest.raises(pagemem.ConfigError, match=f"^{field}: with lock_free"):
+        pagemem.EngineConfig(store=store, lock_free=True, **kw)
+    with pytest.raises(pagemem.ConfigError, match="^max_staleness"):
+        pagemem.EngineConfig(store=store, max_staleness=1)
+    with pytest.raises(pagemem.ConfigError, match="^max_staleness"):
+        pagemem.EngineConfig(store=store, lock_free=True, max_staleness=-1)
+    cfg = pagemem.EngineConfig(store=store, lock_free=True, max_staleness=2)
+    assert pagemem.EngineConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# ---------------------------------------------------------------- the thread-safety stress test
+
+
+class Twins(nn.Module):
+    """Two parameters with the same values and, from ``loss``, the same gradient every
+    iteration (``c_t`` everywhere, whatever the weights): after any whole update they are
+    equal, so a forward that sees them differ saw a torn unit."""
+
+    torn: list[str] = []
+
+    def __init__(self, n: int = 256) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.linspace(-1, 1, n))
+        self.w2 = nn.Parameter(torch.linspace(-1, 1, n))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        if not torch.equal(self.w1.detach(), self.w2.detach()):
+            Twins.torn.append("torn")
+        return (self.w1 * c).sum() + (self.w2 * c).sum()
+
+
+class Units(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(Twins() for _ in range(3))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return sum(p(c) for p in self.parts)
+
+
+def c_of(t: int) -> torch.Tensor:
+    return torch.full((256,), 2.0 ** t)  # the sum of any set of them is exact, and names the set
+
+
+def units_loss(run, model, t):
+    return run(c_of(t))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seams=st.dictionaries(st.sampled_from(["take", "update", "publish", "accumulate", "drain"]),
+                             st.lists(st.sampled_from([0.0, 0.0005, 0.002, 0.006]), min_size=1, max_size=4)),
+       compute=st.lists(st.sampled_from([0.0, 0.001, 0.004]), min_size=1, max_size=4),
+       bound=st.sampled_from([None, 0, 1, 2]), optimizer_tier=st.sampled_from(TIERS))
+def test_every_gradient_is_applied_once_and_no_unit_is_ever_torn(seams, compute, bound, optimizer_tier, tmp_path,
+                                                                  monkeypatch):
+    """Random delays on the updating thread, the buffering side and the compute side: each
+    parameter's taken sums add up to every gradient it produced, exactly once; no forward sees
+    a unit half updated; no unit lags more than ``max_staleness``."""
+    Twins.torn.clear()
+    calls: dict[str, int] = {}
+
+    def seam(where):
+        n = calls[where] = calls.get(where, 0) + 1
+        delays = seams.get(where)
+        if delays:
+            time.sleep(delays[n % len(delays)])
+
+    taken: dict[int, torch.Tensor] = {}
+    real_take = update_module.Updater.take_sum
+
+    def take_sum(self, i):
+        value = real_take(self, i)
+        taken[i] = taken.get(i, 0) + value
+        return value
+
+    monkeypatch.setattr(lockfree, "SEAM", seam)
+    monkeypatch.setattr(update_module.Updater, "take_sum", take_sum)
+    torch.manual_seed(0)
+    model = Units()
+    cfg = engine_config(Units(), units_loss, tmp_path, optimizer_tier, lock_free=True, max_staleness=bound,
+                        fraction=0.0)
+    iterations = 10
+    with pagemem.Engine(model, cfg) as engine:
+        for t in range(iterations):
+            engine.backward(units_loss(engine, model, t))
+            engine.step()
+            time.sleep(compute[t % len(compute)])
+        engine.state_dict()  # drains
+        stats = engine.stats()["staleness"]
+    want = sum(2.0 ** t for t in range(iterations))
+    assert set(taken) == set(range(6))
+    assert all(torch.equal(v, torch.full((256,), want)) for v in taken.values())
+    assert Twins.torn == []
+    if bound is not None:
+        assert stats["max"] <= bound
+
+
+# ---------------------------------------------------------------- staleness, failures, checkpoints
+
+
+def test_unbounded_staleness_is_measured_and_the_run_trains(tmp_path, monkeypatch):
+    monkeypatch.setattr(lockfree, "SEAM", lambda where: time.sleep(0.01) if where == "update" else None)
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path, "nvme", lock_free=True)) as engine:
+        losses = []
+        for s in range(6):
+            out = loss(engine, model, s)
+            losses.append(out.item())
+            engine.backward(out)
+            engine.step()
+        stats = engine.stats()["staleness"]
+    assert stats["max"] >= 1 and sum(stats["histogram"].values()) == 6
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_failing_updater_thread_surfaces_in_the_training_loop(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("adam failed on the updating thread")
+
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    engine = pagemem.Engine(model, engine_config(make(), loss, tmp_path, "nvme", lock_free=True))
+    monkeypatch.setattr(lockfree, "fused_steps", broken)
+    engine.backward(loss(engine, model, 0))
+    engine.step()
+    with pytest.raises(pagemem.StepFailed, match="adam failed") as raised:
+        for s in range(1, 4):  # within an iteration or so, never a hang
+            engine.backward(loss(engine, model, s))
+            engine.step()
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    with pytest.raises(pagemem.StepFailed):
+        engine.close()
+    assert not [t for t in threading.enumerate() if t.name == "pagemem-lockfree" and t.is_alive()]
+
+
+def test_checkpoints_drain_the_updater_and_resume_exactly(tmp_path):
+    """``save()`` waits for every submitted update; with ``max_staleness=0`` a resumed run goes
+    on bit for bit as the uninterrupted one."""
+    make, loss = CASES["parameter read after a child"]
+    (tmp_path / "nvme").mkdir()
+    cfg = engine_config(make(), loss, tmp_path / "nvme", "nvme", lock_free=True, max_staleness=0)
+    model = make()
+    with pagemem.Engine(model, cfg) as engine:
+        for s in range(3):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        path = engine.save(str(tmp_path / "ckpt"))
+        for s in range(3, 6):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        uninterrupted = engine.state_dict()
+    model = make()
+    with pagemem.Engine.load(path, model, cfg) as engine:
+        for s in range(3, 6):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        assert_same(uninterrupted, engine.state_dict())
+
+
+def test_a_checkpoint_of_an_unbounded_run_holds_every_submitted_update(tmp_path, monkeypatch):
+    monkeypatch.setattr(lockfree, "SEAM", lambda where: time.sleep(0.01) if where == "update" else None)
+    make, loss = CASES["parameter read after a child"]
+    (tmp_path / "nvme").mkdir()
+    cfg = engine_config(make(), loss, tmp_path / "nvme", "nvme", lock_free=True)
+    model = make()
+    with pagemem.Engine(model, cfg) as engine:
+        for s in range(4):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        path = engine.save(str(tmp_path / "ckpt"))
+        saved = engine.state_dict()
+        steps = engine.optimizer.state_dict()["state"][0]["step"]
+    assert float(steps) == engine.stats()["staleness"]["updates"] or steps >= 1
+    with pagemem.Engine.load(path, make(), cfg) as engine:
+        assert_same(saved, engine.state_dict())
+
+
+def test_discarding_gradients_that_share_sums_with_submitted_ones_is_refused(tmp_path):
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path, lock_free=True)) as engine:
+        engine.backward(loss(engine, model, 0))
+        with pytest.raises(pagemem.InvalidRequest, match="lock_free"):
+            engine.zero_grad()
+        engine.step()
+        engine.zero_grad()  # nothing of this iteration yet: fine
