@@ -32,6 +32,8 @@ from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.groups import checked_groups
 from pagemem.engine.gradients import Gradients
 from pagemem.engine.guard import Guard
+from pagemem.engine.interrupts import install as hold_interrupts, shield, shielded
+from pagemem.engine.interrupts import uninstall as release_interrupts
 from pagemem.engine.lockfree import LockFreeUpdater
 from pagemem.engine.model_checks import check_no_meta_buffers, check_parameters
 from pagemem.engine.optimizer_states import OptimizerStates
@@ -81,6 +83,7 @@ class Engine:
         except BaseException:
             self._undo_build(model, restore=init is None and values is None and _values)
             raise
+        hold_interrupts()
 
     def _build(self, model: nn.Module, config: EngineConfig, groups: list | None, init: ModuleInit | None,
                values: Any, from_module: bool) -> None:
@@ -217,12 +220,13 @@ class Engine:
         """Run the wrapped model's forward."""
         self._usable("forward")
         t0 = time.perf_counter()
-        if self.lockfree is not None and not self._in_backward:
-            self.lockfree.before_iteration()
-        if not self._in_backward:
-            self._follow_requires_grad()
-        self.pager.begin(args, kwargs)
-        self.guard.enter()
+        with shield():  # [Note: Ctrl-C inside the engine]
+            if self.lockfree is not None and not self._in_backward:
+                self.lockfree.before_iteration()
+            if not self._in_backward:
+                self._follow_requires_grad()
+            self.pager.begin(args, kwargs)
+            self.guard.enter()
         try:
             with self._saved_tensor_hooks():
                 return self.module(*args, **kwargs)
@@ -253,9 +257,15 @@ class Engine:
         finally:
             self.guard.exit()
             self._in_backward = False
-        self._end_backward()
+        try:
+            self._end_backward()
+        except KeyboardInterrupt as exc:  # held until the bookkeeping was whole ([Note: Ctrl-C inside the engine])
+            exc.add_note("pagemem: the backward had finished: its gradients are summed (step() updates with "
+                         "them, engine.zero_grad() discards them)")
+            raise
         self._phase_seconds["backward"] += time.perf_counter() - t0
 
+    @shielded
     def _begin_backward(self, implicit: bool = False) -> None:
         """[Note: backward by habit] ``engine.backward(loss)`` and a plain ``loss.backward()`` start
         here: the first gradient hook of a backward the engine did not start calls this too (and
@@ -275,6 +285,7 @@ class Engine:
         self.guard.enter()
         self._in_backward = True
 
+    @shielded
     def _abort_backward(self, exc: BaseException | None) -> None:
         """A backward raised part-way (``exc``; None: a backward by habit found unfinished).
         Its gradients are discarded, so the next iteration is as if its batch had been skipped;
@@ -311,6 +322,7 @@ class Engine:
         else:
             warnings.warn(note + " (the last loss.backward() raised)", RuntimeWarning, stacklevel=4)
 
+    @shielded
     def _end_backward(self) -> None:
         self.bank.grads_landed()  # every sum whole once backward returns ([Note: gradient copies])
         self.gradients.end_backward()
@@ -363,6 +375,7 @@ class Engine:
         self.updater.refuse_if_unfinished("zero_grad")
         self.optimizer.zero_grad(set_to_none)
 
+    @shielded
     def _zero_grad(self) -> None:
         """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
         discard what it discarded (see [Note: gradient handles])."""
@@ -391,6 +404,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the update
 
+    @shielded
     def _update(self) -> None:
         self._usable("step")
         t0 = time.perf_counter()
@@ -416,6 +430,7 @@ class Engine:
 
     # ------------------------------------------------------------------ results
 
+    @shielded
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
         master weights on the host (wherever their pages are; a frozen parameter's compute copy
@@ -436,6 +451,7 @@ class Engine:
                                                 self.bank.original_dtype_of(i))
         return out
 
+    @shielded
     def save(self, directory: str) -> str:
         """Write the whole training state as a new checkpoint under ``directory`` and point
         ``directory/latest`` at it once it is durable (see ``engine/checkpoint.py``). Call it
@@ -518,6 +534,7 @@ class Engine:
             "loss_scale": self.updater.scaler.scale,
         }
 
+    @shielded
     def close(self) -> None:
         """Remove the hooks, stop the workers and give the store's memory back. The module keeps
         its trained weights (the fp32 master weights, in each parameter's original dtype, in host
@@ -542,6 +559,7 @@ class Engine:
                 step(give_weights_back, self.bank, self.guard)
             step(self.updater.close)
             step(self.store.close)
+            step(release_interrupts)
 
     def __enter__(self) -> "Engine":
         return self

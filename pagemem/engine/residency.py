@@ -36,6 +36,7 @@ from typing import Iterable
 
 import torch
 
+from pagemem.engine.interrupts import shielded
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.records import Layer, placeholder
 from pagemem.engine.unit_state import UnitResidency, UnitState
@@ -114,6 +115,7 @@ class Residency:
 
     # ------------------------------------------------------------------ as the plan says
 
+    @shielded
     def stage(self, li: int, pages: range | None = None) -> None:
         """Start copying unit ``li``'s pages (all, or the run ``pages``) to the gpu. Reserves
         now: OutOfMemory, changing nothing, when they do not fit."""
@@ -128,6 +130,7 @@ class Residency:
         u.staged_pages += len(pages) if pages is not None else self.store.page_count(layer.compute)
         self.prefetches += 1
 
+    @shielded
     def bind(self, li: int) -> None:
         """Make unit ``li`` resident: wait for its staged copies, copy whatever was not staged
         (counted in ``misses``), point its parameters at the gpu pages."""
@@ -143,6 +146,7 @@ class Residency:
             self.misses += 1
         self._fetch(layer, keep={li}, reserve=0)
 
+    @shielded
     def settle(self, li: int) -> None:
         """Keep unit ``li`` on the gpu for good (a layer the plan caches there): its gpu copy
         becomes the only one, so the refresh after each update writes one copy, not two. Evicting
@@ -165,6 +169,7 @@ class Residency:
             pass
         self._bind_views(layer)
 
+    @shielded
     def release(self, li: int) -> None:
         """Unit ``li`` leaves the gpu (see the Note): parameters back to placeholders, pages given
         back (or kept as a zombie while a derived tensor pins them). Units home on the gpu stay
@@ -191,6 +196,7 @@ class Residency:
         self._cursor = 0
         return changed
 
+    @shielded
     def ensure(self, units: list[int], reserve: int = 0, stage_next: bool = True) -> None:
         """Make every listed unit resident, evicting least recently used ones not listed while
         the pages plus ``reserve`` non-model bytes exceed the budget; then (``stage_next``) stage
@@ -209,6 +215,7 @@ class Residency:
             if stage_next:
                 self._stage_after(li, reserve)
 
+    @shielded
     def make_room(self, keep: Iterable[int], reserve: int) -> None:
         """Evict units not in ``keep`` until the gpu pages in use plus ``reserve`` bytes fit the
         budget (or nothing more can go)."""
@@ -324,6 +331,7 @@ class Residency:
                     return True
         return False
 
+    @shielded
     def evict(self, layer: Layer) -> None:
         """Point the unit's parameters at placeholders and drop its gpu replica (see the Note)."""
         u = self._units[layer.index]
@@ -346,6 +354,7 @@ class Residency:
         self.evictions += not self.home_on_gpu
         u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
 
+    @shielded
     def keep_writes(self) -> None:
         """[Note: writes to parameters] Code may write a bound parameter in place (``clamp_``
         under ``no_grad``, ``copy_``, ``load_state_dict``, an initializer, an embedding's
@@ -367,6 +376,7 @@ class Residency:
                 self.evict(layer)  # a parameter given other memory: a view of its pages again
                 self.bind(layer.index)
 
+    @shielded
     def data_taken(self, i: int) -> None:
         """Parameter ``i``'s ``.data`` was handed out: a write through it moves no version
         counter, so its values are compared with its master weights when it is next checked."""
@@ -431,6 +441,7 @@ class Residency:
         u.staged_pages = 0
         u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
 
+    @shielded
     def release_all(self) -> None:
         for layer, u in zip(self.bank.layers, self._units):
             if u.state is UnitState.STAGING:

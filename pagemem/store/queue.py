@@ -14,6 +14,7 @@ from typing import Callable, Iterable, TypeVar
 
 from pagemem.store import ordering
 from pagemem.store.ordering import Op
+from pagemem.errors import OperationFailed
 from pagemem.store.pages import Page
 
 T = TypeVar("T")
@@ -62,17 +63,23 @@ class OpQueue:
             queue.extend(ops)
             return
         self._local.queue = queue = deque(ops)
+        interrupted: BaseException | None = None
         try:
             while queue:
                 op = queue.popleft()
                 try:
                     op.start(op)
                 except BaseException as exc:  # a start that broke must not hang its waiters
+                    if not isinstance(exc, Exception):  # Ctrl-C: raised once, here, after the queue ran;
+                        interrupted = interrupted or exc  # waiters get an error of their own, not it again
+                        exc = OperationFailed(f"{type(exc).__name__} while starting a page operation")
                     op.errors.append(exc)
                     if not op.finished:
                         self.complete(op)
         finally:
             self._local.queue = None
+        if interrupted is not None:
+            raise interrupted
 
     def exclusive(self, pages: Iterable[Page], fn: Callable[[], T], check: Callable[[], None]) -> T:
         """Run ``fn`` once the operations queued earlier on ``pages`` are done, holding the pages
