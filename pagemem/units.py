@@ -12,6 +12,7 @@ _UNITS = {
     "g": 10**9, "gb": 10**9, "gib": 2**30,
     "t": 10**12, "tb": 10**12, "tib": 2**40,
     "p": 10**15, "pb": 10**15, "pib": 2**50,
+    "e": 10**18, "eb": 10**18, "eib": 2**60,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -20,7 +21,7 @@ def parse_size(value: int | str, field: str = "size") -> int:
     """Return ``value`` as a whole number of bytes.
 
     Accepts an int or a string such as ``"4MiB"``, ``"1.5GiB"``, ``"512"`` or ``"2GB"``
-    (binary units KiB/MiB/GiB/TiB, decimal units KB/MB/GB/TB). Raises ConfigError naming ``field``.
+    (binary units KiB to EiB, decimal units KB to EB). Raises ConfigError naming ``field``.
     """
     from pagemem.errors import ConfigError
 

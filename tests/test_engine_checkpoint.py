@@ -256,3 +256,19 @@ def test_saving_twice_at_one_step_never_removes_the_checkpoint_latest_names(tmp_
     assert first != second and os.path.isdir(first) and os.path.isdir(second)
     with open(tmp_path / "ckpt" / "latest") as f:
         assert f.read() == os.path.basename(second)
+
+
+def test_save_keeps_the_newest_checkpoints_it_is_asked_to(tmp_path):
+    """``save(keep=2)``: older checkpoints go; the one ``latest`` names never does; a second
+    save at one step counts as newer."""
+    model, cfg = make(tmp_path)
+    with pagemem.Engine(model, cfg) as engine:
+        for step in range(1, 4):
+            train(engine, step)
+            engine.save(str(tmp_path / "ckpt"), keep=2)
+        again = engine.save(str(tmp_path / "ckpt"), keep=2)
+        with pytest.raises(pagemem.ConfigError, match="keep"):
+            engine.save(str(tmp_path / "ckpt"), keep=0)
+    names = sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith("step-"))
+    assert len(names) == 2 and "step-00000003" in names and os.path.basename(again) in names
+    assert open(tmp_path / "ckpt" / "latest").read().strip() == os.path.basename(again)

@@ -134,8 +134,10 @@ def _write_files(engine: "Engine", tmp: str) -> None:
     write_durable(os.path.join(tmp, MANIFEST), mf.encode(body))
 
 
-def save(engine: "Engine", root: str) -> str:
-    """Write a checkpoint of ``engine`` under ``root`` (see the module docs); returns its path."""
+def save(engine: "Engine", root: str, keep: int | None = None) -> str:
+    """Write a checkpoint of ``engine`` under ``root`` (see the module docs); returns its path.
+    ``keep``: then remove all but the newest ``keep`` checkpoints (never the one ``latest``
+    names)."""
     engine.store.synchronize()
     with io_errors("creating", root):
         os.makedirs(root, exist_ok=True)
@@ -160,7 +162,27 @@ def save(engine: "Engine", root: str) -> str:
         if final is not None and _latest_name(root) != os.path.basename(final):
             remove(final)  # complete, but latest never named it: a failed save leaves nothing
         raise
+    if keep is not None:
+        prune(root, keep)
     return final
+
+
+def prune(root: str, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` complete checkpoints under ``root`` (by step, then
+    time written), never the one ``latest`` names; returns the paths removed."""
+    latest = _latest_name(root)
+    done = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith("step-") and ".tmp" not in name and os.path.isdir(path):
+            done.append((int(name[5:13]) if name[5:13].isdigit() else -1, os.stat(path).st_mtime_ns, name))
+    done.sort(reverse=True)
+    removed = []
+    for _, _, name in done[keep:]:
+        if name != latest:
+            remove(os.path.join(root, name))
+            removed.append(os.path.join(root, name))
+    return removed
 
 
 def _point_latest(root: str, name: str) -> None:

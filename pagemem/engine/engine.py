@@ -40,6 +40,7 @@ from pagemem.engine.optimizer_states import OptimizerStates
 from pagemem.engine.pager import Pager
 from pagemem.engine.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.update import Updater
+from pagemem.checks import check_int
 from pagemem.errors import ConfigError, FirstError, InvalidRequest, StepFailed
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
@@ -452,10 +453,11 @@ class Engine:
         return out
 
     @shielded
-    def save(self, directory: str) -> str:
+    def save(self, directory: str, keep: int | None = None) -> str:
         """Write the whole training state as a new checkpoint under ``directory`` and point
         ``directory/latest`` at it once it is durable (see ``engine/checkpoint.py``). Call it
-        between updates (not in the middle of gradient accumulation). Returns its path."""
+        between updates (not in the middle of gradient accumulation). Returns its path. ``keep``:
+        then remove all but the newest ``keep`` checkpoints (never the one ``latest`` names)."""
         self._usable("save")
         self.updater.refuse_if_unfinished("save")
         if self.lockfree is not None:
@@ -469,7 +471,9 @@ class Engine:
 
         self.updater.flush()
         self.pager.residency.keep_writes()
-        return checkpoint.save(self, directory)
+        if keep is not None:
+            check_int("keep", keep, 1)
+        return checkpoint.save(self, directory, keep)
 
     @classmethod
     def load(cls, directory: str, model: nn.Module, config: EngineConfig | None = None, *,
