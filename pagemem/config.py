@@ -54,6 +54,9 @@ class StoreConfig:
     """Host threads copying between host-memory arenas (0..64). 0: each copy runs on the thread
     that issues it, which is faster on a host stand-in with few cores, where copy threads only
     compete with compute for the same cores (``benchmarks/bench_engine.py`` measures both)."""
+    nvme_bandwidth: int | str | None = None
+    """Testing knob: deliver nvme reads and writes no faster than this many bytes per second
+    together, as a slower SSD would (``tiers/io/throttle.py``); None: the disk's own speed."""
     nvme_paths: tuple[str, ...] = field(init=False, repr=False)
     """``nvme_path`` normalised to a tuple of directories (derived)."""
 
@@ -66,6 +69,9 @@ class StoreConfig:
         object.__setattr__(self, "page_bytes", page)
         for name in ("gpu_bytes", "cpu_bytes", "nvme_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        if self.nvme_bandwidth is not None:
+            object.__setattr__(self, "nvme_bandwidth", parse_size(self.nvme_bandwidth, "nvme_bandwidth"))
+            check_int("nvme_bandwidth", self.nvme_bandwidth, 1)
         check_choice("io_engine", self.io_engine, ("auto", "aio", "threads"))
         check_choice("gpu_backend", self.gpu_backend, ("auto", "cuda", "host"))
         check_int("io_depth", self.io_depth, 1, 1024)

@@ -92,7 +92,8 @@ def build_tiers(config: StoreConfig) -> TierSet:
                          host_addressable=True)
         memory.append(cpu.close)
         nvme = NvmeTier(config.nvme_paths, config.pages("nvme"), pb, engine=config.io_engine,
-                        io_depth=config.io_depth, direct=config.direct_io, checksums=config.checksums)
+                        io_depth=config.io_depth, direct=config.direct_io, checksums=config.checksums,
+                        bandwidth=config.nvme_bandwidth)
         engines.append(nvme.close)
         staging = StagingPool(config.staging_pages, pb, pin=pin)
         memory.append(staging.close)

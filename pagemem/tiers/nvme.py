@@ -13,6 +13,7 @@ from pagemem.tiers.checksum import page_checksum
 from pagemem.tiers.fence import Fence
 from pagemem.tiers.freelist import SlotFreeList
 from pagemem.tiers.io.base import EngineUnavailable, make_engine
+from pagemem.tiers.io.throttle import ThrottledEngine
 from pagemem.tiers.pagefile import PageFile, errname as _errname
 
 __all__ = ["NvmeTier", "PageFile", "TornSlot"]
@@ -46,7 +47,8 @@ class NvmeTier(Tier):
     """Host memory per slot: the free list's, a checksum reference and a torn flag."""
 
     def __init__(self, paths: tuple[str, ...], capacity: int, page_bytes: int, *,
-                 engine: str, io_depth: int, direct: bool, checksums: bool) -> None:
+                 engine: str, io_depth: int, direct: bool, checksums: bool,
+                 bandwidth: int | None = None) -> None:
         super().__init__("nvme", capacity, page_bytes)
         per_file = slots_per_file(capacity, len(paths))
         self.files: list[PageFile] = []
@@ -60,6 +62,8 @@ class NvmeTier(Tier):
         self.direct = bool(self.files) and all(f.direct for f in self.files)
         try:
             self.engine, self.engine_reason = make_engine(engine, io_depth, self.direct or not self.files)
+            if bandwidth is not None:
+                self.engine = ThrottledEngine(self.engine, bandwidth)
         except EngineUnavailable as exc:
             for f in self.files:
                 f.close()
