@@ -247,10 +247,10 @@ class LockFreeUpdater:
             self.store.release(layer.states(), "nvme").wait()
         _seam("take")
         params = [i for i in layer.params if self.bank.is_trainable(i)]
-        self.bank.grads_landed(params)
         with self._cond:
             while u in self._open:
                 self._cond.wait()
+            self.bank.grads_landed(params)  # copies of its last gradients may still be in flight (CUDA)
             k, self._pending[u] = self._pending[u], 0
             hps = self._hps
             taken = [i for i in params if self._has_sum[i]]

@@ -1,0 +1,205 @@
+"""The lock-free updater: quality over 300 steps, and iteration time with the SSD the bottleneck.
+
+**Convergence** (``--part convergence``): the project's GPT and a Hugging Face GPT-2 built from a
+config (when ``transformers`` is installed), on a learnable synthetic task (each sequence follows
+a fixed random successor table: ``x[i+1] = table[x[i]]``, so the loss can reach zero), 300 steps
+each, optimizer states on nvme with the disk capped (``StoreConfig(nvme_bandwidth=)``) so that
+the updating thread lags behind the compute: the synchronous engine and the lock-free one
+(``max_staleness=None``, the paper's behaviour) from the same initial weights and batches. Goal:
+the lock-free run's mean loss over its last 20 steps within 2% of the synchronous run's. Both
+loss curves are plotted (``results/bench_lockfree_loss.png``); the staleness the lock-free run
+saw is reported.
+
+**Throughput** (``--part throughput``): one GPT, three engines: optimizer states in cpu memory
+(synchronous: the anchor), on nvme synchronously, on nvme lock-free, the nvme tier capped so
+that the synchronous nvme run takes at least twice the anchor's iteration, as on ANGEL-PTM's
+A100 server (SSD about 10x slower than PCIe). Goals: lock-free <= 1.15x the anchor, synchronous
+nvme >= 2x. The simulator has no lock-free mode yet, so no prediction is reported.
+
+Usage: ``python benchmarks/bench_lockfree.py [--part convergence|throughput|both] [--steps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from common import table, write_json
+
+import pagemem
+from pagemem.models.gpt import GPT, GPTConfig
+from pagemem.sched import least_gpu_bytes
+from pagemem.tracer import trace
+
+PAGE = 64 * 1024
+VOCAB, SEQ, BATCH = 256, 64, 8
+
+
+def successor_table() -> torch.Tensor:
+    return torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
+
+
+def batch(step: int, succ: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 + step)
+    x = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, VOCAB, (BATCH,), generator=g)
+    for i in range(SEQ):
+        x[:, i + 1] = succ[x[:, i]]
+    return x
+
+
+def gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=4, hidden=128, heads=4, vocab=VOCAB, seq=SEQ))
+
+
+def gpt2() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def loss_of(run, x: torch.Tensor, hf: bool) -> torch.Tensor:
+    if hf:
+        return run(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+    logits = run(x[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def config(make, hf: bool, tier: str, nvme: str, bandwidth: int | None, **kw) -> pagemem.EngineConfig:
+    model = make()
+    x = batch(0, successor_table())
+    tr = trace(model, lambda: loss_of(model, x, hf).backward()).with_non_model_peak_reserved()
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    gpu = -(-(least_gpu_bytes(tr, page_bytes=PAGE) + nbytes // 2 + (4 << 20)) // PAGE) * PAGE
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=24 * nbytes + (64 << 20),
+                                nvme_bytes=24 * nbytes + (64 << 20) if tier == "nvme" else 0,
+                                nvme_path=nvme if tier == "nvme" else None, copy_threads=0,
+                                nvme_bandwidth=bandwidth if tier == "nvme" else None)
+    return pagemem.EngineConfig(store=store, optimizer_tier=tier, optimizer=pagemem.AdamW(lr=1e-3, weight_decay=0.01),
+                                adam_threads=1, **kw)
+
+
+def run(make, hf: bool, cfg: pagemem.EngineConfig, steps: int) -> tuple[list[float], list[float], dict]:
+    """Losses and iteration seconds of ``steps`` steps, and the engine's stats."""
+    succ = successor_table()
+    model = make()
+    losses, seconds = [], []
+    with pagemem.Engine(model, cfg) as engine:
+        for s in range(steps):
+            t0 = time.perf_counter()
+            loss = loss_of(engine, batch(s, succ), hf)
+            engine.backward(loss)
+            engine.step()
+            seconds.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        stats = engine.stats()
+    return losses, seconds, stats
+
+
+def state_bytes(make) -> int:
+    return 12 * sum(p.numel() for p in make().parameters())
+
+
+def convergence(steps: int, bandwidth_factor: float) -> dict:
+    out = {}
+    models = [("gpt", gpt, False)]
+    try:
+        import transformers  # noqa: F401
+        models.append(("hf-gpt2", gpt2, True))
+    except ImportError:
+        pass
+    for name, make, hf in models:
+        with tempfile.TemporaryDirectory() as nvme:
+            probe = run(make, hf, config(make, hf, "cpu", nvme, None), 8)[1]
+            # the disk moves the states in and out in bandwidth_factor x a cpu-states iteration
+            bandwidth = int(2 * state_bytes(make) / (bandwidth_factor * statistics.median(probe[3:])))
+            sync = run(make, hf, config(make, hf, "nvme", nvme, bandwidth), steps)
+            free = run(make, hf, config(make, hf, "nvme", nvme, bandwidth, lock_free=True), steps)
+        tail_sync, tail_free = statistics.mean(sync[0][-20:]), statistics.mean(free[0][-20:])
+        out[name] = {"bandwidth_bytes_per_s": bandwidth, "losses_sync": sync[0], "losses_lock_free": free[0],
+                     "tail_sync": tail_sync, "tail_lock_free": tail_free, "tail_ratio": tail_free / tail_sync,
+                     "staleness": free[2]["staleness"],
+                     "ms_sync": 1e3 * statistics.median(sync[1][5:]), "ms_lock_free": 1e3 * statistics.median(free[1][5:])}
+    return out
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (name, r) in zip(axes[0], results.items()):
+        ax.plot(r["losses_sync"], label="synchronous", lw=1)
+        ax.plot(r["losses_lock_free"], label=f"lock-free (staleness mean {r['staleness']['mean']:.2f}, "
+                                             f"max {r['staleness']['max']})", lw=1)
+        ax.set_yscale("log")
+        ax.set_title(f"{name}: tail ratio {r['tail_ratio']:.4f}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def throughput(steps: int, bandwidth_factor: float) -> dict:
+    make = gpt
+    with tempfile.TemporaryDirectory() as nvme:
+        anchor = run(make, False, config(make, False, "cpu", nvme, None), steps)[1]
+        t_anchor = statistics.median(anchor[5:])
+        bandwidth = int(2 * state_bytes(make) / (bandwidth_factor * t_anchor))
+        sync = run(make, False, config(make, False, "nvme", nvme, bandwidth), steps)
+        free = run(make, False, config(make, False, "nvme", nvme, bandwidth, lock_free=True), steps)
+    t_sync, t_free = statistics.median(sync[1][5:]), statistics.median(free[1][5:])
+    return {"bandwidth_bytes_per_s": bandwidth, "ms_anchor_cpu_states": 1e3 * t_anchor,
+            "ms_sync_nvme": 1e3 * t_sync, "ms_lock_free_nvme": 1e3 * t_free,
+            "ratio_sync_nvme": t_sync / t_anchor, "ratio_lock_free_nvme": t_free / t_anchor,
+            "staleness": free[2]["staleness"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", default="both", choices=["convergence", "throughput", "both"])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--throughput-steps", type=int, default=40)
+    ap.add_argument("--bandwidth-factor", type=float, default=2.0,
+                    help="the capped disk moves the optimizer states in and out in this many anchor iterations")
+    args = ap.parse_args()
+    payload: dict = {"steps": args.steps, "bandwidth_factor": args.bandwidth_factor}
+    if args.part in ("convergence", "both"):
+        conv = convergence(args.steps, args.bandwidth_factor)
+        payload["convergence"] = conv
+        plot(conv, "benchmarks/results/bench_lockfree_loss.png")
+        print(table(["model", "tail loss sync", "tail loss lock-free", "ratio", "goal <= 1.02", "staleness mean / max",
+                     "ms/it sync", "ms/it lock-free"],
+                    [[n, f"{r['tail_sync']:.4f}", f"{r['tail_lock_free']:.4f}", f"{r['tail_ratio']:.4f}",
+                      "met" if abs(r["tail_ratio"] - 1) <= 0.02 else "NOT met",
+                      f"{r['staleness']['mean']:.2f} / {r['staleness']['max']}", f"{r['ms_sync']:.0f}",
+                      f"{r['ms_lock_free']:.0f}"] for n, r in conv.items()],
+                    title=f"convergence, {args.steps} steps, states on nvme capped at {args.bandwidth_factor}x "
+                          "an anchor iteration per state pass"))
+    if args.part in ("throughput", "both"):
+        t = throughput(args.throughput_steps, args.bandwidth_factor)
+        payload["throughput"] = t
+        print(table(["engine", "ms / iteration", "x anchor", "goal"],
+                    [["states on cpu (anchor)", f"{t['ms_anchor_cpu_states']:.0f}", "1.00", ""],
+                     ["states on nvme, synchronous", f"{t['ms_sync_nvme']:.0f}", f"{t['ratio_sync_nvme']:.2f}",
+                      ">= 2: " + ("met" if t["ratio_sync_nvme"] >= 2 else "NOT met")],
+                     ["states on nvme, lock-free", f"{t['ms_lock_free_nvme']:.0f}", f"{t['ratio_lock_free_nvme']:.2f}",
+                      "<= 1.15: " + ("met" if t["ratio_lock_free_nvme"] <= 1.15 else "NOT met")]],
+                    title=f"throughput (nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
+                          f"lock-free staleness mean {t['staleness']['mean']:.2f}, max {t['staleness']['max']}; "
+                          "simulator: no lock-free mode yet)"))
+    print("wrote", write_json("bench_lockfree", payload))
+
+
+if __name__ == "__main__":
+    main()
