@@ -54,6 +54,7 @@ class ParamBank:
         in ``values.py``), one module at a time. ``states_apart``: each unit's optimizer states on
         pages of their own (the lock-free updater moves one unit's states at a time)."""
         self.store = store
+        self.states_apart = states_apart
         self.copies = GradCopies()
         self.compute_dtype = compute_dtype
         self.optimizer_tier = optimizer_tier
@@ -234,7 +235,7 @@ class ParamBank:
         """Start copying unit ``li``'s optimizer states to the cpu ahead of their update (the
         plan's ``move_to_cpu optim``); no room on the cpu leaves them to be read at the update."""
         layer = self.layers[li]
-        if self.state_tiers[li] != "nvme":
+        if self.state_tiers[li] != "nvme" or self.states_apart:  # the lock-free updater fetches its own
             return
         try:
             self.store.copy(layer.states(), "cpu")

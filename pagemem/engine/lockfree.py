@@ -20,10 +20,12 @@ The two buffers of Algorithm 2 are the engine's own pages, each with one writer 
   them and every copy of them to the gpu is ordered behind the write by the store: a unit's
   buffered parameters are always the cast of one whole update, never a mix of two.
 
-An update that finds the gradients of ``k`` iterations in a unit's sums applies their mean (the
-learning rate keeps its meaning; ``k = 1`` is the sum itself, bit for bit), with the
-hyperparameters ``param_groups`` held at the newest of those ``step()`` calls; its step count
-counts updates, not iterations. *Staleness* is how many submitted iterations with gradients for
+[Note: one step per iteration] An update that finds the gradients of ``k`` iterations in a
+unit's sums takes ``k`` AdamW steps with their mean (``k = 1``: the sum itself, bit for bit), so
+the learning rate keeps its meaning per iteration and a parameter's step count is the number of
+iterations it had gradients in, as in synchronous training (one step with the mean, tried
+first, fell further behind: half the steps on the 300-step task); the hyperparameters are those
+``param_groups`` held at the newest of those ``step()`` calls. *Staleness* is how many submitted iterations with gradients for
 a unit its buffered parameters lack when an iteration starts (``stats()["staleness"]``: mean,
 max, histogram). ``max_staleness``: the compute side waits at an iteration's start until no
 unit lags more than that (0: every update lands first, which is synchronous training, bit for
@@ -47,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from pagemem.engine.adam import AdamW, fused_steps
+from pagemem.engine.adam_threads import Workers
 from pagemem.engine.bank import ParamBank
 from pagemem.errors import StepFailed
 from pagemem.store import PageStore
@@ -98,8 +101,9 @@ class LockFreeUpdater:
         self.updates = 0
         self.staleness: Counter = Counter()
         """How many (unit, iteration start) pairs saw each staleness."""
-        self._thread = threading.Thread(target=self._run, name="pagemem-lockfree", daemon=True)
-        self._thread.start()
+        # one torch thread, as the Adam workers: two intra-op pools on the same cores thrash
+        self._worker = Workers(1, name="pagemem-lockfree")
+        self._running = self._worker.submit(self._run)
 
     # ------------------------------------------------------------------ the hand-off side
 
@@ -184,8 +188,9 @@ class LockFreeUpdater:
         if self._error is not None:
             raise StepFailed(f"the lock-free updater failed ({type(self._error).__name__}: {self._error}); "
                              "load the last checkpoint") from self._error
-        if not self._thread.is_alive() and not self._stop:
-            raise StepFailed("the lock-free updater's thread died; load the last checkpoint")
+        if self._running.done() and not self._stop:
+            exc = self._running.exception()
+            raise StepFailed(f"the lock-free updater's thread ended ({exc!r}); load the last checkpoint") from exc
 
     def unit_lock(self, u: int) -> threading.Lock:
         """Held while unit ``u``'s master weights and moments change (readers take it too)."""
@@ -200,13 +205,13 @@ class LockFreeUpdater:
     def close(self) -> None:
         """Apply what was submitted, then stop the thread (raises its error, if any)."""
         try:
-            if self._thread.is_alive() and self._error is None:
+            if not self._running.done() and self._error is None:
                 self.quiesce()
         finally:
             with self._cond:
                 self._stop = True
                 self._cond.notify_all()
-            self._thread.join()
+            self._worker.close()
         self.check()
 
     # ------------------------------------------------------------------ the updating thread
@@ -265,8 +270,10 @@ class LockFreeUpdater:
                 for i, pieces in chunks:
                     g = grads[i] if k == 1 else grads[i] / k
                     pieces = [(s, dataclasses.replace(c, grad=g[s:s + c.param.numel()])) for s, c in pieces]
-                    fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.group_of[i]], None)
-                    self.bank.count_step(i)
+                    for _ in range(k):  # [Note: one step per iteration]
+                        fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.group_of[i]],
+                                    None)
+                        self.bank.count_step(i)
                     master = torch.cat([c.param for _, c in pieces]) if len(pieces) > 1 else pieces[0][1].param
                     values[i] = master.to(self.bank.compute_dtype, copy=True).reshape(self.bank.params[i][1].shape)
             finally:
