@@ -114,9 +114,9 @@ class EngineConfig:
                                   "would have to skip every unit's update"),
                    "overlap_update": (self.overlap_update is True, "must not be True: the updating thread "
                                       "updates behind backward")}
-        for field, (bad, why) in refused.items():
+        for name, (bad, why) in refused.items():
             if bad:
-                raise ConfigError(f"{field}: with lock_free=True it {why}")
+                raise ConfigError(f"{name}: with lock_free=True it {why}")
 
     @property
     def effective_loss_scale(self) -> str | float | None:

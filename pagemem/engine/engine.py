@@ -17,7 +17,6 @@ Autograd's saved parameters are kept as references and fetched again when backwa
 from __future__ import annotations
 
 import time
-import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from pagemem.engine.adam import PagedOptimizer
+from pagemem.engine.backward import BackwardMixin
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.budget_checks import check_units_fit, unit_cap
 from pagemem.engine.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
@@ -46,7 +46,7 @@ from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
 
 
-class Engine:
+class Engine(BackwardMixin):
     def __init__(self, model: nn.Module, config: EngineConfig, *, param_groups: Any = None,
                  init: ModuleInit | None = None, values: Any = None, _values: bool = True) -> None:
         """Take over ``model``'s parameters: from here on they live in the store's pages.
@@ -238,119 +238,6 @@ class Engine:
     def _saved_tensor_hooks(self) -> Any:
         """Autograd saves parameters as references the engine fetches again in backward."""
         return torch.autograd.graph.saved_tensors_hooks(self.pager.saved.pack, self.pager.saved.unpack)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss``; gradients of successive calls add up until ``step()`` updates."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise InvalidRequest("backward: loss must be a one-element tensor")
-        self._usable("backward")
-        if self._in_backward:
-            raise InvalidRequest("backward: called while another backward through this engine runs")
-        t0 = time.perf_counter()
-        scale = self.updater.scaler.scale
-        self._begin_backward()
-        try:
-            with self._saved_tensor_hooks():
-                (loss * scale if scale is not None else loss).backward()
-        except BaseException as exc:
-            self._abort_backward(exc)
-            raise
-        finally:
-            self.guard.exit()
-            self._in_backward = False
-        try:
-            self._end_backward()
-        except KeyboardInterrupt as exc:  # held until the bookkeeping was whole ([Note: Ctrl-C inside the engine])
-            exc.add_note("pagemem: the backward had finished: its gradients are summed (step() updates with "
-                         "them, engine.zero_grad() discards them)")
-            raise
-        self._phase_seconds["backward"] += time.perf_counter() - t0
-
-    @shielded
-    def _begin_backward(self, implicit: bool = False) -> None:
-        """[Note: backward by habit] ``engine.backward(loss)`` and a plain ``loss.backward()`` start
-        here: the first gradient hook of a backward the engine did not start calls this too (and
-        queues ``_end_backward`` at the end of autograd's run), so both add gradients up the same
-        way. Only loss scaling needs ``engine.backward`` (it scales the loss)."""
-        if self.updater.updated_during_backward():
-            raise InvalidRequest("backward: the previous backward was the last of a step and already updated "
-                                 f"parameters during backward (overlap_update, {self._per_step} backward(s) per step): "
-                                 "call step() first, set accumulation_steps to the backwards of one step, or pass "
-                                 "overlap_update=False")
-        self.gradients.begin_backward()
-        # [Note: which backward is the last of a step] engine.backward counts accumulation_steps;
-        # a backward by habit learns it from the steps it saw (none yet: no update runs early)
-        per_step = self._per_step if self._per_step is not None else (None if implicit else
-                                                                       self.config.accumulation_steps)
-        self.updater.begin_backward(final=per_step is not None and self._micro + 1 == per_step)
-        self.guard.enter()
-        self._in_backward = True
-
-    @shielded
-    def _abort_backward(self, exc: BaseException | None) -> None:
-        """A backward raised part-way (``exc``; None: a backward by habit found unfinished).
-        Its gradients are discarded, so the next iteration is as if its batch had been skipped;
-        see [Note: a step is a transaction]."""
-        self.guard.exit()
-        self._in_backward = self._implicit_open = False
-        self.failed_backwards += 1
-        try:
-            self.bank.grads_landed()  # no copy still lands in pages once this returns
-        finally:
-            applied, held = self.updater.abort_backward()
-            self.gradients.abort_backward()
-            if self.lockfree is not None:
-                self.lockfree.end_backward()
-        if self.lockfree is not None and self.lockfree.has_fresh():
-            self._broken = ("a backward failed after adding gradients to sums the lock-free updater shares with "
-                            "earlier iterations: they cannot be taken back; load the last checkpoint")
-            note = f"pagemem: {self._broken}"
-        elif applied:
-            self._broken = (f"a backward failed after {applied} parameters were updated from it during backward "
-                            "(overlap_update): the model is part-way through a step, which can be neither "
-                            "finished nor undone exactly; load the last checkpoint (Engine.load), and pass "
-                            "overlap_update=False where a failed backward must be recoverable")
-            note = f"pagemem: {self._broken}"
-        elif held:
-            note = (f"pagemem: the failed backward's gradients were discarded, with those of the {self._micro} "
-                    "earlier backward(s) of this step (their sums held part of it): the step starts again")
-        else:
-            note = ("pagemem: the failed backward's gradients were discarded; the next backward starts the step "
-                    "as if this batch had been skipped")
-        self._micro = 0
-        if exc is not None:
-            exc.add_note(note)
-        else:
-            warnings.warn(note + " (the last loss.backward() raised)", RuntimeWarning, stacklevel=4)
-
-    @shielded
-    def _end_backward(self) -> None:
-        self.bank.grads_landed()  # every sum whole once backward returns ([Note: gradient copies])
-        self.gradients.end_backward()
-        if self.lockfree is not None:
-            self.lockfree.end_backward()
-        self.pager.end_backward()
-        self.updater.end_backward()
-        self._micro += 1
-        self.gradients.show()
-
-    def _before_accumulate(self, grad: torch.Tensor) -> None:
-        """A parameter's gradient is about to be accumulated: start a backward the engine did
-        not start (see [Note: backward by habit])."""
-        if self._in_backward:
-            return
-        self._usable("loss.backward()")
-        if self.updater.scaler.scale is not None:
-            raise InvalidRequest("loss.backward(): this engine scales the loss (loss_scale); call "
-                                 "engine.backward(loss) instead")
-        self._begin_backward(implicit=True)
-        self._implicit_open = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_implicit_backward)
-
-    def _end_implicit_backward(self) -> None:
-        self.guard.exit()
-        self._in_backward = self._implicit_open = False
-        self._end_backward()
 
     def step(self) -> bool:
         """Update after every ``accumulation_steps``-th ``backward()``; True if it updated (False

@@ -17,8 +17,10 @@ from typing import Any, Callable
 
 import torch
 
-from pagemem.engine.adam import AdamW, Chunk, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
+from pagemem.engine.adam import AdamW, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
 from pagemem.engine.bank import ParamBank
+from pagemem.engine.loss_scale import LossScaler
+from pagemem.engine.state_pieces import StatePiece, lend, norm_of_pieces
 from pagemem.engine.config import EngineConfig
 from pagemem.errors import InvalidRequest, StepFailed
 from pagemem.store import PageStore
@@ -26,41 +28,6 @@ from pagemem.store import PageStore
 
 _DONE: Future = Future()
 _DONE.set_result(None)
-
-KINDS = ("master", "grad", "exp_avg", "exp_avg_sq")
-"""A parameter's four states, in ``Chunk``'s order."""
-
-StatePiece = tuple[int, Chunk]
-"""``(first element, chunk)``: a run of a parameter's elements whose four states are each one
-view of page memory."""
-
-
-def aligned(master: list, grad: list, exp_avg: list, exp_avg_sq: list) -> list[StatePiece]:
-    """The four states' pieces (``(first element, flat view)`` each, as ``Lease.pieces``) cut at
-    every piece boundary of any of them, so that each run is one view of each state. Boundaries
-    fall on page boundaries of 256-byte-aligned tensors: multiples of 64 elements, which keeps
-    the fused kernel bit-identical to one call (see ``pagemem.engine.adam``)."""
-    parts = (master, grad, exp_avg, exp_avg_sq)
-    if all(len(p) == 1 for p in parts):
-        return [(0, Chunk(*(p[0][1] for p in parts)))]
-    n = master[-1][0] + master[-1][1].numel()
-    cuts = sorted({start for p in parts for start, _ in p} | {n})
-    out, at = [], [0, 0, 0, 0]
-    for lo, hi in zip(cuts, cuts[1:]):
-        views = []
-        for k, p in enumerate(parts):
-            while p[at[k]][0] + p[at[k]][1].numel() <= lo:
-                at[k] += 1
-            start, x = p[at[k]]
-            views.append(x[lo - start:hi - start])
-        out.append((lo, Chunk(*views)))
-    return out
-
-
-def _norm(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.linalg.vector_norm`` of a gradient as one tensor (pieces joined first)."""
-    return torch.linalg.vector_norm(pieces[0] if len(pieces) == 1 else torch.cat(pieces), 2.0)
-
 
 @dataclasses.dataclass
 class UnfinishedUpdate:
@@ -80,28 +47,6 @@ class UnfinishedUpdate:
 
     def remaining(self) -> list[int]:
         return [i for i in self.params if i not in self.done]
-
-
-class LossScaler:
-    """``torch.amp.GradScaler``'s schedule: start at 2**16, double after 2000 good steps, halve on
-    an overflow; a static scale never changes; None: no scaling."""
-
-    def __init__(self, scale: str | float | None) -> None:
-        self.dynamic = scale == "dynamic"
-        self.scale: float | None = 65536.0 if self.dynamic else scale  # type: ignore[assignment]
-        self.good_steps = 0
-
-    def update(self, overflow: bool) -> None:
-        if not self.dynamic:
-            return
-        if overflow:
-            self.scale *= 0.5  # type: ignore[operator]
-            self.good_steps = 0
-        else:
-            self.good_steps += 1
-            if self.good_steps == 2000:
-                self.scale *= 2.0  # type: ignore[operator]
-                self.good_steps = 0
 
 
 class Updater:
@@ -329,7 +274,7 @@ class Updater:
 
     def grad_norm(self, i: int) -> torch.Tensor:
         """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""
-        return self._grad_view(i, _norm)
+        return self._grad_view(i, norm_of_pieces)
 
     def scale_grad(self, i: int, coef: float, divide: bool = False) -> None:
         """Multiply (``divide``: divide) parameter ``i``'s gradient sum by ``coef`` in place."""
@@ -471,7 +416,7 @@ class Updater:
         times more accurate on 1M-element tensors, but would not reproduce torch's updates; so a
         gradient lent in pieces is joined for its norm (torch's reduction order is over the
         whole tensor)."""
-        norms = wait_all([self.adam.submit(_norm, g) for g in grads])
+        norms = wait_all([self.adam.submit(norm_of_pieces, g) for g in grads])
         device = norms[0].device  # units whose states are kept on the gpu have their norms there
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
         if scale is not None:
@@ -482,40 +427,9 @@ class Updater:
     # ------------------------------------------------------------------ helpers
 
     def _chunks(self, params: list[int]) -> tuple[list[tuple[int, list[StatePiece]]], list]:
-        """Flat fp32 master weights, gradient and moments of each parameter, as pieces that are
-        views of page memory: the bank's lasting views where it has them, else split leases
-        (returned: release them when done), never a merged copy."""
-        self.bank.grads_landed(params)
-        views = {i: [self.bank.lasting_view(kind, i) for kind in KINDS] for i in params}
-        pieces = {i: [[(0, v)] for v in vs] for i, vs in views.items() if all(v is not None for v in vs)}
-        leased = [i for i in params if i not in pieces]
-        leases = self._leases_of([self.bank.where(i) for i in leased]) if leased else []
-        for n, i in enumerate(leased):
-            pieces[i] = [x.pieces for x in leases[4 * n:4 * n + 4]]
-        return [(i, aligned(*pieces[i])) for i in params], leases
-
-    def _leases_of(self, where: list) -> list:
-        """The four leases (master, grad, exp_avg, exp_avg_sq) of each (layer, k), in order, taken
-        with one store call per tier (a unit's states and gradient sums are lent where its
-        gradient sums live: the gpu for states kept there, else the cpu, where states on nvme
-        were fetched)."""
-        by_tier: dict[str, list[int]] = {}
-        for n, (layer, _k) in enumerate(where):
-            by_tier.setdefault(self.bank.grad_tier_of(layer.index), []).append(n)
-        out: list = [None] * (4 * len(where))
-        taken: list = []
-        try:
-            for tier, ns in by_tier.items():
-                tensors = [getattr(where[n][0], kind)[where[n][1]] for n in ns for kind in KINDS]
-                leases = self.store.lease_many(tensors, tier, split=True)
-                taken += leases
-                for j, n in enumerate(ns):
-                    out[4 * n:4 * n + 4] = leases[4 * j:4 * j + 4]
-        except BaseException:
-            for lease in taken:
-                lease.release()
-            raise
-        return out
+        """Flat fp32 master weights, gradient and moments of each parameter as views of page
+        memory, and the leases to release after (``state_pieces.lend``)."""
+        return lend(self.bank, self.store, params)
 
     # ------------------------------------------------------------------ state
 
