@@ -252,3 +252,22 @@ def test_discarding_gradients_that_share_sums_with_submitted_ones_is_refused(tmp
             engine.zero_grad()
         engine.step()
         engine.zero_grad()  # nothing of this iteration yet: fine
+
+
+def test_gradients_by_habit_are_refused_not_ignored(tmp_path):
+    """``p.grad`` shows a handle whose norm (``clip_grad_norm_`` by habit) raises, instead of
+    None, which would clip nothing silently."""
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path, lock_free=True)) as engine:
+        loss(engine, model, 0).backward()
+        assert all(p.grad is not None for p in model.parameters())
+        with pytest.raises(pagemem.InvalidRequest, match="lock_free"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        loss(engine, model, 1).backward()
+        next(model.parameters()).grad = None
+        next(model.parameters()).grad = torch.zeros_like(next(model.parameters()))
+        with pytest.raises(pagemem.InvalidRequest, match="lock_free"):
+            engine.optimizer.step()

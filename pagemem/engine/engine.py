@@ -144,7 +144,7 @@ class Engine(BackwardMixin):
         if config.lock_free:
             self.lockfree = LockFreeUpdater(self.bank, self.store, self.updater.chunks, self.updater.take_sum,
                                             [g if g is not None else 0 for g in self.group_of], config.max_staleness)
-            self.gradients.sink = self.lockfree.accumulate
+            self.gradients.hand_to_lock_free(self.lockfree.accumulate, self.lockfree.fresh_params)
             self.gradients.handoff.subscribe(self.lockfree.unit_final)
         """Gradients between autograd and the update (``gradients.py``)."""
         self._trainable = [r.trainable for r in self.bank.records]

@@ -14,6 +14,7 @@ from pagemem.engine.bank import ParamBank
 from pagemem.engine.grads import GradHandles
 from pagemem.engine.handoff import GradHandoff
 from pagemem.engine.update import Updater
+from pagemem.errors import InvalidRequest
 
 
 class Gradients:
@@ -25,6 +26,10 @@ class Gradients:
         """Units whose gradients are final, as backward hands them off."""
         self.sink = updater.grad_ready
         """Where each handed-off gradient goes: the updater, or the lock-free updater's buffers."""
+        self.pending = updater.pending
+        """The parameters with a gradient ``p.grad`` shows a handle for."""
+        self.assign = updater.set_grad
+        """Takes a gradient assigned to ``p.grad`` by hand."""
         self._to_drop: list[nn.Parameter] = []
         self.last_norm = 0.0
         """The global norm last computed (``global_norm``, ``clip``)."""
@@ -53,6 +58,16 @@ class Gradients:
         self._to_drop.clear()
         self.handoff.end()
 
+    def hand_to_lock_free(self, sink: Any, pending: Any) -> None:
+        """Gradients go to the lock-free updater's buffers (``sink``); their handles show
+        ``pending()`` and refuse every op: the sums are the updating thread's."""
+        def refuse(*_args: Any) -> None:
+            raise InvalidRequest("p.grad: with lock_free the gradients belong to the updating thread; reading, "
+                                 "clipping or assigning them is refused (EngineConfig.lock_free)")
+        self.sink, self.pending = sink, pending
+        self.handles = GradHandles(self.bank.params, refuse, refuse, refuse)
+        self.assign = refuse
+
     def abort_backward(self) -> None:
         """A backward failed part-way: ``p.grad`` kept for the user's hooks goes, and the
         hand-off forgets it (its counts are not a backward's)."""
@@ -68,11 +83,11 @@ class Gradients:
         if dropped:
             self.updater.discard(dropped)
         for i, g in assigned.items():
-            self.updater.set_grad(i, g)
+            self.assign(i, g)
 
     def show(self) -> list[int]:
         """Put the handles up for every parameter with a gradient; returns those."""
-        pending = self.updater.pending()
+        pending = self.pending()
         self.handles.show(pending)
         return pending
 

@@ -87,6 +87,7 @@ class LockFreeUpdater:
         self._open: set[int] = set()
         self._has_sum = [False] * len(bank.params)
         self._fresh: set[int] = set()
+        self._fresh_params: set[int] = set()
         """Units with gradients in the current (unsubmitted) iteration."""
         self._pending = [0] * n
         """Submitted iterations whose gradients sit in each unit's sums, not yet taken."""
@@ -115,6 +116,7 @@ class LockFreeUpdater:
             first = not self._has_sum[i]
             self._has_sum[i] = True
             self._fresh.add(u)
+            self._fresh_params.add(i)
         _seam("accumulate")
         self.bank.accumulate_grad(i, grad, first=first)
 
@@ -128,6 +130,10 @@ class LockFreeUpdater:
         with self._cond:
             self._open.clear()
             self._cond.notify_all()
+
+    def fresh_params(self) -> list[int]:
+        """Parameters with gradients since the last ``submit``."""
+        return sorted(self._fresh_params)
 
     def has_fresh(self) -> bool:
         """Gradients since the last ``submit`` (they share sums with submitted ones)."""
@@ -144,6 +150,7 @@ class LockFreeUpdater:
                 self._pending[u] += 1
                 self._owed[u] += 1
             self._fresh.clear()
+            self._fresh_params.clear()
             self._hps = list(hps)
             self.iterations += 1
             self._cond.notify_all()
