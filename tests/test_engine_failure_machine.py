@@ -180,7 +180,7 @@ class EngineUnderFailures(RuleBasedStateMachine):
         self.nvme = self.engine.store.tier("nvme")
         self.nvme.engine = FaultyEngine(self.nvme.engine)
         self.ref.load_state_dict(self.saved[0])
-        self.opt.load_state_dict(self.saved[1])
+        self.opt.load_state_dict(copy.deepcopy(self.saved[1]))  # torch's load aliases the moments it is given
 
     # ---------------------------------------------------------------- checks
 
