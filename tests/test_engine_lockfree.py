@@ -154,7 +154,9 @@ def test_every_gradient_is_applied_once_and_no_unit_is_ever_torn(seams, compute,
             time.sleep(compute[t % len(compute)])
         engine.state_dict()  # drains
         stats = engine.stats()["staleness"]
+        steps = {i: int(s["step"]) for i, s in engine.optimizer.state_dict()["state"].items()}
     want = sum(2.0 ** t for t in range(iterations))
+    assert steps == {i: iterations for i in range(6)}  # one AdamW step per iteration, none taken early
     assert set(taken) == set(range(6))
     assert all(torch.equal(v, torch.full((256,), want)) for v in taken.values())
     assert Twins.torn == []
@@ -271,3 +273,42 @@ def test_gradients_by_habit_are_refused_not_ignored(tmp_path):
         next(model.parameters()).grad = torch.zeros_like(next(model.parameters()))
         with pytest.raises(pagemem.InvalidRequest, match="lock_free"):
             engine.optimizer.step()
+
+
+@pytest.mark.parametrize("spare", [0.0, 12.0], ids=["tight", "states could fit on the gpu"])
+def test_constant_gradients_move_every_weight_one_step_per_iteration(spare, tmp_path, monkeypatch):
+    """Gradient 1 everywhere: AdamW moves each weight by lr per step, so after N iterations
+    every weight moved N lr, whatever the staleness (the attack found a unit taken before its
+    step() lost a step; and, with room on the gpu, the plan moved states the thread was using)."""
+    monkeypatch.setattr(lockfree, "SEAM", lambda where: time.sleep(0.003) if where in ("update", "take") else None)
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))  # noqa: E731
+
+    def loss(run, model, s):
+        return run(torch.ones(4, 64)).sum() * 0.0 + sum(p.sum() for p in model.parameters())
+
+    model = make()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = engine_config(make(), loss, tmp_path, "nvme", lock_free=True, fraction=spare,
+                        optimizer=pagemem.AdamW(lr=1e-3, weight_decay=0.0))
+    n = 12
+    with pagemem.Engine(model, cfg) as engine:
+        for s in range(n):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        got = engine.state_dict()
+        steps = {int(s["step"]) for s in engine.optimizer.state_dict()["state"].values()}
+        assert engine.stats()["gpu_state_units"] == 0
+    assert steps == {n}
+    for k in start:
+        assert torch.allclose(start[k] - got[k], torch.full_like(got[k], n * 1e-3), rtol=1e-4, atol=1e-6), k
+
+
+def test_model_zero_grad_mid_iteration_is_refused_not_ignored(tmp_path):
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    with pagemem.Engine(model, engine_config(make(), loss, tmp_path, lock_free=True)) as engine:
+        engine.backward(loss(engine, model, 0))
+        model.zero_grad()
+        with pytest.raises(pagemem.InvalidRequest, match="lock_free"):
+            engine.step()

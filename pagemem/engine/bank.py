@@ -341,6 +341,8 @@ class ParamBank:
         tier = tier or self.optimizer_tier
         if self.state_tiers[li] == tier:
             return True
+        if self.states_apart:  # the lock-free updater owns the states: they stay on their tier
+            return False
         layer = self.layers[li]
         kinds = ("master", "exp_avg", "exp_avg_sq", "grad")
         self.grads_landed(layer.params)

@@ -269,6 +269,7 @@ class Engine(BackwardMixin):
         discard what it discarded (see [Note: gradient handles])."""
         self._usable("zero_grad")
         if self.lockfree is not None and self.lockfree.has_fresh():
+            self.gradients.show()  # the handles it set to None go back up: nothing was discarded
             raise InvalidRequest("zero_grad: with lock_free the gradients of this iteration share sums with those "
                                  "already handed to the updating thread, and cannot be discarded alone")
         self.gradients.take_back()

@@ -30,6 +30,8 @@ class Gradients:
         """The parameters with a gradient ``p.grad`` shows a handle for."""
         self.assign = updater.set_grad
         """Takes a gradient assigned to ``p.grad`` by hand."""
+        self.discard = updater.discard
+        """Forgets the gradients of parameters whose ``p.grad`` was set to None."""
         self._to_drop: list[nn.Parameter] = []
         self.last_norm = 0.0
         """The global norm last computed (``global_norm``, ``clip``)."""
@@ -64,7 +66,11 @@ class Gradients:
         def refuse(*_args: Any) -> None:
             raise InvalidRequest("p.grad: with lock_free the gradients belong to the updating thread; reading, "
                                  "clipping or assigning them is refused (EngineConfig.lock_free)")
-        self.sink, self.pending = sink, pending
+        def discard(params: list[int]) -> None:
+            if params and pending():
+                raise InvalidRequest("zero_grad: with lock_free the gradients of this iteration share sums with "
+                                     "those already handed to the updating thread, and cannot be discarded alone")
+        self.sink, self.pending, self.discard = sink, pending, discard
         self.handles = GradHandles(self.bank.params, refuse, refuse, refuse)
         self.assign = refuse
 
@@ -81,7 +87,7 @@ class Gradients:
         assigned a tensor) takes effect on the gradient sums."""
         dropped, assigned = self.handles.take_down()
         if dropped:
-            self.updater.discard(dropped)
+            self.discard(dropped)
         for i, g in assigned.items():
             self.assign(i, g)
 

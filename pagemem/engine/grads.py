@@ -65,13 +65,16 @@ class GradHandles:
         """id(handle) -> parameter index."""
 
     def show(self, indices: Sequence[int]) -> None:
-        """Put up a handle as ``p.grad`` of each parameter in ``indices`` that has none."""
+        """Put up a handle as ``p.grad`` of each parameter in ``indices`` that has none (again,
+        where code set it to None since)."""
         zeros: dict[tuple, torch.Tensor] = {}
         with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads and sets below
             for i in indices:
-                if i in self._shown:
-                    continue
                 p = self.params[i]
+                if i in self._shown:
+                    if p.grad is None:  # set to None by a zero_grad that was refused: back up
+                        p.grad = self._shown[i]
+                    continue
                 key = (p.dtype, p.device)
                 one = zeros.get(key)
                 if one is None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections import Counter, deque
 from typing import Any, Callable
 
@@ -51,7 +52,7 @@ import torch
 from pagemem.engine.adam import AdamW, fused_steps
 from pagemem.engine.adam_threads import Workers
 from pagemem.engine.bank import ParamBank
-from pagemem.errors import StepFailed
+from pagemem.errors import InvalidRequest, StepFailed
 from pagemem.store import PageStore
 
 _POLL_SECONDS = 0.05
@@ -174,7 +175,7 @@ class LockFreeUpdater:
             with self._cond:
                 ready = list(self._published)
                 self._published.clear()
-                if not ready and (limit is None or max(self._owed, default=0) <= limit):
+                if not ready and (limit is None or self._lag() <= limit):
                     return
                 if not ready:
                     self._cond.wait(_POLL_SECONDS)
@@ -186,8 +187,18 @@ class LockFreeUpdater:
                 with self._cond:
                     self._owed[p.unit] -= p.iterations
 
+    def _lag(self) -> int:
+        """The most submitted iterations a unit lacks, over units the updating thread can take
+        (one holding gradients of the unsubmitted iteration waits for its ``step()``)."""
+        return max((o for u, o in enumerate(self._owed) if u not in self._fresh), default=0)
+
     def quiesce(self) -> None:
-        """Wait until every submitted iteration is applied and in the buffered parameters."""
+        """Wait until every submitted iteration is applied and in the buffered parameters;
+        refused while the current iteration has gradients (they share sums with submitted ones:
+        call ``step()`` first)."""
+        if self.has_fresh():
+            raise InvalidRequest("with lock_free, the weights are whole between step() and the next backward: "
+                                 "call step() first (this iteration's gradients share sums with submitted ones)")
         self.drain(limit=0)
 
     def check(self) -> None:
@@ -213,7 +224,12 @@ class LockFreeUpdater:
         """Apply what was submitted, then stop the thread (raises its error, if any)."""
         try:
             if not self._running.done() and self._error is None:
-                self.quiesce()
+                self.drain(limit=0)  # units holding unsubmitted gradients keep what was applied
+                lagging = [u for u in self._fresh if self._owed[u]]
+                if lagging:
+                    warnings.warn(f"pagemem: closed with gradients of an iteration without step(): {len(lagging)} "
+                                  "unit(s) keep their last applied weights (their sums mixed submitted and "
+                                  "unsubmitted gradients)", RuntimeWarning, stacklevel=3)
         finally:
             with self._cond:
                 self._stop = True
@@ -227,11 +243,10 @@ class LockFreeUpdater:
         try:
             while True:
                 with self._cond:
-                    while not self._stop and not any(self._pending):
+                    while not self._stop and not (order := self._ready()):
                         self._cond.wait()
                     if self._stop:
                         return
-                    order = [u for u in reversed(range(len(self._pending))) if self._pending[u]]
                 fetch = self._fetch(order[0])
                 writebacks = []
                 for n, u in enumerate(order):
@@ -245,6 +260,13 @@ class LockFreeUpdater:
             with self._cond:
                 self._cond.notify_all()
 
+    def _ready(self) -> list[int]:
+        """Units whose sums hold submitted iterations and nothing else, in reverse: none open in
+        a backward, none holding gradients of the iteration not yet submitted (taking those
+        would apply them before their ``step()``, counted as no iteration). Under the lock."""
+        return [u for u in reversed(range(len(self._pending)))
+                if self._pending[u] and u not in self._open and u not in self._fresh]
+
     def _fetch(self, u: int) -> Any:
         """Start reading unit ``u``'s states from nvme into cpu memory (None where they are there)."""
         if self.bank.state_tiers[u] != "nvme":
@@ -256,12 +278,13 @@ class LockFreeUpdater:
         layer = self.bank.layers[u]
         if fetched is not None:
             fetched.wait()
-            self.store.release(layer.states(), "nvme").wait()
         _seam("take")
         params = [i for i in layer.params if self.bank.is_trainable(i)]
         with self._cond:
             while u in self._open:
                 self._cond.wait()
+            if u in self._fresh:  # see _ready: it waits for the next pass (its states stay fetched)
+                return None
             self.bank.grads_landed(params)  # copies of its last gradients may still be in flight (CUDA)
             k, self._pending[u] = self._pending[u], 0
             hps = self._hps
@@ -269,6 +292,8 @@ class LockFreeUpdater:
             grads = {i: self._take_sum(i) for i in taken}
             for i in taken:
                 self._has_sum[i] = False
+        if fetched is not None:  # the nvme copies go stale with the update: dropped first
+            self.store.release(layer.states(), "nvme").wait()
         _seam("update")
         values: dict[int, torch.Tensor] = {}
         with self._locks[u]:
