@@ -284,6 +284,17 @@ class ParamBank:
         else:
             self.store.write(layer.compute[k], master.to(self.compute_dtype), start)
 
+    def refresh_unit(self, values: dict[int, torch.Tensor]) -> None:
+        """Write new values (``refresh_compute``'s, already in the compute dtype) into the compute
+        copies of one unit's parameters, in one store operation."""
+        if self.compute_is_master or not values:
+            return
+        items = []
+        for i, value in values.items():
+            layer, k = self.where(i)
+            items.append((layer.compute[k], value.reshape(self.params[i][1].shape).to(self.compute_dtype)))
+        self.store.write_many(items)
+
     # ------------------------------------------------------------------ gradients
 
     def accumulate_grad(self, i: int, grad: torch.Tensor, first: bool) -> None:

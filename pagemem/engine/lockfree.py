@@ -182,8 +182,7 @@ class LockFreeUpdater:
                     continue
             for p in ready:
                 _seam("drain")
-                for i, value in p.values.items():
-                    self.bank.refresh_compute(i, value)
+                self.bank.refresh_unit(p.values)
                 with self._cond:
                     self._owed[p.unit] -= p.iterations
 

@@ -113,30 +113,49 @@ class DataPath:
         offset = (start or 0) * t.dtype.itemsize
         self.write_bytes(t, data, None if start is None else (offset, offset + data.numel()))
 
+    def write_many(self, items: list[tuple[PagedTensor, object]]) -> None:
+        """Each ``(t, src)``: ``src`` into every copy of ``t``, all under one wait for the
+        operations queued on their pages (a unit's parameters in one go: no copy of those pages
+        starts in between)."""
+        for t, _ in items:
+            self.check(t)
+        writes = [(t, source_bytes(t, src, None)) for t, src in items]
+        pages = list(dict.fromkeys(p for t, _ in items for p in t.page_refs))
+
+        def check() -> None:
+            for t, _ in items:
+                self.check(t)
+
+        def body() -> None:
+            for t, data in writes:
+                self._write_now(t, data, None)
+
+        self.queue.exclusive(pages, body, check)
+
     def write_bytes(self, t: PagedTensor, data, span: tuple[int, int] | None = None) -> None:
         """Write ``data`` (sliced by byte positions: a uint8 tensor, or ``lending.PieceBytes``) over the
         bytes ``span`` of ``t`` (all of them when None) in every copy."""
+        self._exclusive(t, lambda: self._write_now(t, data, span))
 
-        def body() -> None:
-            with self.queue.lock:
-                self.check(t)
-                segments = _clipped(t, span)
-                disk, memory = [], []
-                for page, lo, hi, pos in segments:
-                    for tier, slot in page.copies().items():
-                        (memory if tier.resident else disk).append((page, tier, slot, lo, hi, pos))
-            commit = self._write_disk(disk, data) if disk else None
-            for _page, tier, slot, lo, hi, pos in memory:
-                tier.buffer(slot)[lo:hi].copy_(data[pos:pos + hi - lo])
-            self._sync_cuda([m[1] for m in memory])
-            with self.queue.lock:
-                if commit:
-                    commit()
-                for page, lo, hi, _pos in segments:
-                    page.written = True
-                    page.mend(lo, hi)
-
-        self._exclusive(t, body)
+    def _write_now(self, t: PagedTensor, data, span: tuple[int, int] | None) -> None:
+        """``write_bytes``'s work, with ``t``'s pages held."""
+        with self.queue.lock:
+            self.check(t)
+            segments = _clipped(t, span)
+            disk, memory = [], []
+            for page, lo, hi, pos in segments:
+                for tier, slot in page.copies().items():
+                    (memory if tier.resident else disk).append((page, tier, slot, lo, hi, pos))
+        commit = self._write_disk(disk, data) if disk else None
+        for _page, tier, slot, lo, hi, pos in memory:
+            tier.buffer(slot)[lo:hi].copy_(data[pos:pos + hi - lo])
+        self._sync_cuda([m[1] for m in memory])
+        with self.queue.lock:
+            if commit:
+                commit()
+            for page, lo, hi, _pos in segments:
+                page.written = True
+                page.mend(lo, hi)
 
     def _write_disk(self, segments: list, data: torch.Tensor) -> Callable[[], None]:
         """Write the disk pages of ``segments``: copy-on-write where it matters and there is room

@@ -365,6 +365,11 @@ class PageStore:
         dtype)."""
         self._data.write(t, src, start)
 
+    def write_many(self, items: "Iterable[tuple[PagedTensor, torch.Tensor]]") -> None:
+        """``write`` of several tensors under one wait for the operations queued on their pages:
+        no copy of those pages starts between two of the writes."""
+        self._data.write_many(list(items))
+
     def view(self, t: PagedTensor, tier: str | None = None) -> torch.Tensor:
         """A zero-copy view pinning ``t``'s pages for its lifetime (``PagedTensor.view``)."""
         return self.view_many([t], tier)[0]
