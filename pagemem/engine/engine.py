@@ -34,7 +34,7 @@ from pagemem.engine.gradients import Gradients
 from pagemem.engine.guard import Guard
 from pagemem.engine.interrupts import install as hold_interrupts, shield, shielded
 from pagemem.engine.interrupts import uninstall as release_interrupts
-from pagemem.engine.lockfree import LockFreeUpdater
+from pagemem.engine.lockfree import SHARED_SUMS, LockFreeUpdater
 from pagemem.engine.model_checks import check_no_meta_buffers, check_parameters
 from pagemem.engine.optimizer_states import OptimizerStates
 from pagemem.engine.pager import Pager
@@ -270,8 +270,7 @@ class Engine(BackwardMixin):
         self._usable("zero_grad")
         if self.lockfree is not None and self.lockfree.has_fresh():
             self.gradients.show()  # the handles it set to None go back up: nothing was discarded
-            raise InvalidRequest("zero_grad: with lock_free the gradients of this iteration share sums with those "
-                                 "already handed to the updating thread, and cannot be discarded alone")
+            raise InvalidRequest(SHARED_SUMS)
         self.gradients.take_back()
         if not self.gradients.show():
             self._micro = 0
@@ -325,10 +324,8 @@ class Engine(BackwardMixin):
         master weights on the host (wherever their pages are; a frozen parameter's compute copy
         in its original dtype), buffers as they are."""
         self._usable("state_dict")
-        if self.lockfree is not None:
-            self.lockfree.quiesce()
+        self._before_reading_weights()
         index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
-        self.pager.residency.keep_writes()
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=True).items():
             i = index.get(id(value))

@@ -76,16 +76,19 @@ class GradCopies:
 
     def landed(self, params: Iterable[int] | None = None) -> None:
         """Wait until the gradients of ``params`` (None: all) have landed in their pages."""
+        if not self._pending:  # an entry leaves only once landed, so empty means nothing in flight
+            return
         with self._lock:  # held while landing: another reader of the same sum waits for it whole
             keys = list(self._pending) if params is None else params
             for i in keys:
-                c = self._pending.pop(i, None)
+                c = self._pending.get(i)
                 if c is None:
                     continue
                 if c.event is not None:
                     c.event.synchronize()
                 if c.add or c.event is None:
                     _add_or_copy(c.dst, c.src, add=c.add)
+                del self._pending[i]
 
     def in_flight(self) -> int:
         """Copies queued and not yet waited for."""

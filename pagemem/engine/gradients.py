@@ -13,6 +13,7 @@ from pagemem.checks import check_rate
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.grads import GradHandles
 from pagemem.engine.handoff import GradHandoff
+from pagemem.engine.lockfree import SHARED_SUMS
 from pagemem.engine.update import Updater
 from pagemem.errors import InvalidRequest
 
@@ -68,8 +69,7 @@ class Gradients:
                                  "clipping or assigning them is refused (EngineConfig.lock_free)")
         def discard(params: list[int]) -> None:
             if params and pending():
-                raise InvalidRequest("zero_grad: with lock_free the gradients of this iteration share sums with "
-                                     "those already handed to the updating thread, and cannot be discarded alone")
+                raise InvalidRequest(SHARED_SUMS)
         self.sink, self.pending, self.discard = sink, pending, discard
         self.handles = GradHandles(self.bank.params, refuse, refuse, refuse)
         self.assign = refuse

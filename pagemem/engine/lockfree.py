@@ -52,8 +52,13 @@ import torch
 from pagemem.engine.adam import AdamW, fused_steps
 from pagemem.engine.adam_threads import Workers
 from pagemem.engine.bank import ParamBank
+from pagemem.engine.state_pieces import with_grad
 from pagemem.errors import InvalidRequest, StepFailed
 from pagemem.store import PageStore
+
+SHARED_SUMS = ("zero_grad: with lock_free the gradients of this iteration share sums with those already handed "
+               "to the updating thread, and cannot be discarded alone")
+"""Why discarding this iteration's gradients is refused (see the Note)."""
 
 _POLL_SECONDS = 0.05
 """How often a waiting compute side checks that the updating thread is alive."""
@@ -300,7 +305,7 @@ class LockFreeUpdater:
             try:
                 for i, pieces in chunks:
                     g = grads[i] if k == 1 else grads[i] / k
-                    pieces = [(s, dataclasses.replace(c, grad=g[s:s + c.param.numel()])) for s, c in pieces]
+                    pieces = with_grad(pieces, g)
                     for _ in range(k):  # [Note: one step per iteration]
                         fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.group_of[i]],
                                     None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,3 +83,9 @@ def _leases_of(bank: "ParamBank", store: "PageStore", where: list) -> list:
             lease.release()
         raise
     return out
+
+
+def with_grad(pieces: list[StatePiece], flat: torch.Tensor) -> list[StatePiece]:
+    """``pieces`` with their gradient views taken from ``flat`` (a parameter's whole gradient,
+    flat) instead of the gradient pages."""
+    return [(s, dataclasses.replace(c, grad=flat[s:s + c.param.numel()])) for s, c in pieces]

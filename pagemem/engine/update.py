@@ -20,7 +20,7 @@ import torch
 from pagemem.engine.adam import AdamW, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.loss_scale import LossScaler
-from pagemem.engine.state_pieces import StatePiece, lend, norm_of_pieces
+from pagemem.engine.state_pieces import StatePiece, lend, norm_of_pieces, with_grad
 from pagemem.engine.config import EngineConfig
 from pagemem.errors import InvalidRequest, StepFailed
 from pagemem.store import PageStore
@@ -184,7 +184,7 @@ class Updater:
         try:
             if grad is not None:
                 flat = grad.detach().reshape(-1)
-                pieces = [(s, dataclasses.replace(c, grad=flat[s:s + c.param.numel()])) for s, c in pieces]
+                pieces = with_grad(pieces, flat)
             fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hp, None)
             self.bank.count_step(i)
             self._early_stepped.add(i)
