@@ -11,7 +11,7 @@ import pytest
 
 import pagemem
 
-LEAVES = {"pagemem.config", "pagemem.errors", "pagemem.units", "pagemem.checks", "pagemem.models",
+LEAVES = {"pagemem.config", "pagemem.errors", "pagemem.units", "pagemem.checks", "pagemem.models", "pagemem.plain",
           "pagemem.machine"}
 ALLOWED = {
     "tiers": set(),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,9 +11,11 @@ from pagemem.checks import check_bool, check_choice, check_int, check_rate
 from pagemem.config import StoreConfig
 from pagemem.engine.adam import AdamW
 from pagemem.errors import ConfigError
+from pagemem.plain import from_plain, to_plain
 
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EXECUTORS = ("plan", "demand")
+STALENESS_CORRECTIONS = ("predict", "none")
 
 
 def check_no_amsgrad(hp: AdamW) -> AdamW:
@@ -49,7 +50,10 @@ class EngineConfig:
     ``lock_free``: ``step()`` hands the gradients to an updating thread that updates behind the
     compute (ANGEL-PTM's lock-free updater; [Note: the lock-free updater] in ``lockfree.py``);
     ``max_staleness``: with it, the most iterations a unit's parameters may lag before an
-    iteration waits (0: synchronous, bit for bit; None: never waits).
+    iteration waits (0: synchronous, bit for bit; None: never waits); ``staleness_correction``:
+    ``"predict"`` (default) buffers a lagging unit's parameters extrapolated by its last update per
+    iteration it lags, ``"none"`` buffers the update as applied ([Note: predicting past the
+    staleness] in ``lockfree.py``).
     """
 
     store: StoreConfig
@@ -66,6 +70,7 @@ class EngineConfig:
     executor: str = "plan"
     lock_free: bool = False
     max_staleness: int | None = None
+    staleness_correction: str = "predict"
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -100,6 +105,7 @@ class EngineConfig:
     def _check_lock_free(self) -> None:
         """What the lock-free updater cannot do ([Note: the lock-free updater], ``lockfree.py``)."""
         check_bool("lock_free", self.lock_free)
+        check_choice("staleness_correction", self.staleness_correction, STALENESS_CORRECTIONS)
         if self.max_staleness is not None:
             if not self.lock_free:
                 raise ConfigError("max_staleness: bounds the lock-free updater; set lock_free=True or leave it None")
@@ -126,38 +132,11 @@ class EngineConfig:
         return self.loss_scale
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as JSON-ready values (for checkpoints)."""
-        store = {f.name: getattr(self.store, f.name) for f in dataclasses.fields(self.store) if f.init}
-        store["nvme_path"] = list(self.store.nvme_paths) or None
-        return {
-            "store": store,
-            "optimizer": {"lr": self.optimizer.lr, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
-                          "weight_decay": self.optimizer.weight_decay, "amsgrad": self.optimizer.amsgrad},
-            "optimizer_tier": self.optimizer_tier,
-            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
-            "max_grad_norm": self.max_grad_norm,
-            "accumulation_steps": self.accumulation_steps,
-            "loss_scale": self.loss_scale,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "adam_threads": self.adam_threads,
-            "overlap_update": self.overlap_update,
-            "lock_free": self.lock_free,
-            "max_staleness": self.max_staleness,
-            "executor": self.executor,
-        }
+        """The configuration as JSON-ready values (for checkpoints; ``pagemem.plain``)."""
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
-        """The inverse of :meth:`to_dict`, validated like any construction."""
-        dtype = {str(t).removeprefix("torch."): t for t in COMPUTE_DTYPES}.get(d.get("compute_dtype"))
-        if dtype is None:
-            raise ConfigError(f"compute_dtype: must be one of float32, float16, bfloat16, got {d.get('compute_dtype')!r}")
-        opt = dict(d["optimizer"])
-        opt["betas"] = tuple(opt["betas"])
-        return cls(store=StoreConfig(**d["store"]), optimizer=AdamW(**opt), optimizer_tier=d["optimizer_tier"],
-                   compute_dtype=dtype, max_grad_norm=d["max_grad_norm"],
-                   accumulation_steps=d["accumulation_steps"], loss_scale=d["loss_scale"], rank=d["rank"],
-                   world_size=d["world_size"], adam_threads=d["adam_threads"],
-                   overlap_update=d.get("overlap_update"), executor=d.get("executor", "plan"),
-                   lock_free=d.get("lock_free", False), max_staleness=d.get("max_staleness"))
+        """The inverse of :meth:`to_dict`, validated like any construction (missing keys take
+        their defaults, so older checkpoints load)."""
+        return from_plain(cls, d)

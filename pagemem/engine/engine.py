@@ -143,7 +143,8 @@ class Engine(BackwardMixin):
         """The updating thread, with ``config.lock_free`` ([Note: the lock-free updater])."""
         if config.lock_free:
             self.lockfree = LockFreeUpdater(self.bank, self.store, self.updater.chunks, self.updater.take_sum,
-                                            [g if g is not None else 0 for g in self.group_of], config.max_staleness)
+                                            [g if g is not None else 0 for g in self.group_of], config.max_staleness,
+                                            predict=config.staleness_correction == "predict")
             self.gradients.hand_to_lock_free(self.lockfree.accumulate, self.lockfree.fresh_params)
             self.gradients.handoff.subscribe(self.lockfree.unit_final)
         """Gradients between autograd and the update (``gradients.py``)."""

@@ -37,6 +37,21 @@ second makes the engine refuse to go on (load a checkpoint). ``save()`` drains: 
 every submitted iteration is applied and published, so a checkpoint is a synchronous one. A
 failing or dead updating thread raises in the training loop at the next call (its error
 chained), never hangs: every wait checks it.
+
+[Note: predicting past the staleness] A unit that lags ``s`` iterations computes its gradients at
+weights ``s`` updates old, and AdamW loses quality with even one (on ``bench_lockfree.py``'s
+branching task, plain PyTorch one step late ends 2% above synchronous). With
+``staleness_correction="predict"`` (the default) the updating thread publishes with each update
+its change per iteration (``drift = (new - old) / k``, fp32), and the drain buffers
+``new + s * drift``, ``s`` being the submitted iterations the update lacks at that moment: the
+weights synchronous training would hold if the next ``s`` updates repeated this one (weight
+prediction, as PipeMare and SpecTrain do for pipeline staleness). Only the buffered copy is
+predicted; master weights and moments are the updates as applied, so ``max_staleness=0`` and a
+checkpoint (drained to ``s = 0``) are synchronous, bit for bit. A unit is predicted when its
+update is drained, for the lag it has then; until its next update its buffered parameters stay.
+Both halves of a unit come from one update, so prediction cannot tear it. ``"none"`` buffers the
+update as applied. Cost: an fp32 copy of each parameter's master while its update runs, and the
+published values kept in fp32 until drained.
 """
 
 from __future__ import annotations
@@ -73,14 +88,17 @@ class _Published:
     iterations: int
     """How many submitted iterations of this unit's gradients the update applied."""
     values: dict[int, torch.Tensor]
-    """Each parameter's new value in the compute dtype."""
+    """Each parameter's new value: in the compute dtype, or its fp32 master where ``drift`` is set."""
+    drift: dict[int, torch.Tensor] | None
+    """With ``staleness_correction="predict"``: each parameter's change per iteration in this update (fp32)."""
 
 
 class LockFreeUpdater:
     """The updating thread and both buffers' bookkeeping (see the Note)."""
 
     def __init__(self, bank: ParamBank, store: PageStore, chunks: Callable[[list[int]], Any],
-                 take_sum: Callable[[int], torch.Tensor], group_of: list[int], max_staleness: int | None) -> None:
+                 take_sum: Callable[[int], torch.Tensor], group_of: list[int], max_staleness: int | None,
+                 predict: bool = False) -> None:
         """``chunks(params)``: the updater's state pieces and leases (``Updater.chunks``);
         ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat. The seams of both sides
         (``"take"``, ``"update"``, ``"publish"``, ``"accumulate"``, ``"drain"``) call ``SEAM``."""
@@ -88,6 +106,7 @@ class LockFreeUpdater:
         self._chunks, self._take_sum = chunks, take_sum
         self.group_of = group_of
         self.max_staleness = max_staleness
+        self.predict = predict
         n = len(bank.layers)
         self._cond = threading.Condition()
         self._open: set[int] = set()
@@ -187,7 +206,9 @@ class LockFreeUpdater:
                     continue
             for p in ready:
                 _seam("drain")
-                self.bank.refresh_unit(p.values)
+                with self._cond:
+                    ahead = self._owed[p.unit] - p.iterations  # submitted iterations this update lacks
+                self.bank.refresh_unit(_predicted(p, ahead))
                 with self._cond:
                     self._owed[p.unit] -= p.iterations
 
@@ -300,18 +321,24 @@ class LockFreeUpdater:
             self.store.release(layer.states(), "nvme").wait()
         _seam("update")
         values: dict[int, torch.Tensor] = {}
+        drift: dict[int, torch.Tensor] | None = {} if self.predict else None
         with self._locks[u]:
             chunks, leases = self._chunks(taken)
             try:
                 for i, pieces in chunks:
                     g = grads[i] if k == 1 else grads[i] / k
                     pieces = with_grad(pieces, g)
+                    before = _master(pieces).clone() if drift is not None else None
                     for _ in range(k):  # [Note: one step per iteration]
                         fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.group_of[i]],
                                     None)
                         self.bank.count_step(i)
-                    master = torch.cat([c.param for _, c in pieces]) if len(pieces) > 1 else pieces[0][1].param
-                    values[i] = master.to(self.bank.compute_dtype, copy=True).reshape(self.bank.params[i][1].shape)
+                    shape = self.bank.params[i][1].shape
+                    if drift is None:
+                        values[i] = _master(pieces).to(self.bank.compute_dtype, copy=True).reshape(shape)
+                    else:
+                        values[i] = _master(pieces).clone().reshape(shape)
+                        drift[i] = values[i].sub(before.reshape(shape)).div_(k)
             finally:
                 for lease in leases:
                     lease.release()
@@ -319,10 +346,23 @@ class LockFreeUpdater:
         writeback = self.store.move(layer.states(), "nvme") if fetched is not None else None
         _seam("publish")
         with self._cond:
-            self._published.append(_Published(u, k, values))
+            self._published.append(_Published(u, k, values, drift))
             self.updates += 1
             self._cond.notify_all()
         return writeback
+
+
+def _master(pieces: list) -> torch.Tensor:
+    """A parameter's fp32 master weights, flat (a view where it is one piece)."""
+    return torch.cat([c.param for _, c in pieces]) if len(pieces) > 1 else pieces[0][1].param
+
+
+def _predicted(p: _Published, ahead: int) -> dict[int, torch.Tensor]:
+    """The values to buffer for update ``p`` when ``ahead`` submitted iterations are not in it
+    ([Note: predicting past the staleness]): the update itself, or extrapolated by its drift."""
+    if p.drift is None or ahead <= 0:
+        return p.values
+    return {i: torch.add(v, p.drift[i], alpha=ahead) for i, v in p.values.items()}
 
 
 def _seam(where: str) -> None:
