@@ -1,12 +1,16 @@
-# Two commands set everything up on a fresh machine:  `make demo`  and  `make test`.
+# Two commands set everything up on a fresh machine:  `make train`  and  `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all bench clean
+.PHONY: train demo test test-all bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
 	scripts/setup.sh $(VENV)
+
+# the main job: pagemem train with its embedded default (ARGS: more flags, e.g. ARGS="--resume auto")
+train: $(VENV)/.installed
+	$(VENV)/bin/pagemem train $(ARGS)
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/pagemem demo

@@ -1,28 +1,34 @@
-"""The ``pagemem`` command. Each subcommand lives in its own module, which provides
-``configure(parser)`` to declare its arguments and ``run(args) -> int`` to carry it out."""
+"""The ``pagemem`` command: one runner over the commands of ``pagemem.commands``. A
+``PageMemError`` (bad input, a budget too small, a damaged checkpoint) ends with one line on
+stderr and exit status 2, never a traceback; Ctrl-C with 130."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
-# (name, module, one-line help). Add a subcommand by adding a row.
-COMMANDS: list[tuple[str, str, str]] = [
-    ("demo", "pagemem.demo", "store a model-sized set of tensors across the tiers, move them, verify every byte"),
-    ("trace", "pagemem.tracer.cli", "trace one training iteration of the GPT (or synthesise it) and write trace JSON files"),
-    ("plan", "pagemem.sched.cli", "plan one training iteration: the task queue, its validated peak memory"),
-    ("simulate", "pagemem.sched.simulate_cmd", "plan and simulate one training iteration on a hardware profile"),
-    ("profile", "pagemem.profile_cmd", "measure this machine into a hardware profile for the simulator"),
-]
+from pagemem.commands import COMMANDS
+from pagemem.errors import PageMemError
+
+USAGE_ERROR = 2
+INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagemem", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _Parser(prog="pagemem", description=__doc__.splitlines()[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for name, module_name, help_text in COMMANDS:
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         module.configure(p)
         p.set_defaults(_run=module.run)
     return parser
@@ -32,8 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
+    except PageMemError as exc:
+        print(f"pagemem {args.command}: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+        return USAGE_ERROR
     except KeyboardInterrupt:
-        return 130
+        print(f"pagemem {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

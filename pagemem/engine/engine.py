@@ -255,6 +255,12 @@ class Engine(BackwardMixin):
             self._consume = False
         return self._last_taken
 
+    @property
+    def update_unfinished(self) -> bool:
+        """An update failed or was interrupted part-way: ``step()`` finishes it ([Note: a step
+        is a transaction] in ``update.py``); until then backward, zero_grad and save refuse."""
+        return self.updater.unfinished is not None
+
     # ------------------------------------------------------------------ gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:

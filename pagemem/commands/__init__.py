@@ -1,0 +1,12 @@
+"""pagemem's commands, at the top floor: each a module with ``configure(parser)`` and
+``run(args) -> int``, a thin function over the layers. ``pagemem.cli`` runs them."""
+
+COMMANDS: list[tuple[str, str, str]] = [
+    ("train", "pagemem.commands.train", "train a model through the engine from one config into a run directory"),
+    ("demo", "pagemem.demo", "store a model-sized set of tensors across the tiers, move them, verify every byte"),
+    ("trace", "pagemem.tracer.cli", "trace one training iteration of the GPT (or synthesise it) and write trace JSON files"),
+    ("plan", "pagemem.sched.cli", "plan one training iteration: the task queue, its validated peak memory"),
+    ("simulate", "pagemem.sched.simulate_cmd", "plan and simulate one training iteration on a hardware profile"),
+    ("profile", "pagemem.profile_cmd", "measure this machine into a hardware profile for the simulator"),
+]
+"""(name, module, one-line help). Add a command by adding a row."""

@@ -1,0 +1,57 @@
+"""Store sizes given as ``"auto"``: what a model needs, so a new user does not have to know.
+
+- ``gpu_bytes``: with CUDA, the device's free memory less a margin (a tenth, at least 1 GiB);
+  on the host stand-in, the least budget the scheduler accepts for one traced iteration plus a
+  quarter of the parameters' compute bytes, so pages really move.
+- ``cpu_bytes``: the parameters' home copies, master weights and gradient sums (and the
+  optimizer states with ``optimizer_tier="cpu"``; with ``"nvme"``, room for those of the two
+  largest tensors, which pass through on their way), a quarter more, one page per tensor and
+  kind for rounding, and 64 MiB.
+- ``nvme_bytes``: the optimizer states' bytes on the same terms.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pagemem.engine.config import EngineConfig
+from pagemem.sched import least_gpu_bytes
+from pagemem.tracer import trace
+
+MARGIN = 64 << 20
+
+
+def _round_up(n: int, page: int) -> int:
+    return -(-n // page) * page
+
+
+def gpu_bytes(model: nn.Module, iteration: Callable[[], None], config: EngineConfig) -> int:
+    """The ``auto`` gpu budget (see the module docs); ``iteration()``: one forward and backward
+    of ``model``, traced on the host to size the activations (its gradients are cleared)."""
+    page = int(config.store.page_bytes)
+    if config.store.gpu_backend != "host" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(config.store.cuda_device)
+        return max(page, (free - max(1 << 30, free // 10)) // page * page)
+    tr = trace(model, iteration).with_non_model_peak_reserved()
+    model.zero_grad(set_to_none=True)
+    compute = sum(p.numel() for p in model.parameters()) * config.compute_dtype.itemsize
+    return _round_up(least_gpu_bytes(tr, page_bytes=page) + compute // 4 + 4 * page, page)
+
+
+def host_bytes(model: nn.Module, config: EngineConfig) -> dict[str, int]:
+    """The ``auto`` cpu and nvme budgets (see the module docs)."""
+    page = int(config.store.page_bytes)
+    numel = sum(p.numel() for p in model.parameters())
+    tensors = sum(1 for _ in model.parameters())
+    states = 12 * numel  # fp32 master weights and two moments
+    largest = max((p.numel() for p in model.parameters()), default=0)
+    # with states on nvme, the cpu holds those of the unit being updated and of the next one
+    held = states if config.optimizer_tier == "cpu" else 2 * 12 * largest + 4 * numel
+    cpu = numel * (config.compute_dtype.itemsize + 4) + held
+    out = {"cpu_bytes": _round_up(cpu * 5 // 4 + 4 * tensors * page + MARGIN, page)}
+    if config.optimizer_tier == "nvme":
+        out["nvme_bytes"] = _round_up(states * 5 // 4 + 3 * tensors * page + MARGIN, page)
+    return out

@@ -1,0 +1,283 @@
+"""``pagemem train``: train a model through the engine from one config, into a run directory.
+
+With no arguments it trains the embedded default (``train_config.DEFAULT_TOML``): the project's
+GPT at a small size on a synthetic task generated on the fly, a gpu budget below the model's
+states, optimizer states on nvme under the run directory, the lock-free updater. ``--config
+FILE`` layers a TOML file over it and ``--SECTION.FIELD VALUE`` sets one field
+(``--optimizer.lr 3e-4``, ``--store.gpu_bytes 2GiB``, ``--model.hf gpt2``); ``--help-config``
+lists every setting. ``--resume auto`` continues the newest run under ``train.runs`` from its
+last checkpoint with its saved config (``--resume RUN_DIR`` a given one).
+
+[Note: Ctrl-C in pagemem train] The first Ctrl-C ends the loop where it lands: a forward or a
+backward it interrupts is discarded (the engine's step transaction), an update it interrupts
+is finished (``step()`` again, the same bits as an uninterrupted one). Then the engine saves a
+checkpoint of the last whole step, the run directory gets its plots, timelines and summary, and
+the command exits 130. A second Ctrl-C during that save stops at once; ``latest`` still names
+the previous checkpoint, so the run stays resumable. The batches are a pure function of the
+step, and a checkpoint holds the whole training state, so a resumed run ends with the weights
+an uninterrupted one would, bit for bit, where training is deterministic (synchronous updates,
+or ``max_staleness=0``: lock-free staleness depends on thread timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from pagemem.commands import auto_sizes
+from pagemem.commands.models import build
+from pagemem.commands.run_dir import RunDir
+from pagemem.commands.train_config import (
+    AUTO_SIZES,
+    TrainConfig,
+    TrainSettings,
+    known_settings,
+    layered,
+    read_toml,
+    resolve,
+    to_toml,
+)
+from pagemem.engine import Engine
+from pagemem.errors import ConfigError
+from pagemem.plain import from_plain, with_overrides
+from pagemem.units import format_bytes
+
+SET = "set:"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="a TOML config layered over the embedded default (several: in order)")
+    parser.add_argument("--resume", metavar="auto|RUN_DIR",
+                        help="continue the newest run under train.runs (auto) or RUN_DIR from its last checkpoint")
+    parser.add_argument("--help-config", action="store_true", help="list every setting with its default, and exit")
+    for name in known_settings():
+        parser.add_argument(f"--{name}", dest=SET + name, metavar="VALUE", default=None, help=argparse.SUPPRESS)
+    parser.epilog = "Every config field is a flag: --SECTION.FIELD VALUE (see --help-config)."
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {k[len(SET):]: v for k, v in vars(args).items() if k.startswith(SET) and v is not None}
+    files = [read_toml(path) for path in args.config]
+    if args.help_config:
+        return _help_config(layered(files, {}))
+    if args.resume:
+        runs = from_plain(TrainSettings, layered(files, overrides)["train"], "train").runs
+        rd = RunDir.newest(runs) if args.resume == "auto" else RunDir.named(args.resume)
+        plain = with_overrides(rd.read_config(), overrides)
+    else:
+        plain = layered(files, overrides)
+        train = from_plain(TrainSettings, plain["train"], "train")
+        rd = RunDir(os.path.join(train.runs, train.name or time.strftime("%Y%m%d-%H%M%S")))
+        if os.path.exists(rd.path):
+            raise ConfigError(f"train.name: {rd.path} exists; give another name, or --resume {rd.path}")
+    created = not os.path.exists(rd.path)
+    try:
+        if plain.get("engine", {}).get("optimizer_tier") == "nvme" and plain.get("store", {}).get("nvme_path") is None:
+            os.makedirs(os.path.join(rd.path, "nvme"), exist_ok=True)  # where resolve() puts the page files
+        cfg = resolve(plain, rd.path)
+        model, loss_of, vocab, longest = build(cfg.model, cfg.data.seed)
+        if cfg.model.hf is not None and (cfg.data.vocab > vocab or cfg.data.seq > longest):
+            raise ConfigError(f"data: vocab {cfg.data.vocab} and seq {cfg.data.seq} must be at most the model's "
+                              f"({vocab} and {longest})")
+        table = cfg.data.table()
+        cfg = _sized(cfg, model, lambda: loss_of(model, cfg.data.batch_at(0, table)).backward())
+        os.makedirs(rd.path, exist_ok=True)
+        if args.resume:
+            engine = Engine.load(rd.checkpoints, model, cfg.engine)
+            rd.keep_metrics_until(engine.global_step)
+        else:
+            engine = Engine(model, cfg.engine)
+            rd.write_config(cfg.to_plain(), to_toml(cfg.to_plain()))
+    except BaseException:
+        if created:  # nothing of this run exists yet: leave nothing behind
+            _remove_tree(rd.path)
+        raise
+    return _Loop(cfg, rd, engine, loss_of, table).run()
+
+
+def _sized(cfg: TrainConfig, model: Any, iteration: Any) -> TrainConfig:
+    """``cfg`` with its ``auto`` sizes resolved (``auto_sizes``)."""
+    if not cfg.auto:
+        return cfg
+    sizes: dict[str, int] = {}
+    if "gpu_bytes" in cfg.auto:
+        sizes["gpu_bytes"] = auto_sizes.gpu_bytes(model, iteration, cfg.engine)
+    sizes.update({k: v for k, v in auto_sizes.host_bytes(model, cfg.engine).items() if k in cfg.auto})
+    return cfg.with_sizes(**sizes)
+
+
+class _Loop:
+    """The training loop, its metrics and its ending (see [Note: Ctrl-C in pagemem train])."""
+
+    def __init__(self, cfg: TrainConfig, rd: RunDir, engine: Engine, loss_of: Any, table: Any) -> None:
+        self.cfg, self.rd, self.engine, self.loss_of, self.table = cfg, rd, engine, loss_of, table
+        self.tokens = cfg.data.batch * cfg.data.seq
+        self.saved_at = engine.global_step if rd.has_checkpoint() else -1
+        self.peak_used: dict[str, int] = {}
+
+    def run(self) -> int:
+        from tqdm import tqdm
+
+        t = self.cfg.train
+        start = self.engine.global_step
+        bar = tqdm(total=t.steps, initial=start, disable=None if t.progress else True, unit="step", file=sys.stderr,
+                   dynamic_ncols=True, leave=False)
+        interrupted = False
+        try:
+            try:
+                self._steps(start, bar)
+            except KeyboardInterrupt:
+                interrupted = True
+                if self.engine.update_unfinished:
+                    self.engine.step()  # finish it: the same bits as an uninterrupted update
+            bar.close()
+            self._save()
+            summary = self._finish(interrupted)
+        finally:
+            bar.close()
+            self.engine.close()
+        print(_summary_table(summary))
+        if interrupted:
+            print(f"pagemem train: interrupted after step {summary['steps_done']}; continue with "
+                  f"`pagemem train --resume {self.rd.path}` (or --resume auto)", file=sys.stderr)
+            return 130
+        return 0
+
+    def _steps(self, start: int, bar: Any) -> None:
+        engine, t = self.engine, self.cfg.train
+        before = engine.stats()
+        for step in range(start, t.steps):
+            x = self.cfg.data.batch_at(step, self.table)
+            t0 = time.perf_counter()
+            loss = self.loss_of(engine, x)
+            t1 = time.perf_counter()
+            engine.backward(loss)
+            # the lock-free updater takes the gradients away: their norm is not kept
+            grad_norm = None if self.cfg.engine.lock_free else engine.get_global_grad_norm()
+            t2 = time.perf_counter()
+            engine.step()
+            t3 = time.perf_counter()
+            stats = engine.stats()
+            m = self._metrics(step + 1, float(loss.detach()), grad_norm, t3 - t0, stats, before)
+            before = stats
+            self.rd.append_metrics(m)
+            for name, a, b in (("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3)):
+                self.rd.phase(name, a, b - a, step + 1)
+            self.rd.counters(t3, m["tier_used_bytes"])
+            bar.update(1)
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+                bar.write(_log_line(m), file=sys.stdout)
+            if t.save_every and (step + 1) % t.save_every == 0:
+                self._save()
+
+    def _metrics(self, step: int, loss: float, grad_norm: float | None, seconds: float, stats: dict,
+                 before: dict) -> dict[str, Any]:
+        used = {n: t["used_bytes"] for n, t in stats["tiers"].items()}
+        for n, b in used.items():
+            self.peak_used[n] = max(self.peak_used.get(n, 0), b)
+        moved = {k: (v - before["moved_bytes"].get(k, 0)) / seconds for k, v in stats["moved_bytes"].items()}
+        staleness = stats["staleness"]
+        return {"step": step, "loss": loss, "grad_norm": grad_norm, "seconds": seconds,
+                "tokens_per_s": self.tokens / seconds, "gpu_peak_bytes": stats["gpu_peak_bytes"],
+                "gpu_budget_bytes": stats["gpu_budget_bytes"], "tier_used_bytes": used, "moved_bytes_per_s": moved,
+                "gpu_idle": stats["gpu_idle"], "staleness_mean": staleness["mean"] if staleness else None}
+
+    def _save(self) -> None:
+        if self.engine.global_step != self.saved_at:
+            self.engine.save(self.rd.checkpoints, keep=self.cfg.train.keep)
+            self.saved_at = self.engine.global_step
+
+    def _finish(self, interrupted: bool) -> dict[str, Any]:
+        from pagemem.sched import HardwareProfile, simulate
+
+        engine, rd = self.engine, self.rd
+        stats = engine.stats()
+        plan, trace = engine.pager.last_plan, engine.pager.last_trace
+        planned, profile = None, "dev-vm" if self.cfg.engine.store.gpu_backend == "host" or not _cuda() else "a100-server"
+        if plan is not None and trace is not None:
+            planned = simulate(plan, trace, HardwareProfile.builtin(profile))
+        rd.write_timelines(trace, planned)
+        metrics = rd.metrics()
+        if metrics:
+            rd.write_plots(metrics, self.cfg.data.floor)
+        steady = [m["tokens_per_s"] for m in metrics[3:]] or [m["tokens_per_s"] for m in metrics]
+        head, tail = metrics[:10], metrics[-10:]
+        budgets = {"gpu": stats["gpu_budget_bytes"], **{n: t["capacity_bytes"] for n, t in stats["tiers"].items()
+                                                        if n != "gpu"}}
+        summary = {
+            "run_dir": rd.path, "steps_done": engine.global_step, "steps": self.cfg.train.steps,
+            "interrupted": interrupted,
+            "tokens_per_s": statistics.median(steady) if steady else None,
+            "first_loss": statistics.mean(m["loss"] for m in head) if head else None,
+            "last_loss": statistics.mean(m["loss"] for m in tail) if tail else None,
+            "loss_floor": self.cfg.data.floor,
+            "peak_bytes": {"gpu": stats["gpu_peak_bytes"], **{n: b for n, b in self.peak_used.items() if n != "gpu"}},
+            "budget_bytes": budgets,
+            "moved_bytes": stats["moved_bytes"], "gpu_idle": stats["gpu_idle"], "replans": stats["replans"],
+            "staleness": stats["staleness"], "planned_iteration_s": planned.iteration_time if planned else None,
+            "profile": profile,
+        }
+        rd.write_summary(summary)
+        return summary
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _log_line(m: dict[str, Any]) -> str:
+    moved = m["moved_bytes_per_s"]
+    host = sum(v for k, v in moved.items() if "nvme" not in k)
+    nvme = sum(v for k, v in moved.items() if "nvme" in k)
+    gn = f"{m['grad_norm']:.3f}" if m["grad_norm"] is not None else "-"
+    line = (f"step {m['step']:>6}  loss {m['loss']:.4f}  grad norm {gn}  {m['tokens_per_s']:,.0f} tok/s  "
+            f"gpu peak {format_bytes(m['gpu_peak_bytes'])} / {format_bytes(m['gpu_budget_bytes'])}  "
+            f"host {format_bytes(int(host))}/s  nvme {format_bytes(int(nvme))}/s  gpu idle {100 * m['gpu_idle']:.0f}%")
+    if m["staleness_mean"] is not None:
+        line += f"  staleness {m['staleness_mean']:.2f}"
+    return line
+
+
+def _summary_table(s: dict[str, Any]) -> str:
+    def b(n: int | None) -> str:
+        return "-" if n is None else format_bytes(int(n))
+
+    rows = [("run directory", s["run_dir"]),
+            ("steps", f"{s['steps_done']} of {s['steps']}" + (" (interrupted)" if s["interrupted"] else "")),
+            ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "-"),
+            ("loss, first 10 -> last 10 steps",
+             f"{s['first_loss']:.4f} -> {s['last_loss']:.4f} (floor {s['loss_floor']:.4f})" if s["first_loss"] else "-")]
+    for tier, peak in s["peak_bytes"].items():
+        rows.append((f"peak {tier}", f"{b(peak)} of {b(s['budget_bytes'].get(tier))}"))
+    for direction, n in sorted(s["moved_bytes"].items()):
+        if n:
+            rows.append((f"moved {direction}", b(n)))
+    rows.append(("gpu idle", f"{100 * s['gpu_idle']:.1f}%"))
+    rows.append(("re-plans", str(s["replans"])))
+    if s["staleness"]:
+        rows.append(("staleness mean / max", f"{s['staleness']['mean']:.2f} / {s['staleness']['max']}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _help_config(plain: dict[str, Any]) -> int:
+    print("Settings (TOML key in [SECTION], or --SECTION.FIELD VALUE), with the embedded default:")
+    for name in known_settings():
+        section, key = name.split(".", 1)
+        value = plain.get(section, {}).get(key, "(the field's default)")
+        print(f"  --{name:<36} {value!r}")
+    print(f"Sizes {', '.join(AUTO_SIZES)} also take \"auto\".")
+    return 0
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,244 @@
+"""``pagemem train``'s configuration: one TOML file (``--config``) and dotted overrides.
+
+Sections and the classes they fill (one name per knob: the field's name is the TOML key and,
+after its section, the flag): ``[train]`` :class:`TrainSettings`; ``[model]``
+:class:`ModelSettings` (the project's GPT shape, or ``hf``); ``[data]``
+:class:`pagemem.models.tasks.BranchingTask`; ``[engine]`` :class:`pagemem.EngineConfig` without
+its ``store`` and ``optimizer``, which are the sections ``[store]`` (:class:`pagemem.StoreConfig`)
+and ``[optimizer]`` (:class:`pagemem.AdamW`). ``--store.gpu_bytes 2GiB`` sets
+``EngineConfig.store.gpu_bytes``. ``gpu_bytes``, ``cpu_bytes`` and ``nvme_bytes`` also take
+``"auto"`` (:mod:`pagemem.commands.auto_sizes`); ``nvme_path`` defaults to ``nvme/`` in the run
+directory when optimizer states go there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import tomllib
+
+from pagemem.checks import check_bool, check_int
+from pagemem.config import StoreConfig
+from pagemem.engine.adam import AdamW
+from pagemem.engine.config import EngineConfig
+from pagemem.errors import ConfigError
+from pagemem.models.gpt import GPTConfig
+from pagemem.models.tasks import BranchingTask
+from pagemem.plain import field_names, from_plain, to_plain, with_overrides
+
+AUTO = "auto"
+AUTO_SIZES = ("gpu_bytes", "cpu_bytes", "nvme_bytes")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The ``[train]`` section: the loop and its run directory."""
+
+    steps: int = 150
+    """Iterations (optimizer steps) in the run, counted from its start (a resumed run goes on to it)."""
+    log_every: int = 10
+    """A log line every this many steps."""
+    save_every: int = 50
+    """A checkpoint every this many steps (0: only at the end and on Ctrl-C)."""
+    keep: int = 2
+    """Checkpoints kept in the run directory (the newest)."""
+    runs: str = "runs"
+    """The directory run directories are made in (``runs/<name>/``)."""
+    name: str | None = None
+    """The run directory's name; None: the start time."""
+    progress: bool = True
+    """A progress bar (tqdm) on stderr."""
+
+    def __post_init__(self) -> None:
+        check_int("steps", self.steps, 1, 1 << 40)
+        check_int("log_every", self.log_every, 1, 1 << 40)
+        check_int("save_every", self.save_every, 0, 1 << 40)
+        check_int("keep", self.keep, 1, 1 << 20)
+        check_bool("progress", self.progress)
+        if not isinstance(self.runs, str) or not self.runs:
+            raise ConfigError(f"runs: must be a directory path, got {self.runs!r}")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name or "/" in self.name
+                                      or self.name in (".", "..")):
+            raise ConfigError(f"name: must be a directory name without '/', got {self.name!r}")
+
+
+@dataclass(frozen=True)
+class ModelSettings(GPTConfig):
+    """The ``[model]`` section: the project's GPT (its shape), or a Hugging Face causal LM."""
+
+    hf: str | None = None
+    """A model type (``"gpt2"``, ``"llama"``: its default config) or a local directory holding a
+    ``config.json`` (and weights, which are loaded when present); needs ``transformers``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.hf is not None and (not isinstance(self.hf, str) or not self.hf):
+            raise ConfigError(f"hf: must be a model type or a directory, got {self.hf!r}")
+
+
+SECTIONS = ("train", "model", "data", "engine", "store", "optimizer")
+ENGINE_OWN = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("store", "optimizer"))
+
+DEFAULT_TOML = """\
+# pagemem train's embedded default: the project's GPT at a small size on a synthetic task,
+# a gpu budget below the model's states, optimizer states on nvme, the lock-free updater.
+[train]
+steps = 150
+log_every = 10
+save_every = 50
+
+[model]
+layers = 4
+hidden = 256
+heads = 4
+vocab = 256
+seq = 64
+
+[data]
+vocab = 256
+seq = 64
+batch = 8
+branches = 4
+
+[engine]
+optimizer_tier = "nvme"
+lock_free = true
+
+[store]
+page_bytes = "256KiB"
+gpu_bytes = "auto"
+cpu_bytes = "auto"
+nvme_bytes = "auto"
+copy_threads = 0
+
+[optimizer]
+lr = 1e-3
+"""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``pagemem train`` runs with, validated; ``auto`` sizes still to resolve are
+    named in ``auto`` (their fields hold a placeholder until :meth:`with_sizes`)."""
+
+    train: TrainSettings
+    model: ModelSettings
+    data: BranchingTask
+    engine: EngineConfig
+    auto: tuple[str, ...] = ()
+
+    def with_sizes(self, **sizes: int) -> "TrainConfig":
+        """The config with ``auto`` store sizes given (``gpu_bytes=...``)."""
+        store = dataclasses.replace(self.engine.store, **sizes)
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, store=store),
+                                   auto=tuple(a for a in self.auto if a not in sizes))
+
+    def to_plain(self) -> dict[str, Any]:
+        """The file layout (sections as in ``DEFAULT_TOML``), every value resolved."""
+        engine = to_plain(self.engine)
+        out = {"train": to_plain(self.train), "model": to_plain(self.model), "data": to_plain(self.data),
+               "store": engine.pop("store"), "optimizer": engine.pop("optimizer"), "engine": engine}
+        for name in self.auto:
+            out["store"][name] = AUTO
+        return out
+
+
+def known_settings() -> list[str]:
+    """Every dotted setting a file or flag may give."""
+    return ([f"train.{n}" for n in field_names(TrainSettings)] + [f"model.{n}" for n in field_names(ModelSettings)]
+            + [f"data.{n}" for n in field_names(BranchingTask)] + [f"engine.{n}" for n in ENGINE_OWN]
+            + [f"store.{n}" for n in field_names(StoreConfig)] + [f"optimizer.{n}" for n in field_names(AdamW)])
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """A config file's tables (errors name the file and line)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config: {os.fspath(path)} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config: {os.fspath(path)} is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {os.fspath(path)} is not valid TOML ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {os.fspath(path)} ({exc.strerror})") from None
+
+
+def layered(files: list[Mapping[str, Any]], overrides: Mapping[str, str]) -> dict[str, Any]:
+    """The default, then each file's tables over it, then the dotted overrides."""
+    known = set(known_settings())
+    out: dict[str, Any] = tomllib.loads(DEFAULT_TOML)
+    for data in files:
+        for section, table in data.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"{section}: unknown section; known: {', '.join(SECTIONS)}")
+            if not isinstance(table, Mapping):
+                raise ConfigError(f"{section}: must be a table ([{section}]), got a {type(table).__name__}")
+            for key in table:
+                if f"{section}.{key}" not in known and not isinstance(table[key], Mapping):
+                    raise ConfigError(f"{section}.{key}: unknown key; known in [{section}]: "
+                                      + ", ".join(k.split(".", 1)[1] for k in known if k.startswith(section + ".")))
+            out.setdefault(section, {}).update(table)
+    bad = [k for k in overrides if k not in known]
+    if bad:
+        raise ConfigError(f"{bad[0]}: unknown setting (see `pagemem train --help-config` for every setting)")
+    return with_overrides(out, overrides)
+
+
+def resolve(plain: Mapping[str, Any], run_dir: str) -> TrainConfig:
+    """Validate the layered tables into a :class:`TrainConfig` (``run_dir``: where ``nvme_path``
+    defaults to, when optimizer states go to nvme)."""
+    train = from_plain(TrainSettings, plain.get("train", {}), "train")
+    model = from_plain(ModelSettings, plain.get("model", {}), "model")
+    data = from_plain(BranchingTask, plain.get("data", {}), "data")
+    if model.hf is None:
+        if data.vocab > model.vocab:
+            raise ConfigError(f"data.vocab: must be at most model.vocab ({model.vocab}), got {data.vocab}")
+        if data.seq > model.seq:
+            raise ConfigError(f"data.seq: must be at most model.seq ({model.seq}), got {data.seq}")
+    store = dict(plain.get("store", {}))
+    auto = tuple(k for k in AUTO_SIZES if store.get(k) == AUTO)
+    for k in auto:
+        store[k] = store.get("page_bytes", StoreConfig.page_bytes)  # a placeholder, until resolved
+    engine_own = dict(plain.get("engine", {}))
+    tier = engine_own.get("optimizer_tier", EngineConfig.optimizer_tier)
+    if tier == "nvme" and store.get("nvme_path") is None:
+        store["nvme_path"] = os.path.join(run_dir, "nvme")
+    if tier != "nvme" and "nvme_bytes" in auto:
+        store["nvme_bytes"] = 0
+        auto = tuple(a for a in auto if a != "nvme_bytes")
+    store_cfg = from_plain(StoreConfig, store, "store")
+    optimizer = from_plain(AdamW, plain.get("optimizer", {}), "optimizer")
+    engine = from_plain(EngineConfig, {**engine_own, "store": store_cfg, "optimizer": optimizer}, "engine")
+    return TrainConfig(train, model, data, engine, auto)
+
+
+def to_toml(plain: Mapping[str, Any]) -> str:
+    """The file layout as TOML text (the resolved config a run directory keeps)."""
+    lines: list[str] = []
+    for section in SECTIONS:
+        table = plain.get(section)
+        if not table:
+            continue
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            if value is not None:  # TOML has no null: a missing key is its default, None
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} as TOML")
