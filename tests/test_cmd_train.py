@@ -168,3 +168,20 @@ def test_ctrl_c_leaves_a_resumable_run_that_ends_as_an_uninterrupted_one(tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert losses == [json.loads(line)["loss"] for line in open(whole / "runs" / "w" / "metrics.jsonl")]
+
+
+def test_a_hugging_face_model_from_a_local_config_directory_trains(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path / "tiny-gpt2"
+    transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=96, n_positions=32, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0).save_pretrained(d)
+    assert train(tmp_path, "--model.hf", str(d), "--optimizer.lr", "3e-3", "--train.name", "hf", steps=30) == 0
+    metrics = [json.loads(line) for line in open(tmp_path / "runs" / "hf" / "metrics.jsonl")]
+    assert sum(m["loss"] for m in metrics[-5:]) < sum(m["loss"] for m in metrics[:5]) - 5 * 0.3
+
+
+def test_an_unknown_hugging_face_model_type_is_one_line(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    assert train(tmp_path, "--model.hf", "no-such-model", steps=2) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.hf" in err and "\n" not in err

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
+from pagemem.commands import measure
+from pagemem.commands import profile as profile_cmd
 from pagemem.errors import ConfigError
 from pagemem.sched import HardwareProfile
-from pagemem import profile_cmd
-from pagemem.sched import measure
 from pagemem.sched.hardware import PROFILES_DIR
 from pagemem.tracer import CostModel, synthetic_transformer
 

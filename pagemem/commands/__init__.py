@@ -3,10 +3,10 @@
 
 COMMANDS: list[tuple[str, str, str]] = [
     ("train", "pagemem.commands.train", "train a model through the engine from one config into a run directory"),
-    ("demo", "pagemem.demo", "store a model-sized set of tensors across the tiers, move them, verify every byte"),
-    ("trace", "pagemem.tracer.cli", "trace one training iteration of the GPT (or synthesise it) and write trace JSON files"),
-    ("plan", "pagemem.sched.cli", "plan one training iteration: the task queue, its validated peak memory"),
-    ("simulate", "pagemem.sched.simulate_cmd", "plan and simulate one training iteration on a hardware profile"),
-    ("profile", "pagemem.profile_cmd", "measure this machine into a hardware profile for the simulator"),
+    ("demo", "pagemem.commands.demo", "store a model-sized set of tensors across the tiers, move them, verify every byte"),
+    ("trace", "pagemem.commands.trace", "trace one training iteration of the GPT (or synthesise it) and write trace JSON files"),
+    ("plan", "pagemem.commands.plan", "plan one training iteration: the task queue, its validated peak memory"),
+    ("simulate", "pagemem.commands.simulate", "plan and simulate one training iteration on a hardware profile"),
+    ("profile", "pagemem.commands.profile", "measure this machine into a hardware profile for the simulator"),
 ]
 """(name, module, one-line help). Add a command by adding a row."""

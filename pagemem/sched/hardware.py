@@ -31,7 +31,7 @@ One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
 Profiles ship as JSON in ``pagemem/sched/profiles/`` (``HardwareProfile.builtin(name)``):
 ``a100-server`` (the paper's server, from :meth:`HardwareProfile.a100_server`) and
 ``dev-vm`` (measured on the development VM by ``pagemem profile``, see
-:mod:`pagemem.sched.measure`). ``facts`` holds where the numbers come from.
+:mod:`pagemem.commands.measure`). ``facts`` holds where the numbers come from.
 """
 
 from __future__ import annotations

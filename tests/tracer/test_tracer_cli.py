@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
+from pagemem.commands import trace as trace_cli
 from pagemem.tracer import Trace
-from pagemem.tracer import cli as trace_cli
 
 
 def _run(argv: list[str]) -> int:
@@ -53,8 +53,9 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
 
 def test_registered_in_the_pagemem_command():
     from pagemem import cli
+    from pagemem.commands import COMMANDS
 
-    assert ("trace", "pagemem.tracer.cli") in [(n, m) for n, m, _ in cli.COMMANDS]
+    assert ("trace", "pagemem.commands.trace") in [(n, m) for n, m, _ in COMMANDS]
     try:
         parser = cli.build_parser()
     except ModuleNotFoundError as e:  # another subcommand's module is not on this branch yet

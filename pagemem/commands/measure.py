@@ -203,14 +203,14 @@ def _net_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, out
 def network(nbytes: int, repeats: int = 5, world: int = 2, timeout: float = 300.0) -> dict[str, float]:
     """Bus bandwidth (bytes/s) of gloo all-gather and reduce-scatter between ``world`` local
     processes over loopback, ``nbytes`` per rank. The processes are fresh interpreters
-    (``python -m pagemem.sched.measure``), so callers need no ``__main__`` guard."""
+    (``python -m pagemem.commands.measure``), so callers need no ``__main__`` guard."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.TemporaryDirectory(prefix="pagemem-net-") as d:
         out = os.path.join(d, "result.json")
         port = _free_port()
-        procs = [subprocess.Popen([sys.executable, "-m", "pagemem.sched.measure", "net-worker", str(rank),
+        procs = [subprocess.Popen([sys.executable, "-m", "pagemem.commands.measure", "net-worker", str(rank),
                                    str(world), str(port), str(nbytes), str(repeats), out], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for rank in range(world)]

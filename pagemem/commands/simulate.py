@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagemem.commands.plan import add_plan_arguments, load_trace, make_plan
 from pagemem.errors import PageMemError
-from pagemem.sched.cli import add_plan_arguments, load_trace, make_plan
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.units import format_bytes
 

@@ -1,5 +1,5 @@
 """``pagemem profile``: measure this machine's bandwidths and rates into a hardware profile JSON
-(see :mod:`pagemem.sched.measure`), or print a built-in profile. It lives above the layers: the
+(see :mod:`pagemem.commands.measure`), or print a built-in profile. It lives above the layers: the
 executor's host time per window is measured by the engine (:mod:`pagemem.engine.measure`)."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagemem.commands.measure import measure
     from pagemem.engine.measure import window_host_seconds
     from pagemem.errors import PageMemError
     from pagemem.sched.hardware import HardwareProfile
-    from pagemem.sched.measure import measure
 
     try:
         if args.show:
