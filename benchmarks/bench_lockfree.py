@@ -258,11 +258,12 @@ def main() -> None:
                     help="the capped disk moves the optimizer states in and out in this many anchor iterations")
     args = ap.parse_args()
     TASK = args.task
+    suffix = "" if TASK == "branching" else f"_{TASK}"  # the exact task's figures go beside, not over
     payload: dict = {"steps": args.steps, "bandwidth_factor": args.bandwidth_factor, "task": TASK, "seeds": args.seeds}
     if args.part in ("convergence", "both"):
         conv = convergence(args.steps, args.bandwidth_factor, args.seeds)
         payload["convergence"] = conv
-        plot(conv, "benchmarks/results/bench_lockfree_loss.png")
+        plot(conv, f"benchmarks/results/bench_lockfree{suffix}_loss.png")
         rows = []
         for n, r in conv.items():
             for k, label in (("sync", "synchronous"), ("predict", "lock-free, predict"), ("none", "lock-free, none"),
@@ -296,7 +297,7 @@ def main() -> None:
                     title=f"throughput (nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
                           f"lock-free staleness mean {t['staleness']['mean']:.2f}, max {t['staleness']['max']}, "
                           f"predicted {pr.get('staleness', 0):.2f}; simulator goal: within 15%)"))
-    print("wrote", write_json("bench_lockfree", payload))
+    print("wrote", write_json(f"bench_lockfree{suffix}", payload))
 
 
 if __name__ == "__main__":
