@@ -213,7 +213,7 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
     for ax, (name, r) in zip(axes[0], results.items()):
         ax.plot(r["losses"]["sync"], label="synchronous", lw=1)
         for k in ("predict", "none"):
@@ -222,11 +222,11 @@ def plot(results: dict, path: str) -> None:
                                           f"max {st['max']})", lw=1)
         ax.plot(r["losses"]["plain_late"], label="plain PyTorch, one step late", lw=1, ls=":")
         ax.set_yscale("log")
-        ax.set_title(f"{name} ({TASK} task, data order 0): tail ratio {r['tail_ratio']['predict']:.4f} "
-                     f"over {len(r['tails']['sync'])} orders")
+        ax.set_title(f"{name}, {TASK} task, data order 0\ntail x sync over {len(r['tails']['sync'])} orders: "
+                     f"predict {r['tail_ratio']['predict']:.4f}, none {r['tail_ratio']['none']:.4f}", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        ax.legend()
+        ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
