@@ -195,6 +195,13 @@ def test_cgroup_limits_and_little_host_memory(tmp_path, monkeypatch):
     assert row.status == "warning" and row.data["available"] == 100 << 20 and row.action
 
 
+def test_memlock_soft_and_hard_limits(monkeypatch):
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (64 << 10, resource.RLIM_INFINITY))
+    row = doctor_cmd.memlock_check()
+    assert row.status == "ok" and row.data == {"soft": 64 << 10, "hard": None}
+    assert "RLIMIT_MEMLOCK 64.0 KiB (hard unlimited)" in row.finding
+
+
 @pytest.mark.parametrize("where", ["missing", "file", "/proc"])
 def test_a_bad_nvme_path_is_one_line_and_exit_2(tmp_path, capsys, where):
     path = {"missing": str(tmp_path / "nope"), "file": str(tmp_path / "f"), "/proc": "/proc"}[where]

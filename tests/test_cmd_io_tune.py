@@ -143,6 +143,21 @@ def test_with_cuda_the_page_size_is_the_copy_plateau_and_it_is_plotted(tmp_path,
     assert img.size[0] > 400 and len(set(img.tobytes())) > 10  # decodes, and is not blank
 
 
+def test_a_plateau_page_larger_than_total_bytes_still_sets_the_page_size(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(io_sweep, "cuda_available", lambda: True)
+    monkeypatch.setattr(measure, "cuda_copy", synthetic_copies)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Synthetic GPU")
+    monkeypatch.setattr("pagemem.commands.io_tune._link_bytes_per_s", lambda: None)
+    report = run_json(tmp_path, "--quick", "--io_engine", "threads", "--total_bytes", "1MiB", "--plot",
+                      str(tmp_path / "pcie.png"))
+    assert report["copies"]["page_bytes"] == 2 * MiB
+    assert {m["page_bytes"] for m in report["measurements"]} == {256 * KiB, MiB}  # 2 MiB does not fit in 1 MiB
+    best = pick_best(measurements(report))
+    store = store_of(tmp_path, tmp_path / "t.toml")
+    assert (store.page_bytes, store.io_depth, store.io_engine) == (2 * MiB, best.io_depth, best.io_engine)
+    assert "that page size was not measured" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,field", [
     (["{tmp}/nope"], "nvme_path"),
     (["{tmp}/file"], "nvme_path"),
@@ -151,7 +166,7 @@ def test_with_cuda_the_page_size_is_the_copy_plateau_and_it_is_plotted(tmp_path,
     (["{tmp}", "--page_bytes", "1000"], "page_bytes"),
     (["{tmp}", "--page_bytes", "256KiB,,1MiB"], "page_bytes"),
     (["{tmp}", "--total_bytes", "-5"], "total_bytes"),
-    (["{tmp}", "--total_bytes", "5000"], "total_bytes"),
+    (["{tmp}", "--quick", "--total_bytes", "1048577"], "total_bytes"),  # 1 MiB + 1
     (["{tmp}", "--total_bytes", "1MiB"], "total_bytes"),  # below the 16 MiB page
     (["{tmp}", "--io_engine", "fast"], "io_engine"),
     (["{tmp}", "--io_engine", "auto"], "io_engine"),

@@ -25,7 +25,13 @@ import torch
 
 from pagemem.commands import probes
 from pagemem.errors import ConfigError
-from pagemem.machine import cgroup_memory, disk_free, host_memory_available, meminfo, unwritable
+from pagemem.machine import (
+    cgroup_memory,
+    disk_free,
+    host_memory_available,
+    meminfo,
+    unwritable,
+)
 from pagemem.units import format_bytes
 
 OK, MISSING, WARNING = "ok", "missing", "warning"

@@ -20,7 +20,14 @@ import torch
 
 from pagemem.checks import check_int
 from pagemem.commands import io_sweep
-from pagemem.commands.io_sweep import ENGINES, TOLERANCE, CopySweep, Measurement, Skipped, size_text
+from pagemem.commands.io_sweep import (
+    ENGINES,
+    TOLERANCE,
+    CopySweep,
+    Measurement,
+    Skipped,
+    size_text,
+)
 from pagemem.commands.train_config import to_toml
 from pagemem.config import StoreConfig
 from pagemem.errors import ConfigError
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"pagemem io-tune: {os.path.abspath(path)} ({disk.get('filesystem') or '?'} on {disk.get('device') or '?'}, "
           f"{format_bytes(disk['free_bytes'])} free); {size_text(s['total_bytes'])} written and read per setting, "
           f"median of {s['repeats']} pass(es), checksums on")
-    copies, copies_skipped = _copies(args, s, disk)
+    copies, copies_skipped = _copies(args, s)
     pages = list(s["page_bytes"])
     if copies is not None and copies.page_bytes() not in pages and copies.page_bytes() <= s["total_bytes"]:
         pages.append(copies.page_bytes())
@@ -79,9 +86,11 @@ def run(args: argparse.Namespace) -> int:
     store = {"page_bytes": size_text(page or best.page_bytes), "io_engine": best.io_engine,
              "io_depth": best.io_depth, "direct_io": best.o_direct}
     StoreConfig(**store)  # the config written must be one pagemem takes
-    how = (f"page_bytes from the host <-> GPU plateau ({size_text(page)}); io_engine and io_depth the best "
-           + ("at that page size" if at_page else "of every page size (that page size was not measured)")
-           if page else "the best disk setting")
+    if page is None:
+        how = "the best disk setting"
+    else:
+        how = (f"page_bytes from the host <-> GPU plateau ({size_text(page)}); io_engine and io_depth the best "
+               + ("at that page size" if at_page else "of every page size (that page size was not measured)"))
     print(f"best ({RULE}): {best.io_engine}, page_bytes {size_text(best.page_bytes)}, io_depth {best.io_depth}: "
           f"read {best.read_bytes_per_s / 1e6:.1f} MB/s, write {best.write_bytes_per_s / 1e6:.1f} MB/s")
     if page:
@@ -106,10 +115,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     pages = [_page_bytes(v) for v in _items(args.page_bytes or base["page_bytes"], "page_bytes")]
     depths = []
     for v in _items(args.io_depth or base["io_depth"], "io_depth"):
-        try:
-            depths.append(check_int("io_depth", int(v), 1, 1024))
-        except ValueError:
-            raise ConfigError(f"io_depth: must be an integer in [1, 1024], got {v!r}") from None
+        depths.append(check_int("io_depth", int(v) if v.isdigit() else v, 1, 1024))
     engines = _items(args.io_engine, "io_engine")
     for e in engines:
         if e not in ENGINES:
@@ -150,7 +156,7 @@ def _disk(path: str) -> dict[str, Any]:
     return {**disk_info(path), "free_bytes": disk_free(path)[0]}
 
 
-def _copies(args: argparse.Namespace, s: dict[str, Any], disk: dict[str, Any]) -> tuple[CopySweep | None, str | None]:
+def _copies(args: argparse.Namespace, s: dict[str, Any]) -> tuple[CopySweep | None, str | None]:
     """The host <-> GPU sweep and its plot with CUDA; else None and why it was skipped."""
     if not io_sweep.cuda_available():
         why = "no CUDA (torch.cuda.is_available() is False): the page size comes from the disk sweep alone"
