@@ -42,15 +42,24 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None  # "max" (no limit) reads as None
 
 
+def cgroup_memory() -> list[tuple[int, int]]:
+    """``(limit, usage)`` bytes of each memory cgroup (v2, then v1) this process sees that sets a
+    limit; empty where there is none, or none can be read."""
+    out = []
+    for limit_path, usage_path in _CGROUP_LIMITS:
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            out.append((limit, usage))
+    return out
+
+
 def host_memory_available() -> int | None:
     """Bytes of host memory a new allocation can have now: ``MemAvailable``, less where a memory
     cgroup's limit leaves less; None where neither can be read."""
     best = meminfo("MemAvailable")
-    for limit_path, usage_path in _CGROUP_LIMITS:
-        limit, usage = _read_int(limit_path), _read_int(usage_path)
-        if limit is not None and usage is not None and limit < 1 << 60:
-            room = max(limit - usage, 0)
-            best = room if best is None else min(best, room)
+    for limit, usage in cgroup_memory():
+        room = max(limit - usage, 0)
+        best = room if best is None else min(best, room)
     return best
 
 

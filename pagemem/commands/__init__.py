@@ -8,5 +8,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("plan", "pagemem.commands.plan", "plan one training iteration: the task queue, its validated peak memory"),
     ("simulate", "pagemem.commands.simulate", "plan and simulate one training iteration on a hardware profile"),
     ("profile", "pagemem.commands.profile", "measure this machine into a hardware profile for the simulator"),
+    ("doctor", "pagemem.commands.doctor", "what this machine offers (GPU, PCIe, pinned memory, AIO, O_DIRECT) and what pagemem will use"),
+    ("io-tune", "pagemem.commands.io_tune", "sweep page size, queue depth and I/O engine on a directory; write the best as a [store] config"),
 ]
 """(name, module, one-line help). Add a command by adding a row."""

@@ -78,31 +78,42 @@ def host_copy(nbytes: int, repeats: int = 5) -> float:
     return _median_rate(nbytes, lambda: dst.copy_(src), repeats)
 
 
-def cuda_copy(nbytes: int, repeats: int = 5) -> tuple[float, float]:
-    """(h2d, d2h) bytes per second between pinned host memory and the current CUDA device."""
+def cuda_copy(nbytes: int, repeats: int = 5, count: int = 1) -> tuple[float, float]:
+    """(h2d, d2h) bytes per second between pinned host memory and the current CUDA device;
+    each timed run issues ``count`` copies of ``nbytes`` back to back (many, for small sizes, so
+    that the timer's and the synchronisation's overhead does not dominate)."""
     host = _filled(nbytes, pin_memory=True)
     dev = _filled(nbytes, device="cuda")
     sync = torch.cuda.synchronize
-    h2d = _median_rate(nbytes, lambda: dev.copy_(host, non_blocking=True), repeats, sync)
-    d2h = _median_rate(nbytes, lambda: host.copy_(dev, non_blocking=True), repeats, sync)
+
+    def copies(dst: torch.Tensor, src: torch.Tensor) -> None:
+        for _ in range(count):
+            dst.copy_(src, non_blocking=True)
+
+    h2d = _median_rate(nbytes * count, lambda: copies(dev, host), repeats, sync)
+    d2h = _median_rate(nbytes * count, lambda: copies(host, dev), repeats, sync)
     return h2d, d2h
 
 
-def nvme(path: str, nbytes: int, repeats: int = 3, depth: int = DEPTH) -> tuple[float, float, dict[str, Any]]:
-    """(read, write) bytes per second of ``PageStore`` moves between the cpu and nvme tiers, and
-    the nvme tier's description, with ``host_bytes_per_s``: bytes moved per second of this
-    process's CPU time (every thread: checksums, submission, completion)."""
+def nvme(path: str, nbytes: int, repeats: int = 3, depth: int = DEPTH, *, page_bytes: int = PAGE,
+         engine: str = "auto") -> tuple[float, float, dict[str, Any]]:
+    """(read, write) bytes per second of ``PageStore`` moves between the cpu and nvme tiers of
+    ``nbytes // page_bytes`` pages (at least one) through I/O engine ``engine``, and the nvme
+    tier's description (with its ``page_bytes`` and the ``pages`` moved), and ``host_bytes_per_s``:
+    bytes moved per second of this process's CPU time (every thread: checksums, submission,
+    completion)."""
     from pagemem import PageStore, StoreConfig
 
-    pages = max(1, nbytes // PAGE)
-    size = pages * PAGE
-    cfg = StoreConfig(page_bytes=PAGE, cpu_bytes=size, nvme_bytes=size, nvme_path=path, io_depth=depth)
+    pages = max(1, nbytes // page_bytes)
+    size = pages * page_bytes
+    cfg = StoreConfig(page_bytes=page_bytes, cpu_bytes=size, nvme_bytes=size, nvme_path=path, io_depth=depth,
+                      io_engine=engine)
     reads, writes = [], []
     with PageStore(cfg) as store:
-        tensors = [store.allocate((PAGE,), torch.uint8, tier="cpu") for _ in range(pages)]
+        tensors = [store.allocate((page_bytes,), torch.uint8, tier="cpu") for _ in range(pages)]
         g = torch.Generator().manual_seed(0)
         for t in tensors:
-            t.copy_(torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g))
+            t.copy_(torch.randint(0, 256, (page_bytes,), dtype=torch.uint8, generator=g))
         store.move(tensors, "nvme").wait()  # lay the file out: steady state from here
         store.move(tensors, "cpu").wait()
         cpu0 = time.process_time()
@@ -114,7 +125,9 @@ def nvme(path: str, nbytes: int, repeats: int = 3, depth: int = DEPTH) -> tuple[
             store.move(tensors, "cpu").wait()
             reads.append(size / (time.perf_counter() - t0))
         cpu = time.process_time() - cpu0
-        info = {k: v for k, v in store.tier("nvme").describe().items() if k != "files"}
+        tier = store.tier("nvme")
+        info = {k: v for k, v in tier.describe().items() if k != "files"}
+        info["page_bytes"], info["pages"] = tier.page_bytes, pages
     info["samples_read"], info["samples_write"] = reads, writes
     info["host_bytes_per_s"] = 2 * repeats * size / max(cpu, 1e-9)
     return statistics.median(reads), statistics.median(writes), info
@@ -244,7 +257,7 @@ def machine_facts(nvme_path: str | None = None) -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
     if nvme_path:
-        facts["disk"] = _disk(nvme_path)
+        facts["disk"] = disk_info(nvme_path)
     return facts
 
 
@@ -263,7 +276,9 @@ def _mem_total() -> int | None:
     return meminfo("MemTotal")
 
 
-def _disk(path: str) -> dict[str, Any]:
+def disk_info(path: str) -> dict[str, Any]:
+    """The device, mount point and filesystem type holding ``path`` (from ``/proc/mounts``), and
+    the device's model and whether it is rotational where ``/sys/block`` says."""
     path = os.path.realpath(path)
     best = ("", "", "")
     try:
