@@ -185,3 +185,14 @@ def test_an_unknown_hugging_face_model_type_is_one_line(tmp_path, capsys):
     assert train(tmp_path, "--model.hf", "no-such-model", steps=2) == 2
     err = capsys.readouterr().err.strip()
     assert "model.hf" in err and "\n" not in err
+
+
+def test_auto_gpu_bytes_holds_a_model_whose_units_need_more_than_its_trace_says(tmp_path):
+    """4 layers of hidden 128: the scheduler's least for the plain model's trace is below what
+    the engine's units need; ``auto`` tries it and grows to the least the engine names."""
+    assert train(tmp_path, "--model.layers", "4", "--model.hidden", "128", "--model.heads", "4", "--model.vocab", "256",
+                 "--model.seq", "64", "--data.vocab", "256", "--data.seq", "64", "--data.batch", "8",
+                 "--store.page_bytes", "256KiB", "--train.name", "a", steps=3) == 0
+    saved = json.load(open(tmp_path / "runs" / "a" / "config.json"))
+    summary = json.load(open(tmp_path / "runs" / "a" / "summary.json"))
+    assert summary["steps_done"] == 3 and summary["peak_bytes"]["gpu"] <= saved["store"]["gpu_bytes"]

@@ -2,7 +2,10 @@
 
 - ``gpu_bytes``: with CUDA, the device's free memory less a margin (a tenth, at least 1 GiB);
   on the host stand-in, the least budget the scheduler accepts for one traced iteration plus a
-  quarter of the parameters' compute bytes, so pages really move.
+  quarter of the parameters' compute bytes, so pages really move. The engine lays the model out
+  in its own units, which can need more than the plain model's trace says, so ``pagemem train``
+  then tries the budget for two iterations and, refused with the least that works
+  (``OutOfMemory.least_bytes``), takes that plus the same share (:func:`grown`).
 - ``cpu_bytes``: the parameters' home copies, master weights and gradient sums (and the
   optimizer states with ``optimizer_tier="cpu"``; with ``"nvme"``, room for those of the two
   largest tensors, which pass through on their way), a quarter more, one page per tensor and
@@ -37,8 +40,14 @@ def gpu_bytes(model: nn.Module, iteration: Callable[[], None], config: EngineCon
         return max(page, (free - max(1 << 30, free // 10)) // page * page)
     tr = trace(model, iteration).with_non_model_peak_reserved()
     model.zero_grad(set_to_none=True)
+    return grown(least_gpu_bytes(tr, page_bytes=page), model, config)
+
+
+def grown(least: int, model: nn.Module, config: EngineConfig) -> int:
+    """``least`` plus the share of the parameters' compute bytes the host stand-in adds."""
+    page = int(config.store.page_bytes)
     compute = sum(p.numel() for p in model.parameters()) * config.compute_dtype.itemsize
-    return _round_up(least_gpu_bytes(tr, page_bytes=page) + compute // 4 + 4 * page, page)
+    return _round_up(least + compute // 4 + 4 * page, page)
 
 
 def host_bytes(model: nn.Module, config: EngineConfig) -> dict[str, int]:

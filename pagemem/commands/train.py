@@ -8,10 +8,13 @@ FILE`` layers a TOML file over it and ``--SECTION.FIELD VALUE`` sets one field
 lists every setting. ``--resume auto`` continues the newest run under ``train.runs`` from its
 last checkpoint with its saved config (``--resume RUN_DIR`` a given one).
 
-[Note: Ctrl-C in pagemem train] The first Ctrl-C ends the loop where it lands: a forward or a
-backward it interrupts is discarded (the engine's step transaction), an update it interrupts
-is finished (``step()`` again, the same bits as an uninterrupted one). Then the engine saves a
-checkpoint of the last whole step, the run directory gets its plots, timelines and summary, and
+[Note: Ctrl-C in pagemem train] The first Ctrl-C ends the loop at a whole step: one landing in
+a forward ends it there (nothing of that step happened); from the backward on it is held (the
+engine's ``shield``) until the step, its metrics line and its timeline events are written, so
+the metrics hold every step a checkpoint holds. A second Ctrl-C lands at once: a backward it
+interrupts is discarded (the engine's step transaction), an update it interrupts is finished
+(``step()`` again, the same bits as an uninterrupted one). Then the engine saves a checkpoint
+of the last whole step, the run directory gets its plots, timelines and summary, and
 the command exits 130. A second Ctrl-C during that save stops at once; ``latest`` still names
 the previous checkpoint, so the run stays resumable. The batches are a pure function of the
 step, and a checkpoint holds the whole training state, so a resumed run ends with the weights
@@ -42,7 +45,8 @@ from pagemem.commands.train_config import (
     to_toml,
 )
 from pagemem.engine import Engine
-from pagemem.errors import ConfigError
+from pagemem.engine.interrupts import shield
+from pagemem.errors import ConfigError, OutOfMemory
 from pagemem.plain import from_plain, with_overrides
 from pagemem.units import format_bytes
 
@@ -85,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"data: vocab {cfg.data.vocab} and seq {cfg.data.seq} must be at most the model's "
                               f"({vocab} and {longest})")
         table = cfg.data.table()
+        probe = "gpu_bytes" in cfg.auto and (cfg.engine.store.gpu_backend == "host" or not _cuda())
         cfg = _sized(cfg, model, lambda: loss_of(model, cfg.data.batch_at(0, table)).backward())
+        if probe and not args.resume:
+            cfg = _tried(cfg, loss_of, table)
+            model = build(cfg.model, cfg.data.seed)[0]  # the tries trained a copy: start afresh
         os.makedirs(rd.path, exist_ok=True)
         if args.resume:
             engine = Engine.load(rd.checkpoints, model, cfg.engine)
@@ -97,7 +105,12 @@ def run(args: argparse.Namespace) -> int:
         if created:  # nothing of this run exists yet: leave nothing behind
             _remove_tree(rd.path)
         raise
-    return _Loop(cfg, rd, engine, loss_of, table).run()
+    try:
+        return _Loop(cfg, rd, engine, loss_of, table).run()
+    except Exception:
+        if created and not rd.has_checkpoint():  # nothing to resume: leave nothing behind
+            _remove_tree(rd.path)
+        raise
 
 
 def _sized(cfg: TrainConfig, model: Any, iteration: Any) -> TrainConfig:
@@ -109,6 +122,25 @@ def _sized(cfg: TrainConfig, model: Any, iteration: Any) -> TrainConfig:
         sizes["gpu_bytes"] = auto_sizes.gpu_bytes(model, iteration, cfg.engine)
     sizes.update({k: v for k, v in auto_sizes.host_bytes(model, cfg.engine).items() if k in cfg.auto})
     return cfg.with_sizes(**sizes)
+
+
+def _tried(cfg: TrainConfig, loss_of: Any, table: Any, attempts: int = 4) -> TrainConfig:
+    """``cfg`` whose ``auto`` gpu budget held two iterations (traced, then planned) of a fresh
+    copy of the model, grown to the least the engine names where it did not (``auto_sizes``)."""
+    for _ in range(attempts):
+        model = build(cfg.model, cfg.data.seed)[0]
+        try:
+            with Engine(model, cfg.engine) as engine:
+                for step in range(2):
+                    engine.backward(loss_of(engine, cfg.data.batch_at(step, table)))
+                    engine.step()
+            return cfg
+        except OutOfMemory as exc:
+            if exc.least_bytes is None or exc.least_bytes <= cfg.engine.store.gpu_bytes:
+                raise
+            cfg = cfg.with_sizes(gpu_bytes=auto_sizes.grown(exc.least_bytes, model, cfg.engine))
+    raise ConfigError(f"store.gpu_bytes: \"auto\" found no budget that holds this model after {attempts} tries; "
+                      "give one")
 
 
 class _Loop:
@@ -133,8 +165,7 @@ class _Loop:
                 self._steps(start, bar)
             except KeyboardInterrupt:
                 interrupted = True
-                if self.engine.update_unfinished:
-                    self.engine.step()  # finish it: the same bits as an uninterrupted update
+                self._whole()
             bar.close()
             self._save()
             summary = self._finish(interrupted)
@@ -156,24 +187,38 @@ class _Loop:
             t0 = time.perf_counter()
             loss = self.loss_of(engine, x)
             t1 = time.perf_counter()
-            engine.backward(loss)
-            # the lock-free updater takes the gradients away: their norm is not kept
-            grad_norm = None if self.cfg.engine.lock_free else engine.get_global_grad_norm()
-            t2 = time.perf_counter()
-            engine.step()
-            t3 = time.perf_counter()
-            stats = engine.stats()
-            m = self._metrics(step + 1, float(loss.detach()), grad_norm, t3 - t0, stats, before)
-            before = stats
-            self.rd.append_metrics(m)
-            for name, a, b in (("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3)):
-                self.rd.phase(name, a, b - a, step + 1)
-            self.rd.counters(t3, m["tier_used_bytes"])
-            bar.update(1)
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-                bar.write(_log_line(m), file=sys.stdout)
+            with shield():  # a Ctrl-C from here on lands when the step and its record are whole
+                engine.backward(loss)
+                # the lock-free updater takes the gradients away: their norm is not kept
+                grad_norm = None if self.cfg.engine.lock_free else engine.get_global_grad_norm()
+                t2 = time.perf_counter()
+                engine.step()
+                t3 = time.perf_counter()
+                stats = engine.stats()
+                m = self._metrics(step + 1, float(loss.detach()), grad_norm, t3 - t0, stats, before)
+                before = stats
+                self.rd.append_metrics(m)
+                for name, a, b in (("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3)):
+                    self.rd.phase(name, a, b - a, step + 1)
+                self.rd.counters(t3, m["tier_used_bytes"])
+                bar.update(1)
+                if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+                    bar.write(_log_line(m), file=sys.stdout)
             if t.save_every and (step + 1) % t.save_every == 0:
                 self._save()
+
+    def _whole(self) -> None:
+        """After a Ctrl-C: the engine at a whole step (see the Note). Only a second Ctrl-C gets
+        inside a step; then an interrupted update is finished, and gradients no step took are
+        discarded (handed on, with lock-free, whose sums share them: that step counts)."""
+        engine = self.engine
+        if engine.update_unfinished:
+            engine.step()  # the same bits as an uninterrupted update
+        elif engine.gradients_pending:
+            if self.cfg.engine.lock_free:
+                engine.step()
+            else:
+                engine.zero_grad()
 
     def _metrics(self, step: int, loss: float, grad_norm: float | None, seconds: float, stats: dict,
                  before: dict) -> dict[str, Any]:

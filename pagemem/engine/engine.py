@@ -261,6 +261,11 @@ class Engine(BackwardMixin):
         is a transaction] in ``update.py``); until then backward, zero_grad and save refuse."""
         return self.updater.unfinished is not None
 
+    @property
+    def gradients_pending(self) -> bool:
+        """Gradients of a backward that no ``step()`` has taken yet (``save`` refuses them)."""
+        return bool(self._micro) or (self.lockfree is not None and self.lockfree.has_fresh())
+
     # ------------------------------------------------------------------ gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:
