@@ -19,6 +19,7 @@ import pytest
 
 from pagemem import cli
 from pagemem.commands import COMMANDS
+from pagemem.commands.io_sweep import sweep_disk
 from pagemem.commands.measure import measure
 from pagemem.commands.train_config import ModelSettings, TrainSettings
 from pagemem.config import StoreConfig
@@ -38,9 +39,11 @@ FIELD_CLASSES = (StoreConfig, EngineConfig, AdamW, GPTConfig, HardwareProfile, T
                  TransformerShape)
 """Config dataclasses whose fields a flag may set (``TransformerShape``: the synthetic trace's
 ``batch``, ``seq``, ``dtype``, ``attention``)."""
-FUNCTIONS = (plan, simulate, measure)
-"""Functions the commands call, whose parameters with a default a flag may set
-(``--cache_optimizer``, ``--iterations``, ``--copy_bytes``)."""
+FUNCTIONS = {plan: ("trace", "budgets"), simulate: ("plan", "trace", "profile"), measure: (),
+             sweep_disk: ("path", "log")}
+"""Functions the commands call, whose parameters a flag may set (``--cache_optimizer``,
+``--iterations``, ``--copy_bytes``, ``--total_bytes``), less those named here: what the
+function works on, not a knob."""
 SECTIONS = {"train": TrainSettings, "model": ModelSettings, "data": BranchingTask, "engine": EngineConfig,
             "store": StoreConfig, "optimizer": AdamW}
 """``pagemem train``'s dotted flags: ``--SECTION.FIELD``."""
@@ -61,6 +64,7 @@ COMMAND_ONLY = {
     "config": "pagemem train's TOML files",
     "resume": "the run pagemem train continues",
     "help_config": "pagemem train lists its settings",
+    "quick": "pagemem io-tune's short sweep",
 }
 """Options no config field holds: what to read and write, and what to run."""
 
@@ -84,8 +88,8 @@ def _known() -> set[str]:
     names: set[str] = set()
     for cls in FIELD_CLASSES:
         names |= _fields(cls)
-    for fn in FUNCTIONS:  # the parameters with a default: the knobs, not the inputs
-        names |= {p.name for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
+    for fn, inputs in FUNCTIONS.items():
+        names |= set(inspect.signature(fn).parameters) - set(inputs)
     return names
 
 
