@@ -141,8 +141,8 @@ def predict(stats: dict, make, bandwidth: int) -> dict:
         timed.append(trace(twin, lambda: loss_of(twin, batch(0, succ), False).backward()))
     tr = with_durations(engine_trace, median_durations(timed))
     hw = HardwareProfile.builtin("dev-vm")
-    share = hw.ranks_per_server  # the profile's ssd rates are the server's
-    hw = dataclasses.replace(hw, ssd_read_bytes_per_s=bandwidth * share, ssd_write_bytes_per_s=bandwidth * share)
+    share = hw.ranks_per_server  # the profile's nvme rates are the server's
+    hw = dataclasses.replace(hw, nvme_read_bytes_per_s=bandwidth * share, nvme_write_bytes_per_s=bandwidth * share)
     sync = simulate(plan_, tr, hw)
     free = simulate_lock_free(plan_, tr, hw)
     return {"ms_sync": 1e3 * sync.iteration_time, "ms_lock_free": 1e3 * free.iteration_time,

@@ -1,6 +1,6 @@
 """A training process for the resume tests: trains the tiny GPT to ``--steps`` updates, saving a
 checkpoint after every update, resuming from ``--ckpt`` if one exists; writes the final weights
-as raw float32 files (no pickle) into ``--out``. Prints ``saving N`` / ``saved N`` lines."""
+as raw float32 files (no pickle) into ``--out_dir``. Prints ``saving N`` / ``saved N`` lines."""
 
 import argparse
 import os
@@ -27,8 +27,8 @@ def batch(step: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--nvme", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--nvme_path", required=True)
+    ap.add_argument("--out_dir", required=True)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--save", action="store_true")
     args = ap.parse_args()
@@ -39,7 +39,7 @@ def main() -> None:
     gpu = engine_gpu_budget(model, lambda m: torch.nn.functional.cross_entropy(
         m(batch(0)[0]).reshape(-1, 128), batch(0)[1].reshape(-1)).backward(), PAGE, 1 / 3)
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=16 * nbytes + 64 * PAGE,
-                                nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=args.nvme)
+                                nvme_bytes=16 * nbytes + 64 * PAGE, nvme_path=args.nvme_path)
     cfg = pagemem.EngineConfig(store=store, optimizer_tier="nvme", adam_threads=1,
                                optimizer=pagemem.AdamW(lr=3e-3, weight_decay=0.1))
     if os.path.exists(os.path.join(args.ckpt, "latest")):
@@ -57,9 +57,9 @@ def main() -> None:
                 print("saving", engine.global_step, flush=True)
                 engine.save(args.ckpt)
                 print("saved", engine.global_step, flush=True)
-        os.makedirs(args.out, exist_ok=True)
+        os.makedirs(args.out_dir, exist_ok=True)
         for k, v in engine.state_dict().items():
-            v.float().numpy().tofile(os.path.join(args.out, k))
+            v.float().numpy().tofile(os.path.join(args.out_dir, k))
     print("done", flush=True)
 
 

@@ -23,7 +23,7 @@ from pagemem.tiers.io.base import EngineUnavailable
 from pagemem.tiers.pagefile import _open_direct
 from tests.conftest import aio_available
 
-NAMES = ("cuda", "memlock", "host_memory", "libaio", "o_direct", "io_engine", "disk", "torch")
+NAMES = ("cuda", "memlock", "host_memory", "libaio", "direct_io", "io_engine", "disk", "torch")
 
 
 def doctor(*argv: str) -> int:
@@ -43,7 +43,7 @@ def checks_of(report: dict) -> dict[str, dict]:
     return {c["name"]: c for c in report["checks"]}
 
 
-def pagemem_o_direct(directory) -> bool:
+def pagemem_direct_io(directory) -> bool:
     """pagemem's own O_DIRECT test (the page file's), as the oracle for the doctor's."""
     path = os.path.join(directory, "probe")
     with open(path, "wb") as f:
@@ -75,8 +75,8 @@ def test_every_check_is_a_row_and_agrees_with_the_machine(tmp_path, capsys):
     if not cuda:
         assert "host-memory stand-in" in by["cuda"]["finding"]
     assert (by["libaio"]["status"] == "ok") == aio_available()
-    direct = pagemem_o_direct(tmp_path)
-    assert (by["o_direct"]["status"] == "ok") == direct and report["will_use"]["direct_io"] == direct
+    direct = pagemem_direct_io(tmp_path)
+    assert (by["direct_io"]["status"] == "ok") == direct and report["will_use"]["direct_io"] == direct
     assert report["will_use"]["io_engine"] == ("aio" if aio_available() and direct else "threads")
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     assert by["memlock"]["data"]["soft"] == (None if soft == resource.RLIM_INFINITY else soft)
@@ -120,8 +120,8 @@ def test_where_o_direct_fails_it_is_a_warning_and_pagemem_still_runs(tmp_path, m
     monkeypatch.setattr(os, "open", no_direct)
     report = report_of(tmp_path)
     by = checks_of(report)
-    assert by["o_direct"]["status"] == "warning" and "EINVAL" in by["o_direct"]["finding"]
-    assert by["o_direct"]["action"]
+    assert by["direct_io"]["status"] == "warning" and "EINVAL" in by["direct_io"]["finding"]
+    assert by["direct_io"]["action"]
     assert report["will_use"]["direct_io"] is False and report["will_use"]["io_engine"] == "threads"
     assert os.listdir(tmp_path) == ["doctor.json"]
 

@@ -57,7 +57,7 @@ def test_a_quick_sweep_measures_every_setting_and_writes_a_config_train_takes(tm
     assert got == {(e, p, d) for e in engines for p in (256 * KiB, MiB) for d in (1, 8)}
     for m in report["measurements"]:
         assert set(m) == {"page_bytes", "io_depth", "io_engine", "read_bytes_per_s", "write_bytes_per_s",
-                          "o_direct", "min_bytes_per_s"}
+                          "direct_io", "min_bytes_per_s"}
         assert m["read_bytes_per_s"] > 0 and m["write_bytes_per_s"] > 0
         assert m["min_bytes_per_s"] == min(m["read_bytes_per_s"], m["write_bytes_per_s"])
         assert f"{m['read_bytes_per_s'] / 1e6:.1f}" in text and f"{m['write_bytes_per_s'] / 1e6:.1f}" in text
@@ -65,7 +65,7 @@ def test_a_quick_sweep_measures_every_setting_and_writes_a_config_train_takes(tm
     assert report["best"] == {**asdict(best), "min_bytes_per_s": best.score}
     store = store_of(tmp_path, tmp_path / "t.toml")
     assert (store.page_bytes, store.io_depth, store.io_engine, store.direct_io) == \
-        (best.page_bytes, best.io_depth, best.io_engine, best.o_direct)
+        (best.page_bytes, best.io_depth, best.io_engine, best.direct_io)
     assert report["total_bytes"] == 8 * MiB and report["repeats"] == 1 and report["checksums"] is True
     if not torch.cuda.is_available():
         assert report["copies"] is None and "no CUDA" in report["copies_skipped"]
@@ -98,7 +98,7 @@ def test_without_o_direct_aio_is_skipped_and_the_config_says_buffered(tmp_path, 
     report = run_json(tmp_path, "--page_bytes", "256KiB", "--io_depth", "2", "--total_bytes", "1MiB", "--repeats", "1")
     text = capsys.readouterr().out
     assert "skipped aio:" in text and "O_DIRECT" in text and "(buffered)" in text
-    assert [m["o_direct"] for m in report["measurements"]] == [False]
+    assert [m["direct_io"] for m in report["measurements"]] == [False]
     store = store_of(tmp_path, tmp_path / "t.toml")
     assert store.direct_io is False and store.io_engine == "threads"
 

@@ -139,8 +139,8 @@ def test_saving_mid_accumulation_is_refused_and_leftovers_are_ignored(tmp_path):
 
 
 def _run(tmp_path, out: str, save: bool, kill_after=None, steps: int = 8) -> subprocess.CompletedProcess | None:
-    cmd = [sys.executable, WORKER, "--ckpt", str(tmp_path / "ckpt"), "--nvme", str(tmp_path / "nvme"),
-           "--out", str(tmp_path / out), "--steps", str(steps)] + (["--save"] if save else [])
+    cmd = [sys.executable, WORKER, "--ckpt", str(tmp_path / "ckpt"), "--nvme_path", str(tmp_path / "nvme"),
+           "--out_dir", str(tmp_path / out), "--steps", str(steps)] + (["--save"] if save else [])
     (tmp_path / "nvme").mkdir(exist_ok=True)
     if kill_after is None:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)

@@ -24,17 +24,17 @@ def test_page_file_is_private_preallocated_and_removed_on_close(make_store, tmp_
     assert os.listdir(tmp_path) == []
 
 
-def test_o_direct_on_a_filesystem_that_has_it(make_store):
+def test_direct_io_on_a_filesystem_that_has_it(make_store):
     store = make_store()
     info = store.tier("nvme").describe()
-    assert info["o_direct"] is True, "the test directory's filesystem should support O_DIRECT"
+    assert info["direct_io"] is True, "the test directory's filesystem should support O_DIRECT"
     assert info["checksum"] == "xxh3_64"
 
 
 def test_buffered_io_uses_the_thread_engine(make_store):
     store = make_store(direct_io=False)
     info = store.tier("nvme").describe()
-    assert info["o_direct"] is False
+    assert info["direct_io"] is False
     assert info["io_engine"] == "threads"
     t = store.allocate((3000,), torch.float32, tier="cpu")
     data = random_tensor((3000,), torch.float32)
@@ -43,7 +43,7 @@ def test_buffered_io_uses_the_thread_engine(make_store):
     assert same_bytes(t.to_torch(), data)
 
 
-def test_asking_for_aio_without_o_direct_is_a_config_error(make_store):
+def test_asking_for_aio_without_direct_io_is_a_config_error(make_store):
     with pytest.raises(pagemem.ConfigError, match="io_engine: .*O_DIRECT"):
         make_store(io_engine="aio", direct_io=False)
 

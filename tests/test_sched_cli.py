@@ -9,13 +9,14 @@ from pagemem.cli import main
 from pagemem.sched import Plan, plan, validate
 from pagemem.tracer import synthetic_transformer
 
-SMALL = ["--model", "tiny", "--batch", "2", "--seq", "16", "--page-bytes", "4096", "--world-size", "2",
-         "--cpu", "1GiB", "--nvme", "1GiB"]
+SMALL = ["--model", "tiny", "--batch", "2", "--seq", "16", "--page_bytes", "4096", "--world_size", "2",
+         "--cpu_bytes", "1GiB", "--nvme_bytes", "1GiB"]
 
 
 def test_plan_command_writes_a_valid_plan_and_a_plot(tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "mem.png"
-    rc = main(["plan", *SMALL, "--gpu", "64MiB", "--optimizer-tier", "nvme", "--out", str(out), "--plot", str(png)])
+    rc = main(["plan", *SMALL, "--gpu_bytes", "64MiB", "--optimizer_tier", "nvme", "--out", str(out),
+               "--plot", str(png)])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "validated" in text and "valid" in text and "peak / budget" in text
@@ -26,7 +27,7 @@ def test_plan_command_writes_a_valid_plan_and_a_plot(tmp_path, capsys):
 
 
 def test_plan_command_reports_infeasible_with_the_minimum(capsys):
-    rc = main(["plan", *SMALL, "--gpu", "1KiB"])
+    rc = main(["plan", *SMALL, "--gpu_bytes", "1KiB"])
     text = capsys.readouterr().out
     assert rc == 3
     assert "smallest GPU budget that works is" in text
@@ -35,13 +36,13 @@ def test_plan_command_reports_infeasible_with_the_minimum(capsys):
 def test_plan_command_reads_a_trace_file(tmp_path, capsys):
     tr = synthetic_transformer(layers=2, hidden=32, ffn=128, heads=2, seq=8, batch=1, vocab=64)
     tr.save(tmp_path / "t.json")
-    rc = main(["plan", "--trace", str(tmp_path / "t.json"), "--gpu", "1GiB", "--cpu", "1GiB",
-               "--page-bytes", "4096", "--world-size", "1"])
+    rc = main(["plan", "--trace", str(tmp_path / "t.json"), "--gpu_bytes", "1GiB", "--cpu_bytes", "1GiB",
+               "--page_bytes", "4096", "--world_size", "1"])
     assert rc == 0, capsys.readouterr().out
 
 
 def test_plan_command_bad_input(capsys):
-    assert main(["plan", *SMALL, "--gpu", "lots"]) == 2
+    assert main(["plan", *SMALL, "--gpu_bytes", "lots"]) == 2
     assert "budgets['gpu']" in capsys.readouterr().out
 
 
@@ -60,7 +61,7 @@ def test_plot_draws_a_plan_that_is_over_budget_too(tmp_path):
 def test_simulate_command_on_both_profiles(tmp_path, capsys):
     chrome = tmp_path / "sim.json"
     for profile in ("a100-server", "dev-vm"):
-        rc = main(["simulate", *SMALL, "--gpu", "64MiB", "--profile", profile, "--chrome", str(chrome)])
+        rc = main(["simulate", *SMALL, "--gpu_bytes", "64MiB", "--profile", profile, "--chrome", str(chrome)])
         text = capsys.readouterr().out
         assert rc == 0, text
         assert "gpu idle" in text and "busy:" in text

@@ -16,15 +16,15 @@ from pagemem.sched import HardwareProfile
 from pagemem.sched.hardware import PROFILES_DIR
 from pagemem.tracer import CostModel, synthetic_transformer
 
-RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
-         "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "flops_per_s",
-         "hbm_bytes_per_s", "host_memory_bytes_per_s", "ssd_host_bytes_per_s", "compute_scale")
+RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "nvme_read_bytes_per_s",
+         "nvme_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "flops_per_s",
+         "hbm_bytes_per_s", "host_memory_bytes_per_s", "nvme_host_bytes_per_s", "compute_scale")
 
 
 def base(**kw) -> HardwareProfile:
-    d = dict(name="t", h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, ssd_read_bytes_per_s=4e9,
-             ssd_write_bytes_per_s=5e9, cpu_adam_elements_per_s=6e9, gpu_adam_elements_per_s=7e9, flops_per_s=8e12,
-             hbm_bytes_per_s=9e11, host_memory_bytes_per_s=1e11, ssd_host_bytes_per_s=2e10, ranks_per_server=8)
+    d = dict(name="t", h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, nvme_read_bytes_per_s=4e9,
+             nvme_write_bytes_per_s=5e9, cpu_adam_elements_per_s=6e9, gpu_adam_elements_per_s=7e9, flops_per_s=8e12,
+             hbm_bytes_per_s=9e11, host_memory_bytes_per_s=1e11, nvme_host_bytes_per_s=2e10, ranks_per_server=8)
     d.update(kw)
     return HardwareProfile(**d)
 
@@ -55,11 +55,11 @@ def test_name_and_facts_are_validated():
 def test_a_server_is_shared_by_its_ranks(world, share):
     hw = base()
     assert hw.sharing(world) == share
-    assert hw.ssd_read_per_rank(world) == pytest.approx(4e9 / share)
-    assert hw.ssd_write_per_rank(world) == pytest.approx(5e9 / share)
+    assert hw.nvme_read_per_rank(world) == pytest.approx(4e9 / share)
+    assert hw.nvme_write_per_rank(world) == pytest.approx(5e9 / share)
     assert hw.cpu_adam_per_rank(world) == pytest.approx(6e9 / share)
     one = base(ranks_per_server=1)
-    assert one.ssd_read_per_rank(world) == 4e9 and one.cpu_adam_per_rank(world) == 6e9
+    assert one.nvme_read_per_rank(world) == 4e9 and one.cpu_adam_per_rank(world) == 6e9
 
 
 def test_sharing_rejects_bad_world_sizes():
@@ -71,10 +71,10 @@ def test_sharing_rejects_bad_world_sizes():
 def test_rate_per_resource_tier_and_rank():
     hw = base()
     assert hw.rate("h2d", "gpu", 8) == 1e9 and hw.rate("network", None, 8) == 3e9
-    assert hw.rate("ssd_read", None, 4) == pytest.approx(4e9 / 4)
+    assert hw.rate("nvme_read", None, 4) == pytest.approx(4e9 / 4)
     assert hw.rate("adam", "gpu", 8) == 7e9 and hw.rate("adam", "cpu", 16) == pytest.approx(6e9 / 8)
     assert hw.rate("memory", "gpu", 8) == 9e11 and hw.rate("memory", "cpu", 2) == pytest.approx(1e11 / 2)
-    assert hw.rate("ssd_host", "cpu", 4) == pytest.approx(2e10 / 4)
+    assert hw.rate("nvme_host", "cpu", 4) == pytest.approx(2e10 / 4)
     # the executor's host time: windows per second, none charged (an infinite rate) at 0
     assert hw.rate("window", "gpu", 8) == math.inf
     assert base(window_host_seconds=0.002).rate("window", "gpu", 8) == pytest.approx(500)
@@ -106,9 +106,35 @@ def test_json_round_trip(tmp_path):
     with pytest.raises(ConfigError, match="unknown"):
         HardwareProfile.from_dict({**d, "pcie": 1})
     with pytest.raises(ConfigError, match="missing"):
-        HardwareProfile.from_dict({k: v for k, v in d.items() if k != "ssd_read_bytes_per_s"})
+        HardwareProfile.from_dict({k: v for k, v in d.items() if k != "nvme_read_bytes_per_s"})
     with pytest.raises(ConfigError, match="flops_per_s"):
         HardwareProfile.from_dict({**d, "flops_per_s": -1})
+
+
+def test_a_version_2_profile_loads_through_the_table_of_old_names():
+    """Version 2 called the nvme tier ``ssd`` (``ssd_read_bytes_per_s``, the stream ``"ssd"``);
+    ``from_dict`` reads it through ``LEGACY_NAMES``, and version 3 knows only the new names."""
+    from pagemem.sched.hardware import LEGACY_NAMES, VERSION
+
+    assert VERSION == 3
+    assert LEGACY_NAMES == {"ssd_read_bytes_per_s": "nvme_read_bytes_per_s",
+                            "ssd_write_bytes_per_s": "nvme_write_bytes_per_s",
+                            "ssd_host_bytes_per_s": "nvme_host_bytes_per_s"}
+    hw = base(shared_processor=("compute", "nvme", "cpu"), facts={"source": "test"})
+    new = hw.to_dict()
+    new_to_old = {n: o for o, n in LEGACY_NAMES.items()}
+    old = {new_to_old.get(k, k): v for k, v in new.items()}
+    old.update(version=2, shared_processor=["compute", "ssd", "cpu"])
+    assert {"ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "ssd_host_bytes_per_s"} <= set(old)
+    assert not any(k.startswith("nvme_") for k in old)
+    assert HardwareProfile.from_dict(old) == hw
+    assert HardwareProfile.from_dict(new) == hw
+    with pytest.raises(ConfigError, match="both"):
+        HardwareProfile.from_dict({**old, "nvme_read_bytes_per_s": 4e9})
+    with pytest.raises(ConfigError, match="unknown.*ssd_read_bytes_per_s"):  # not in version 3
+        HardwareProfile.from_dict({**new, "ssd_read_bytes_per_s": 4e9})
+    with pytest.raises(ConfigError, match="shared_processor"):
+        HardwareProfile.from_dict({**new, "shared_processor": ["ssd"]})
 
 
 def test_cost_model_gives_synthetic_traces_the_profiles_durations():
@@ -129,14 +155,14 @@ def test_a100_server_carries_the_papers_numbers():
     hw = HardwareProfile.a100_server()
     assert (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s) == (32e9, 32e9)
     assert hw.network_bytes_per_s == 200e9
-    assert (hw.ssd_read_bytes_per_s, hw.ssd_write_bytes_per_s) == (3.5e9, 3.5e9)
+    assert (hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s) == (3.5e9, 3.5e9)
     assert hw.ranks_per_server == 8 and hw.compute_scale == 1
-    assert hw.ssd_read_per_rank(8) == pytest.approx(3.5e9 / 8)
+    assert hw.nvme_read_per_rank(8) == pytest.approx(3.5e9 / 8)
     # the assumptions, as derived in the docstring
     assert hw.cpu_adam_elements_per_s == pytest.approx(0.6 * 16 * 2933e6 * 8 / 26)
     assert hw.gpu_adam_elements_per_s == pytest.approx(hw.hbm_bytes_per_s / 26)
     assert hw.host_memory_bytes_per_s == pytest.approx(0.6 * 16 * 2933e6 * 8)
-    assert set(hw.facts["given"]) >= {"h2d_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s"}
+    assert set(hw.facts["given"]) >= {"h2d_bytes_per_s", "network_bytes_per_s", "nvme_read_bytes_per_s"}
     assert hw.facts["assumed"]
 
 
@@ -181,13 +207,13 @@ def test_profile_command_measures_and_writes_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     profile_cmd.configure(parser)
     out = tmp_path / "me.json"
-    args = parser.parse_args(["--out", str(out), "--name", "me", "--nvme-path", str(tmp_path), "--nvme-bytes", "8MiB",
-                              "--copy-bytes", "4MiB", "--adam-elements", "100000", "--network-bytes", "1MiB",
+    args = parser.parse_args(["--out", str(out), "--name", "me", "--nvme_path", str(tmp_path), "--nvme_bytes", "8MiB",
+                              "--copy_bytes", "4MiB", "--adam_elements", "100000", "--network_bytes", "1MiB",
                               "--repeats", "1"])
     assert profile_cmd.run(args) == 0
     hw = HardwareProfile.load(out)
     assert hw.name == "me" and hw.ranks_per_server == (torch.cuda.device_count() or 1)
-    assert hw.facts["method"]["ssd_backend"]["io_depth"] == 8
+    assert hw.facts["method"]["nvme_backend"]["io_depth"] == 8
     # the executor's host time per moved window: measured by the engine on the host stand-in only
     assert (hw.window_host_seconds > 0) != torch.cuda.is_available()
 

@@ -27,8 +27,8 @@ def test_the_update_leaves_the_iteration_where_the_ssd_was_the_bottleneck():
     free = simulate_lock_free(p, tr, hw)
     assert free.iteration_time < 0.5 * sync.iteration_time
     assert free.iteration_time == pytest.approx(free.compute_side.iteration_time)
-    assert free.compute_side.busy.get("ssd", 0.0) == 0.0  # no state traffic inside the iteration
-    assert free.update_pass_time == pytest.approx(free.pass_busy["ssd"])
+    assert free.compute_side.busy.get("nvme", 0.0) == 0.0  # no state traffic inside the iteration
+    assert free.update_pass_time == pytest.approx(free.pass_busy["nvme"])
     assert free.staleness == pytest.approx(free.update_pass_time / free.iteration_time - 1)
     assert free.staleness > 1
 
@@ -42,7 +42,7 @@ def test_a_pass_costs_what_the_synchronous_updates_cost_per_stream(tier):
     free = simulate_lock_free(p, tr, hw)
     assert free.pass_busy["cpu"] == pytest.approx(want["cpu"])
     if tier == "nvme":
-        assert free.pass_busy["ssd"] == pytest.approx(want["ssd"])
+        assert free.pass_busy["nvme"] == pytest.approx(want["nvme"])
         assert free.pass_busy["io"] == pytest.approx(want["io"])
 
 

@@ -17,15 +17,15 @@ from pagemem.sched.simulate import STREAMS
 from pagemem.tracer import synthetic_transformer
 
 PAGE = 4096
-KNOBS = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
-         "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "hbm_bytes_per_s",
-         "host_memory_bytes_per_s", "ssd_host_bytes_per_s")
+KNOBS = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "nvme_read_bytes_per_s",
+         "nvme_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "hbm_bytes_per_s",
+         "host_memory_bytes_per_s", "nvme_host_bytes_per_s")
 
 
 def profile(**kw) -> HardwareProfile:
-    rates = dict(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, ssd_read_bytes_per_s=5e8,
-                 ssd_write_bytes_per_s=4e8, cpu_adam_elements_per_s=1e9, gpu_adam_elements_per_s=1e10,
-                 flops_per_s=1e12, hbm_bytes_per_s=1e11, host_memory_bytes_per_s=3e10, ssd_host_bytes_per_s=7e8,
+    rates = dict(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, nvme_read_bytes_per_s=5e8,
+                 nvme_write_bytes_per_s=4e8, cpu_adam_elements_per_s=1e9, gpu_adam_elements_per_s=1e10,
+                 flops_per_s=1e12, hbm_bytes_per_s=1e11, host_memory_bytes_per_s=3e10, nvme_host_bytes_per_s=7e8,
                  ranks_per_server=8,
                  compute_scale=1.0, window_host_seconds=1e-8)
     rates.update(kw)
@@ -71,9 +71,9 @@ def expected_busy(p, tr, hw) -> dict[str, float]:
             + windows * hw.window_host_seconds,
             "h2d": moved["h2d"] / hw.h2d_bytes_per_s, "d2h": moved["d2h"] / hw.d2h_bytes_per_s,
             "network": moved["network"] / hw.network_bytes_per_s,
-            "ssd": moved["ssd_read"] / (hw.ssd_read_bytes_per_s / share) + moved["ssd_write"] / (hw.ssd_write_bytes_per_s / share),
+            "nvme": moved["nvme_read"] / (hw.nvme_read_bytes_per_s / share) + moved["nvme_write"] / (hw.nvme_write_bytes_per_s / share),
             # the CPU's share of every disk byte, beside the transfer
-            "io": (moved["ssd_read"] + moved["ssd_write"]) / (hw.ssd_host_bytes_per_s / share),
+            "io": (moved["nvme_read"] + moved["nvme_write"]) / (hw.nvme_host_bytes_per_s / share),
             "cpu": el["cpu"] / (hw.cpu_adam_elements_per_s / share) + refresh["cpu"] / (hw.host_memory_bytes_per_s / share)}
 
 
@@ -170,13 +170,13 @@ def test_ssd_bound_case_idles_most_of_the_iteration():
     hw = HardwareProfile.a100_server()
     tr = synthetic_transformer(layers=4, hidden=256, heads=4, seq=256, batch=2, cost=hw.cost_model())
     res = {tier: simulate(tight_plan(tr, world_size=8, optimizer_tier=tier), tr, hw) for tier in ("cpu", "nvme")}
-    ssd, cpu = res["nvme"], res["cpu"]
-    assert ssd.steady and cpu.steady
-    assert ssd.gpu_idle_fraction > 0.5
-    assert ssd.gpu_idle_fraction > cpu.gpu_idle_fraction
-    assert ssd.busy["ssd"] / ssd.iteration_time > 0.9  # the SSD is the bottleneck
-    idle = ssd.iteration_time - ssd.busy["compute"]
-    assert ssd.stalls["ssd"] > 0.5 * idle
+    nvme, cpu = res["nvme"], res["cpu"]
+    assert nvme.steady and cpu.steady
+    assert nvme.gpu_idle_fraction > 0.5
+    assert nvme.gpu_idle_fraction > cpu.gpu_idle_fraction
+    assert nvme.busy["nvme"] / nvme.iteration_time > 0.9  # the SSD is the bottleneck
+    idle = nvme.iteration_time - nvme.busy["compute"]
+    assert nvme.stalls["nvme"] > 0.5 * idle
 
 
 @st.composite
@@ -270,7 +270,7 @@ def test_a_stream_with_more_work_than_the_period_is_not_a_steady_state():
     tr = synthetic_transformer(layers=4, hidden=256, heads=4, seq=256, batch=2, cost=hw.cost_model())
     p = tight_plan(tr, world_size=8, optimizer_tier="nvme")
     settled = simulate(p, tr, hw)
-    assert settled.steady and settled.busy["ssd"] <= settled.iteration_time * (1 + 1e-9)
+    assert settled.steady and settled.busy["nvme"] <= settled.iteration_time * (1 + 1e-9)
     for k in range(2, 8):
         s = simulate(p, tr, hw, iterations=k, max_iterations=k)
         assert s.steady == (max(s.busy.values()) <= s.iteration_time * (1 + 1e-9)

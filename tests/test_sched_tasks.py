@@ -86,10 +86,10 @@ def test_what_each_task_costs_follows_the_layout():
 
     assert cost("move_to_gpu", "param", 0, "gpu") == (("h2d", PAGE),)
     assert cost("all_gather", "param", 0) == (("network", 3 * PAGE),)
-    assert cost("move_to_cpu", "optim", tier="cpu") == (("ssd_read", lay.optim_pages * PAGE),)
+    assert cost("move_to_cpu", "optim", tier="cpu") == (("nvme_read", lay.optim_pages * PAGE),)
     # a disk transfer also costs the CPU its share (checksums, submission), beside it on io
-    assert host_cost(Task("move_to_cpu", Target("optim", 2), 0, "cpu"), s) == ("ssd_host", lay.optim_pages * PAGE)
-    assert host_cost(Task("offload", Target("optim", 2), 0, "nvme"), s) == ("ssd_host", lay.optim_pages * PAGE)
+    assert host_cost(Task("move_to_cpu", Target("optim", 2), 0, "cpu"), s) == ("nvme_host", lay.optim_pages * PAGE)
+    assert host_cost(Task("offload", Target("optim", 2), 0, "nvme"), s) == ("nvme_host", lay.optim_pages * PAGE)
     assert host_cost(Task("move_to_gpu", Target("param", 2, 0), 0, "gpu"), s) is None
     # the executor's host time: one window per release of a layer's parameters, nothing else
     assert executor_cost(Task("release", Target("param", 2), 5, "gpu"), s) == ("window", 1)
@@ -155,7 +155,8 @@ def plans(draw):
     tr = synthetic_transformer(layers=draw(st.integers(1, 3)), hidden=heads * draw(st.sampled_from([8, 16])),
                                heads=heads, seq=draw(st.sampled_from([8, 16])), batch=1,
                                vocab=draw(st.sampled_from([32, 100])), tie_embeddings=draw(st.booleans()),
-                               checkpoint=draw(st.booleans()), optimizer_model=draw(st.sampled_from(["adam", "none"])))
+                               checkpoint_activations=draw(st.booleans()),
+                               optimizer_model=draw(st.sampled_from(["adam", "none"])))
     kw = dict(world_size=draw(st.sampled_from([1, 2, 4])), optimizer_tier=draw(st.sampled_from(["cpu", "nvme"])))
     return tight(tr, slack=draw(st.sampled_from([0, 8 * PAGE, 1 << 24])), cache=draw(st.booleans()), **kw)
 

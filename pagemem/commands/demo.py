@@ -31,10 +31,10 @@ DTYPE = torch.bfloat16
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt2-medium",
                         help="GPT preset whose parameters are stored (default gpt2-medium, 355M params)")
-    parser.add_argument("--page-bytes", default="4MiB", help="page size (default 4MiB)")
-    parser.add_argument("--nvme-path", default=None,
+    parser.add_argument("--page_bytes", default="4MiB", help="page size (default 4MiB)")
+    parser.add_argument("--nvme_path", default=None,
                         help="directory for the NVMe page file (default: a new temporary directory)")
-    parser.add_argument("--io-engine", default="auto", choices=["auto", "aio", "threads"])
+    parser.add_argument("--io_engine", default="auto", choices=["auto", "aio", "threads"])
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 

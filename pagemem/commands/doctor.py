@@ -90,7 +90,7 @@ def diagnose(nvme_path: str, temporary: bool = False) -> dict[str, Any]:
     direct_why = probes.o_direct_fails(nvme_path)
     engine, engine_reason = _auto_engine(direct_why is None)
     checks = [cuda_check(), *gpu_checks(gpus, nvml_why), memlock_check(), host_memory_check(),
-              aio_check(aio_why), o_direct_check(nvme_path, direct_why),
+              aio_check(aio_why), direct_io_check(nvme_path, direct_why),
               Check("io_engine", OK, f"io_engine 'auto' takes {engine}: {engine_reason}",
                     data={"io_engine": engine, "reason": engine_reason}),
               disk_check(nvme_path), torch_check()]
@@ -186,13 +186,13 @@ def aio_check(why: str | None) -> Check:
                  "until then pagemem uses its threads engine (pread/pwrite on a thread pool)")
 
 
-def o_direct_check(directory: str, why: str | None) -> Check:
+def direct_io_check(directory: str, why: str | None) -> Check:
     if why is None:
-        return Check("o_direct", OK, f"a {probes.BLOCK}-byte block written and read back with O_DIRECT in "
-                     f"{directory}", data={"o_direct": True})
-    return Check("o_direct", WARNING, f"O_DIRECT does not work in {directory}: {why}",
+        return Check("direct_io", OK, f"a {probes.BLOCK}-byte block written and read back with O_DIRECT in "
+                     f"{directory}", data={"direct_io": True})
+    return Check("direct_io", WARNING, f"O_DIRECT does not work in {directory}: {why}",
                  "page files there go through the page cache and io_engine 'auto' takes threads; "
-                 "put nvme_path on a local disk filesystem (ext4, xfs)", data={"o_direct": False, "why": why})
+                 "put nvme_path on a local disk filesystem (ext4, xfs)", data={"direct_io": False, "why": why})
 
 
 def disk_check(directory: str) -> Check:

@@ -42,7 +42,7 @@ class Measurement:
     io_engine: str
     read_bytes_per_s: float
     write_bytes_per_s: float
-    o_direct: bool
+    direct_io: bool
 
     @property
     def score(self) -> float:
@@ -104,7 +104,7 @@ def sweep_disk(path: str, page_sizes: Sequence[int], depths: Sequence[int], engi
                     continue
                 read, write, info = measure.nvme(path, pages * page, repeats, depth, page_bytes=page, engine=engine)
                 note(Measurement(info["page_bytes"], info["io_depth"], info["io_engine"], read, write,
-                                 bool(info["o_direct"])))  # as the tier ran it
+                                 bool(info["direct_io"])))  # as the tier ran it
     return done, skipped
 
 

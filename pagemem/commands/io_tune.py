@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     at_page = [m for m in measured if m.page_bytes == page]
     best = io_sweep.pick_best(at_page or measured, engines=s["io_engine"])
     store = {"page_bytes": size_text(page or best.page_bytes), "io_engine": best.io_engine,
-             "io_depth": best.io_depth, "direct_io": best.o_direct}
+             "io_depth": best.io_depth, "direct_io": best.direct_io}
     StoreConfig(**store)  # the config written must be one pagemem takes
     if page is None:
         how = "the best disk setting"
@@ -191,7 +191,7 @@ def _print_row(item: Measurement | Skipped) -> None:
         return
     m = item
     print(f"  {m.io_engine:<9}  {size_text(m.page_bytes):>10}  {m.io_depth:>8}  {m.read_bytes_per_s / 1e6:>10.1f}  "
-          f"{m.write_bytes_per_s / 1e6:>10.1f}  {m.score / 1e6:>9.1f}" + ("" if m.o_direct else "  (buffered)"),
+          f"{m.write_bytes_per_s / 1e6:>10.1f}  {m.score / 1e6:>9.1f}" + ("" if m.direct_io else "  (buffered)"),
           flush=True)
 
 

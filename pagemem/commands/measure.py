@@ -6,9 +6,9 @@ which was written before timing:
 - ``h2d`` / ``d2h``: pinned host <-> device copies with CUDA; without CUDA the GPU tier is a host
   stand-in, so a host ``memcpy`` (``Tensor.copy_``) of ``copy_bytes`` stands in for both.
 - ``host_memory``: that host ``memcpy``, bytes read + written (twice the bytes copied).
-- ``ssd_read`` / ``ssd_write``: ``PageStore`` moves of cpu tensors of one 4 MiB page each to the
+- ``nvme_read`` / ``nvme_write``: ``PageStore`` moves of cpu tensors of one 4 MiB page each to the
   nvme tier under ``nvme_path`` and back, at I/O depth 8, O_DIRECT, checksums on, after one
-  untimed pass that lays the file out (as ``benchmarks/bench_nvme.py`` does); ``ssd_host``:
+  untimed pass that lays the file out (as ``benchmarks/bench_nvme.py`` does); ``nvme_host``:
   the bytes of those moves per second of the process's CPU time.
 - ``cpu_adam``: ``torch.optim.AdamW(fused=True)`` (``foreach`` where fused is not available) on
   one fp32 CPU parameter of ``adam_elements`` elements with its gradient set; the rate is
@@ -338,11 +338,11 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    how["ssd"] = (f"PageStore cpu <-> nvme moves of {nvme_n} bytes in 4 MiB pages, depth {DEPTH}, O_DIRECT, "
+    how["nvme"] = (f"PageStore cpu <-> nvme moves of {nvme_n} bytes in 4 MiB pages, depth {DEPTH}, O_DIRECT, "
                   f"checksums on, under {nvme_path}")
-    how["ssd_backend"] = info
-    how["ssd_host"] = "the same moves: bytes read and written per second of this process's CPU time"
-    say(f"ssd read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s, "
+    how["nvme_backend"] = info
+    how["nvme_host"] = "the same moves: bytes read and written per second of this process's CPU time"
+    say(f"nvme read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s, "
         f"{info['host_bytes_per_s'] / 1e9:.2f} GB per CPU second")
 
     cpu_adam, impl = adam(adam_elements, "cpu", repeats)
@@ -385,10 +385,10 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
     return HardwareProfile(
         name=name, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         network_bytes_per_s=min(net["all_gather"], net["reduce_scatter"]),
-        ssd_read_bytes_per_s=read, ssd_write_bytes_per_s=write,
+        nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write,
         cpu_adam_elements_per_s=cpu_adam, gpu_adam_elements_per_s=gpu_adam,
         flops_per_s=flops, hbm_bytes_per_s=hbm, host_memory_bytes_per_s=2 * host,
-        ssd_host_bytes_per_s=info["host_bytes_per_s"], window_host_seconds=window,
+        nvme_host_bytes_per_s=info["host_bytes_per_s"], window_host_seconds=window,
         ranks_per_server=torch.cuda.device_count() if cuda else 1,
         shared_processor=() if cuda else HOST_STAND_IN_SHARED, facts=facts)
 

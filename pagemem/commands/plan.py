@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from pagemem.commands.flags import add_shape_arguments, add_switch, shape_overrides
 from pagemem.errors import ConfigError, PageMemError
 from pagemem.models import gpt_config
 from pagemem.sched.errors import InfeasiblePlan
@@ -26,40 +27,36 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", default=None, help="a trace file (pagemem trace writes one); else --model")
     src.add_argument("--model", default="angel-gpt3-175b",
                      help="GPT preset for a synthetic trace (default angel-gpt3-175b, ANGEL-PTM Table 4)")
-    for name in ("layers", "hidden", "heads", "ffn", "vocab"):
-        src.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
+    add_shape_arguments(src)
     src.add_argument("--batch", type=int, default=1, help="sequences per rank (default 1)")
     src.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's)")
     src.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    src.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
     where = parser.add_argument_group("where it runs")
-    where.add_argument("--world-size", type=int, default=8, help="data-parallel ranks (default 8)")
-    where.add_argument("--gpu", default="40GiB", help="gpu budget per rank (default 40GiB)")
-    where.add_argument("--cpu", default="128GiB", help="cpu budget per rank (default 128GiB)")
-    where.add_argument("--nvme", default="1400GiB", help="nvme budget per rank (default 1400GiB)")
-    where.add_argument("--optimizer-tier", default="cpu", choices=("cpu", "nvme"))
-    where.add_argument("--page-bytes", default="4MiB")
-    where.add_argument("--no-cache", action="store_true", help="never keep optimizer states on the gpu")
+    where.add_argument("--world_size", type=int, default=8, help="data-parallel ranks (default 8)")
+    where.add_argument("--gpu_bytes", default="40GiB", help="gpu budget per rank (default 40GiB)")
+    where.add_argument("--cpu_bytes", default="128GiB", help="cpu budget per rank (default 128GiB)")
+    where.add_argument("--nvme_bytes", default="1400GiB", help="nvme budget per rank (default 1400GiB)")
+    where.add_argument("--optimizer_tier", default="cpu", choices=("cpu", "nvme"))
+    where.add_argument("--page_bytes", default="4MiB")
+    add_switch(where, "cache_optimizer", True,
+               "keep the optimizer states of layers that fit on the gpu (default true; false: never)")
     out = parser.add_argument_group("output")
-    out.add_argument("--out", default=None, help="write the plan as JSON here")
+    out.add_argument("--out", default=None, help="write the plan as JSON to this file")
     out.add_argument("--plot", default=None, help="draw memory over logical time to this PNG")
 
 
 def load_trace(args: argparse.Namespace, cost=None) -> Trace:
     if args.trace:
         return Trace.load(args.trace)
-    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab") if getattr(args, k) is not None}
-    if args.checkpoint:
-        overrides["checkpoint_activations"] = True
-    cfg = gpt_config(args.model, **overrides)
+    cfg = gpt_config(args.model, **shape_overrides(args))
     if args.batch < 1:
         raise ConfigError(f"batch: must be >= 1, got {args.batch}")
     return synthetic_from_config(cfg, batch=args.batch, seq=args.seq, dtype=getattr(torch, args.dtype), cost=cost)
 
 
 def make_plan(args: argparse.Namespace, tr: Trace) -> Plan:
-    return plan(tr, {"gpu": args.gpu, "cpu": args.cpu, "nvme": args.nvme}, world_size=args.world_size,
-                optimizer_tier=args.optimizer_tier, page_bytes=args.page_bytes, cache_optimizer=not args.no_cache)
+    return plan(tr, {"gpu": args.gpu_bytes, "cpu": args.cpu_bytes, "nvme": args.nvme_bytes}, world_size=args.world_size,
+                optimizer_tier=args.optimizer_tier, page_bytes=args.page_bytes, cache_optimizer=args.cache_optimizer)
 
 
 def report_plan(args: argparse.Namespace, tr: Trace, p: Plan) -> int:

@@ -9,15 +9,16 @@ import sys
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", help="write the measured profile here (JSON)")
+    parser.add_argument("--out", help="write the measured profile to this file (JSON)")
     parser.add_argument("--name", default="measured", help="the profile's name (default: measured)")
-    parser.add_argument("--nvme-path", default=None,
+    parser.add_argument("--nvme_path", default=None,
                         help="directory on the drive to measure (default: a temporary directory)")
-    parser.add_argument("--nvme-bytes", default="1GiB", help="bytes moved per SSD pass (default 1GiB)")
-    parser.add_argument("--copy-bytes", default="256MiB", help="bytes per copy measurement (default 256MiB)")
-    parser.add_argument("--adam-elements", type=int, default=16_000_000,
+    parser.add_argument("--nvme_bytes", default="1GiB",
+                        help="the measuring store's nvme tier: bytes moved per pass (default 1GiB)")
+    parser.add_argument("--copy_bytes", default="256MiB", help="bytes per copy measurement (default 256MiB)")
+    parser.add_argument("--adam_elements", type=int, default=16_000_000,
                         help="elements of the Adam measurement (default 16M)")
-    parser.add_argument("--network-bytes", default="64MiB", help="bytes per rank per collective (default 64MiB)")
+    parser.add_argument("--network_bytes", default="64MiB", help="bytes per rank per collective (default 64MiB)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the median is kept")
     parser.add_argument("--show", metavar="NAME", help="print a built-in profile (a100-server, dev-vm) and exit")
 

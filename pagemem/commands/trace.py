@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from pagemem.commands.flags import add_shape_arguments, shape_overrides
 from pagemem.errors import ConfigError, PageMemError
 from pagemem.models import GPT, gpt_config
 
@@ -18,10 +19,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny",
                         help="GPT preset: tiny, small, gpt2, gpt2-medium, gpt-1.3b, gpt-6.7b, gpt3-175b (default tiny)")
-    for name in ("layers", "hidden", "heads", "ffn", "vocab"):
-        parser.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
-    parser.add_argument("--untied", action="store_true", help="untie the output head from the token embedding")
-    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (traced, or modelled with --synthetic)")
+    add_shape_arguments(parser)  # --checkpoint_activations: traced, or modelled with --synthetic
     parser.add_argument("--batch", type=int, default=2, help="sequences per batch (default 2)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's seq)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
@@ -33,17 +31,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default="flash", choices=("flash", "math"),
                         help="synthetic traces: keep no score matrix (flash) or Table 1's two (math)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="trace-out", help="directory for trace.json and trace.chrome.json")
+    parser.add_argument("--out_dir", default="trace-out",
+                        help="directory for trace.json and trace.chrome.json (default trace-out)")
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab") if getattr(args, k) is not None}
-    if args.untied:
-        overrides["tie_embeddings"] = False
-    if args.checkpoint:
-        overrides["checkpoint_activations"] = True
     try:
-        cfg = gpt_config(args.model, **overrides)
+        cfg = gpt_config(args.model, **shape_overrides(args))
         seq = args.seq or cfg.seq
         if not 1 <= seq <= cfg.seq:
             raise ConfigError(f"seq: must be in [1, {cfg.seq}] for this model, got {seq}")
@@ -62,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     except PageMemError as e:
         print(f"pagemem trace: {e}")
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "trace.json")
-    chrome_path = os.path.join(args.out, "trace.chrome.json")
+    os.makedirs(args.out_dir, exist_ok=True)
+    json_path = os.path.join(args.out_dir, "trace.json")
+    chrome_path = os.path.join(args.out_dir, "trace.chrome.json")
     tr.save(json_path)
     tr.to_chrome(chrome_path)
     print(tr.summary())

@@ -4,7 +4,7 @@ With no arguments it trains the embedded default (``train_config.DEFAULT_TOML``)
 GPT at a small size on a synthetic task generated on the fly, a gpu budget below the model's
 states, optimizer states on nvme under the run directory, the lock-free updater. ``--config
 FILE`` layers a TOML file over it and ``--SECTION.FIELD VALUE`` sets one field
-(``--optimizer.lr 3e-4``, ``--store.gpu_bytes 2GiB``, ``--model.hf gpt2``); ``--help-config``
+(``--optimizer.lr 3e-4``, ``--store.gpu_bytes 2GiB``, ``--model.hf gpt2``); ``--help_config``
 lists every setting. ``--resume auto`` continues the newest run under ``train.runs`` from its
 last checkpoint with its saved config (``--resume RUN_DIR`` a given one).
 
@@ -58,10 +58,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a TOML config layered over the embedded default (several: in order)")
     parser.add_argument("--resume", metavar="auto|RUN_DIR",
                         help="continue the newest run under train.runs (auto) or RUN_DIR from its last checkpoint")
-    parser.add_argument("--help-config", action="store_true", help="list every setting with its default, and exit")
+    parser.add_argument("--help_config", action="store_true", help="list every setting with its default, and exit")
     for name in known_settings():
         parser.add_argument(f"--{name}", dest=SET + name, metavar="VALUE", default=None, help=argparse.SUPPRESS)
-    parser.epilog = "Every config field is a flag: --SECTION.FIELD VALUE (see --help-config)."
+    parser.epilog = "Every config field is a flag: --SECTION.FIELD VALUE (see --help_config)."
 
 
 def run(args: argparse.Namespace) -> int:

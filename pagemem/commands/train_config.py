@@ -185,7 +185,7 @@ def layered(files: list[Mapping[str, Any]], overrides: Mapping[str, str]) -> dic
             out.setdefault(section, {}).update(table)
     bad = [k for k in overrides if k not in known]
     if bad:
-        raise ConfigError(f"{bad[0]}: unknown setting (see `pagemem train --help-config` for every setting)")
+        raise ConfigError(f"{bad[0]}: unknown setting (see `pagemem train --help_config` for every setting)")
     return with_overrides(out, overrides)
 
 

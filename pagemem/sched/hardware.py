@@ -9,12 +9,12 @@ One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
   optimizer states are cached on the GPU), ``flops_per_s`` and ``hbm_bytes_per_s`` (to build
   synthetic traces with, :meth:`HardwareProfile.cost_model`), ``compute_scale`` (multiplies a
   trace's op durations: 1 for a trace timed on, or synthesised for, this hardware);
-- per server, shared by the ranks on it: ``ssd_read_bytes_per_s``, ``ssd_write_bytes_per_s``,
-  ``cpu_adam_elements_per_s``, ``host_memory_bytes_per_s`` (bytes read + written per second
-  by a host ``copy_``: the compute copy refreshed after a CPU update) and
-  ``ssd_host_bytes_per_s`` (disk bytes per second of CPU time: the host's share of disk I/O). ``ranks_per_server``
-  ranks share a server; with ``world_size`` W a rank gets ``total / min(W, ranks_per_server)``
-  (:meth:`HardwareProfile.rate`);
+- per server, shared by the ranks on it: ``nvme_read_bytes_per_s``, ``nvme_write_bytes_per_s``
+  (the ``nvme`` tier: the server's SSDs), ``cpu_adam_elements_per_s``,
+  ``host_memory_bytes_per_s`` (bytes read + written per second by a host ``copy_``: the compute
+  copy refreshed after a CPU update) and ``nvme_host_bytes_per_s`` (disk bytes per second of
+  CPU time: the host's share of disk I/O). ``ranks_per_server`` ranks share a server; with
+  ``world_size`` W a rank gets ``total / min(W, ranks_per_server)`` (:meth:`HardwareProfile.rate`);
 - ``window_host_seconds``: host time the engine's executor spends on each window of a layer the
   plan moves (staging its pages, binding its parameters as views, releasing them), on the thread
   that runs the model: charged on the ``compute`` stream at the window's release. Measured by
@@ -48,14 +48,22 @@ from pagemem.errors import ConfigError
 from pagemem.tracer import CostModel
 
 FORMAT = "pagemem-hardware-profile"
-VERSION = 2
+VERSION = 3
+LEGACY_NAMES: dict[str, str] = {
+    "ssd_read_bytes_per_s": "nvme_read_bytes_per_s",
+    "ssd_write_bytes_per_s": "nvme_write_bytes_per_s",
+    "ssd_host_bytes_per_s": "nvme_host_bytes_per_s",
+}
+"""Version 2's keys for the nvme tier (it called the tier ``ssd``) and their names since version
+3; ``from_dict`` reads a version-2 profile through this table (and its ``shared_processor``
+stream ``"ssd"`` as ``"nvme"``)."""
 PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
-_RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "ssd_read_bytes_per_s",
-          "ssd_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s",
-          "flops_per_s", "hbm_bytes_per_s", "host_memory_bytes_per_s", "ssd_host_bytes_per_s", "compute_scale")
+_RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "nvme_read_bytes_per_s",
+          "nvme_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s",
+          "flops_per_s", "hbm_bytes_per_s", "host_memory_bytes_per_s", "nvme_host_bytes_per_s", "compute_scale")
 
-STREAMS: tuple[str, ...] = ("compute", "h2d", "d2h", "network", "ssd", "io", "cpu")
+STREAMS: tuple[str, ...] = ("compute", "h2d", "d2h", "network", "nvme", "io", "cpu")
 """The simulator's streams (see :mod:`pagemem.sched.simulate`)."""
 HOST_STAND_IN_SHARED: tuple[str, ...] = ("compute", "h2d", "d2h", "io", "cpu")
 """``shared_processor`` of a machine without CUDA (see the module docs)."""
@@ -77,10 +85,10 @@ class HardwareProfile:
     """Device-to-host copy bandwidth per GPU."""
     network_bytes_per_s: float
     """All-gather / reduce-scatter bus bandwidth per GPU."""
-    ssd_read_bytes_per_s: float
-    """SSD read bandwidth of one server (shared by its ranks)."""
-    ssd_write_bytes_per_s: float
-    """SSD write bandwidth of one server (shared by its ranks)."""
+    nvme_read_bytes_per_s: float
+    """Read bandwidth of one server's nvme tier, its SSDs (shared by its ranks)."""
+    nvme_write_bytes_per_s: float
+    """Write bandwidth of one server's nvme tier, its SSDs (shared by its ranks)."""
     cpu_adam_elements_per_s: float
     """Adam elements per second of one server's CPUs (shared by its ranks)."""
     gpu_adam_elements_per_s: float
@@ -93,10 +101,10 @@ class HardwareProfile:
     host_memory_bytes_per_s: float
     """Sustained host-memory bandwidth of one server (bytes read + written by a ``copy_``; shared
     by its ranks): the compute-copy refresh after a CPU update."""
-    ssd_host_bytes_per_s: float
+    nvme_host_bytes_per_s: float
     """Disk bytes per second of the host's CPU time (XXH3 checksums, I/O submission and
     completion; shared by a server's ranks): the CPU share of a disk transfer, charged on the
-    ``io`` stream while the transfer runs on ``ssd``."""
+    ``io`` stream while the transfer runs on ``nvme``."""
     ranks_per_server: int = 8
     compute_scale: float = 1.0
     window_host_seconds: float = 0.0
@@ -134,11 +142,11 @@ class HardwareProfile:
             raise ConfigError(f"world_size: must be an integer >= 1, got {world_size!r}")
         return min(world_size, self.ranks_per_server)
 
-    def ssd_read_per_rank(self, world_size: int) -> float:
-        return self.ssd_read_bytes_per_s / self.sharing(world_size)
+    def nvme_read_per_rank(self, world_size: int) -> float:
+        return self.nvme_read_bytes_per_s / self.sharing(world_size)
 
-    def ssd_write_per_rank(self, world_size: int) -> float:
-        return self.ssd_write_bytes_per_s / self.sharing(world_size)
+    def nvme_write_per_rank(self, world_size: int) -> float:
+        return self.nvme_write_bytes_per_s / self.sharing(world_size)
 
     def cpu_adam_per_rank(self, world_size: int) -> float:
         return self.cpu_adam_elements_per_s / self.sharing(world_size)
@@ -154,20 +162,20 @@ class HardwareProfile:
         rates = {"h2d": self.h2d_bytes_per_s, "d2h": self.d2h_bytes_per_s, "network": self.network_bytes_per_s}
         if resource in rates:
             return rates[resource]
-        if resource == "ssd_read":
-            return self.ssd_read_per_rank(world_size)
-        if resource == "ssd_write":
-            return self.ssd_write_per_rank(world_size)
+        if resource == "nvme_read":
+            return self.nvme_read_per_rank(world_size)
+        if resource == "nvme_write":
+            return self.nvme_write_per_rank(world_size)
         if resource == "adam":
             return self.gpu_adam_elements_per_s if on_gpu else self.cpu_adam_per_rank(world_size)
         if resource == "memory":
             return self.hbm_bytes_per_s if on_gpu else self.host_memory_per_rank(world_size)
-        if resource == "ssd_host":
-            return self.ssd_host_bytes_per_s / self.sharing(world_size)
+        if resource == "nvme_host":
+            return self.nvme_host_bytes_per_s / self.sharing(world_size)
         if resource == "window":  # windows per second of the executor's host time
             return 1.0 / self.window_host_seconds if self.window_host_seconds else math.inf
-        raise ConfigError(f"resource: must be one of h2d, d2h, network, ssd_read, ssd_write, adam, memory, "
-                          f"ssd_host, window; got {resource!r}")
+        raise ConfigError(f"resource: must be one of h2d, d2h, network, nvme_read, nvme_write, adam, memory, "
+                          f"nvme_host, window; got {resource!r}")
 
     def cost_model(self) -> CostModel:
         """The roofline model that gives a synthetic trace this GPU's op durations."""
@@ -185,9 +193,9 @@ class HardwareProfile:
             f"network {self.network_bytes_per_s / g:.2f} GB/s, Adam {self.gpu_adam_elements_per_s / g:.2f} G el/s, "
             f"{self.flops_per_s / 1e12:.3g} TFLOP/s, memory {self.hbm_bytes_per_s / g:.1f} GB/s, "
             f"compute scale {self.compute_scale:g}",
-            f"  per server: SSD read {self.ssd_read_bytes_per_s / g:.2f} GB/s, write "
-            f"{self.ssd_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s, "
-            f"memory {self.host_memory_bytes_per_s / g:.1f} GB/s, disk I/O on the CPU {self.ssd_host_bytes_per_s / g:.2f} GB/s",
+            f"  per server: nvme read {self.nvme_read_bytes_per_s / g:.2f} GB/s, write "
+            f"{self.nvme_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s, "
+            f"memory {self.host_memory_bytes_per_s / g:.1f} GB/s, disk I/O on the CPU {self.nvme_host_bytes_per_s / g:.2f} GB/s",
             f"  executor host time per moved window: {self.window_host_seconds * 1e3:.3g} ms",
             *([f"  one processor, one task at a time: {', '.join(self.shared_processor)}"]
               if self.shared_processor else []),
@@ -212,8 +220,11 @@ class HardwareProfile:
             raise ConfigError("hardware profile version 1 has no host_memory_bytes_per_s (bytes read + written per "
                               "second by a host copy_): measure the machine again with `pagemem profile`, or add "
                               "that field and set version 2")
+        if data.get("version") == 2:
+            data = _from_version_2(data)
         if data.get("version") != VERSION:
-            raise ConfigError(f"hardware profile version {data.get('version')!r} is not supported (this pagemem reads {VERSION})")
+            raise ConfigError(f"hardware profile version {data.get('version')!r} is not supported "
+                              f"(this pagemem reads 2 and {VERSION})")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names - {"format", "version"}
         if unknown:
@@ -279,14 +290,14 @@ class HardwareProfile:
             h2d_bytes_per_s=32e9,
             d2h_bytes_per_s=32e9,
             network_bytes_per_s=200e9,
-            ssd_read_bytes_per_s=3.5e9,
-            ssd_write_bytes_per_s=3.5e9,
+            nvme_read_bytes_per_s=3.5e9,
+            nvme_write_bytes_per_s=3.5e9,
             cpu_adam_elements_per_s=0.6 * dram / ADAM_BYTES_PER_ELEMENT,
             gpu_adam_elements_per_s=hbm / ADAM_BYTES_PER_ELEMENT,
             flops_per_s=0.6 * 312e12,
             hbm_bytes_per_s=hbm,
             host_memory_bytes_per_s=0.6 * dram,
-            ssd_host_bytes_per_s=40e9,
+            nvme_host_bytes_per_s=40e9,
             ranks_per_server=8,
             facts={
                 "source": "ANGEL-PTM (VLDB 2023) §4.2-4.3, §5, §6.1 and Table 3; assumptions below",
@@ -294,20 +305,20 @@ class HardwareProfile:
                     "h2d_bytes_per_s": "PCIe 32 GB/s (§4.3, §6.1)",
                     "d2h_bytes_per_s": "PCIe 32 GB/s (§4.3, §6.1)",
                     "network_bytes_per_s": "GPU-GPU communication 200 GB/s (§4.2; §6.1: 16 x 12.5 GB/s NICs)",
-                    "ssd_read_bytes_per_s": "SSD peak 3.5 GB/s (§4.3, §6.1)",
-                    "ssd_write_bytes_per_s": "SSD peak 3.5 GB/s (§4.3, §6.1)",
+                    "nvme_read_bytes_per_s": "SSD peak 3.5 GB/s (§4.3, §6.1)",
+                    "nvme_write_bytes_per_s": "SSD peak 3.5 GB/s (§4.3, §6.1)",
                 },
                 "assumed": {
                     "h2d/d2h": "per GPU, both directions at once (PCIe 4.0 x16); a shared switch uplink would halve it",
                     "network_bytes_per_s": "bus bandwidth per GPU inside the server (NVLink-3); across servers "
                                            "16 x 12.5 GB/s NICs are 25 GB/s per GPU. The paper's '600 GB/s GPU memory "
                                            "access' (§4.3) matches NVLink-3's per-GPU figure, not HBM (1555 GB/s)",
-                    "ssd": "one array per server, 3.5 GB/s both ways, shared by its 8 ranks",
+                    "nvme": "one array per server, 3.5 GB/s both ways, shared by its 8 ranks",
                     "flops_per_s": "60% of the A100's 312 TFLOP/s dense bf16 peak",
                     "hbm_bytes_per_s": "85% of the A100-40GB's 1555 GB/s",
                     "gpu_adam_elements_per_s": "memory-bound: hbm_bytes_per_s / 26 bytes per element",
                     "host_memory_bytes_per_s": "60% of 16 channels x DDR4-2933 (375 GB/s)",
-                    "ssd_host_bytes_per_s": "XXH3 at about 20 GB/s per core, two of the 96 cores busy with disk I/O: "
+                    "nvme_host_bytes_per_s": "XXH3 at about 20 GB/s per core, two of the 96 cores busy with disk I/O: "
                                             "not a limit next to the 3.5 GB/s SSD",
                     "window_host_seconds": "0: the host queues the executor's work ahead of the GPU",
                     "cpu_adam_elements_per_s": "memory-bound: 60% of 16 channels x DDR4-2933 (375 GB/s) / 26 bytes "
@@ -316,3 +327,19 @@ class HardwareProfile:
                 },
             },
         )
+
+
+def _from_version_2(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-2 profile as version 3: its ``ssd_*`` keys renamed (:data:`LEGACY_NAMES`), its
+    stream ``"ssd"`` called ``"nvme"``; ``facts`` are kept as written."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        new = LEGACY_NAMES.get(key, key)
+        if new in out or (new != key and new in data):
+            raise ConfigError(f"hardware profile version 2: both {key!r} and {new!r} given")
+        out[new] = value
+    shared = out.get("shared_processor")
+    if isinstance(shared, (list, tuple)):
+        out["shared_processor"] = ["nvme" if s == "ssd" else s for s in shared]
+    out["version"] = VERSION
+    return out

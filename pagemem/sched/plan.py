@@ -99,7 +99,7 @@ class Plan:
         return dict(Counter(t.operation for t in self.tasks))
 
     def bytes_moved(self) -> dict[str, int]:
-        """Bytes per transfer kind: ``h2d``, ``d2h``, ``ssd_read``, ``ssd_write``, ``network``."""
+        """Bytes per transfer kind: ``h2d``, ``d2h``, ``nvme_read``, ``nvme_write``, ``network``."""
         out = dict.fromkeys(TRANSFERS, 0)
         setting = self.setting
         for t in self.tasks:

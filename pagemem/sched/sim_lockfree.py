@@ -13,7 +13,7 @@ two parts, each from the same task table and cost functions the synchronous simu
   seconds; the streams pipeline across units, so a pass takes the busiest stream's total. The
   thread takes one AdamW step per iteration a unit's sums hold ([Note: one step per iteration]
   in ``engine/lockfree.py``), so its ``cpu`` work is every iteration's, while its transfers
-  (``ssd``, and their ``io`` share) are one pass's, however many iterations that pass spans.
+  (``nvme``, and their ``io`` share) are one pass's, however many iterations that pass spans.
 
 Where the profile's ``shared_processor`` puts a stream of the updating thread on the processor
 that computes (the host stand-in), that work per iteration is added to the compute side's

@@ -1,7 +1,7 @@
 """Run a plan's task queue on a model of the hardware, in wall time: a discrete-event simulation.
 
 >>> s = simulate(p, trace, HardwareProfile.a100_server())
->>> s.iteration_time, s.gpu_idle_fraction, s.busy["ssd"], s.stalls
+>>> s.iteration_time, s.gpu_idle_fraction, s.busy["nvme"], s.stalls
 >>> s.to_chrome("timeline.json")            # one track per stream; opens in Perfetto
 
 What each task does -- its stream, its cost, the memory it takes and gives back, what it waits
@@ -23,10 +23,10 @@ compute   the trace's ops in order; ``update`` of      ``op.duration * compute_s
 h2d       ``move_to_gpu``                              page bytes / ``h2d_bytes_per_s``
 d2h       ``offload`` of a gradient page               page bytes / ``d2h_bytes_per_s``
 network   ``all_gather``, ``reduce_scatter``           (W - 1) page bytes / ``network_bytes_per_s``
-ssd       ``move_to_cpu`` (read), ``offload`` of       optimizer bytes / the rank's share of the
+nvme      ``move_to_cpu`` (read), ``offload`` of       optimizer bytes / the rank's share of the
           optimizer states (write-back)                server's SSD read / write bandwidth
 io        the CPU's share of each of those (checksums, optimizer bytes / the rank's share of
-          submission), beside the transfer; the task  ``ssd_host_bytes_per_s``
+          submission), beside the transfer; the task  ``nvme_host_bytes_per_s``
           is done when both are
 cpu       ``update`` on cpu                            shard elements / the rank's share of the
                                                        server's CPU Adam rate + refresh bytes /

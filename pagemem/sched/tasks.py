@@ -69,9 +69,9 @@ all_gather     param.j  network                   network: W - 1 pages
 compute        layer    (the model's own ops)     -
 reduce_scatter grad.j   network                   network: W - 1 pages
 offload        grad.j   d2h                       d2h: 1 page
-offload        optim    ssd (the write-back)      ssd_write: the optim pages; at the same time on
-                        and io                    io, ssd_host: the optim pages
-move_to_cpu    optim    ssd and io                ssd_read: the optim pages; ssd_host on io
+offload        optim    nvme (the write-back)     nvme_write: the optim pages; at the same time on
+                        and io                    io, nvme_host: the optim pages
+move_to_cpu    optim    nvme and io               nvme_read: the optim pages; nvme_host on io
 update         layer    cpu; compute on the gpu   adam: the shard's elements, then memory: the
                                                   refresh of ``param@home`` (read the fp32 master
                                                   shard, write the parameter shard; none where
@@ -118,8 +118,8 @@ OPERATIONS: tuple[str, ...] = ("move_to_gpu", "move_to_cpu", "all_gather", "comp
                                "release", "reduce_scatter", "update")
 TargetKind = Literal["param", "grad", "fullgrad", "optim", "layer"]
 TIERS: tuple[str, ...] = ("gpu", "cpu", "nvme")
-TRANSFERS: tuple[str, ...] = ("h2d", "d2h", "ssd_read", "ssd_write", "network")
-RESOURCES: tuple[str, ...] = (*TRANSFERS, "adam", "memory", "ssd_host", "window")
+TRANSFERS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write", "network")
+RESOURCES: tuple[str, ...] = (*TRANSFERS, "adam", "memory", "nvme_host", "window")
 """What a task's cost is counted in: bytes of a transfer, Adam elements, bytes of memory traffic
 (read + written) on the tier the task runs on, disk bytes the host's CPU handles, windows of a
 moved layer the executor handles."""
@@ -215,7 +215,7 @@ class Effect:
     "refresh")`` (the compute copy written from the master weights)."""
     host: tuple[str, str] | None = None
     """A cost on the ``io`` stream at the same time: the CPU's share of a disk transfer
-    (``("ssd_host", holding)``: checksums, submission)."""
+    (``("nvme_host", holding)``: checksums, submission)."""
     executor: tuple[str, str] | None = None
     """A cost on the ``compute`` stream after the trigger op, beside the task: the executor's host
     time on the thread that runs the model (``("window", "window")``: one window of a moved
@@ -245,11 +245,11 @@ EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
     Effect("offload", "grad", ("cpu",), takes=(Hold("grad", "T"),), reads=(Hold("grad", "gpu"),),
            stream="d2h", cost=(("d2h", "grad"),)),
     Effect("offload", "optim", ("home",), reads=(Hold("optim", "cpu", paged=False),),
-           writes=(Hold("optim", "T", paged=False),), stream="ssd", cost=(("ssd_write", "optim"),),
-           host=("ssd_host", "optim")),
+           writes=(Hold("optim", "T", paged=False),), stream="nvme", cost=(("nvme_write", "optim"),),
+           host=("nvme_host", "optim")),
     Effect("move_to_cpu", "optim", ("cpu",), takes=(Hold("optim", "cpu", paged=False),),
-           reads=(Hold("optim", "home", paged=False),), stream="ssd", cost=(("ssd_read", "optim"),),
-           host=("ssd_host", "optim")),
+           reads=(Hold("optim", "home", paged=False),), stream="nvme", cost=(("nvme_read", "optim"),),
+           host=("nvme_host", "optim")),
     Effect("update", "layer", ("cpu", "gpu"), reads=(Hold("grad", "T"), Hold("optim", "T", paged=False)),
            writes=(Hold("optim", "T", paged=False), Hold("param", "home")), after_grads=True,
            stream="cpu", gpu_stream="compute", cost=(("adam", "shard"), ("memory", "refresh"))),

@@ -77,7 +77,7 @@ class StoreStats:
             backend = t.backend.get("backend", "")
             if t.name == "nvme":
                 backend = f"{t.backend.get('io_engine')} engine, " + \
-                    ("O_DIRECT" if t.backend.get("o_direct") else "buffered") + \
+                    ("O_DIRECT" if t.backend.get("direct_io") else "buffered") + \
                     f", checksum {t.backend.get('checksum')}"
             lines.append(
                 f"{t.name:<5} {format_bytes(t.capacity_bytes):>11} {t.used_pages:>6} {t.free_pages:>6} "

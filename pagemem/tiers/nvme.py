@@ -182,7 +182,7 @@ class NvmeTier(Tier):
             "io_engine": self.engine.name,
             "io_engine_reason": self.engine_reason,
             "io_depth": self.engine.depth,
-            "o_direct": self.direct,
+            "direct_io": self.direct,
             "checksum": CHECKSUM_NAME if self.checksums else None,
         }
 

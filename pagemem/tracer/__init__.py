@@ -31,7 +31,7 @@ Design, in short (details in each module):
   by first use; tied weights belong to the layer that uses them first.
 - Synthetic traces (:mod:`~pagemem.tracer.synthetic`): ANGEL-PTM Table 1 mapped onto
   :class:`pagemem.models.GPT`, same op sequence and model states as tracing it, with or without
-  activation checkpointing (``checkpoint=True``: block inputs kept, blocks recomputed in
+  activation checkpointing (``checkpoint_activations=True``: block inputs kept, blocks recomputed in
   backward); durations from a roofline :class:`CostModel`.
 
 The tracer imports only ``pagemem.errors``, ``pagemem.units`` and ``pagemem.models`` from the

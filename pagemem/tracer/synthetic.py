@@ -32,7 +32,7 @@ Each record is created at the op that computes it, touched where it is used, and
 its backward use. Durations come from :class:`~pagemem.tracer.cost.CostModel` (a roofline
 estimate).
 
-Activation checkpointing (``checkpoint=True``; ``GPT`` with ``checkpoint_activations`` runs
+Activation checkpointing (``checkpoint_activations=True``, as ``GPT`` with ``GPTConfig.checkpoint_activations`` runs
 ``torch.utils.checkpoint(block, x, use_reentrant=False)`` per block). Forward saves only each
 block's input (``embed``, then ``blocks.i:mlp_add``, the previous block's output, saved at that
 block's ``forward_post``); what a block computes inside lives only until Python drops it.
@@ -89,8 +89,8 @@ class TransformerShape:
     ``b*heads*s*s`` tensors are kept."""
     optimizer_model: str = "adam"
     """``"adam"`` (mixed-precision Adam states and a ``step`` op) or ``"none"``."""
-    checkpoint: bool = False
-    """Activation checkpointing per block (``GPTConfig.checkpoint_activations``): forward keeps
+    checkpoint_activations: bool = False
+    """Activation checkpointing per block (as ``GPTConfig.checkpoint_activations``): forward keeps
     each block's input only; backward recomputes each block's forward before its backward."""
     cost: CostModel = field(default_factory=CostModel)
 
@@ -119,8 +119,8 @@ class TransformerShape:
             raise ConfigError(f"attention: must be one of {ATTENTION}, got {self.attention!r}")
         if self.optimizer_model not in OPTIMIZER_MODELS:
             raise ConfigError(f"optimizer_model: must be one of {OPTIMIZER_MODELS}, got {self.optimizer_model!r}")
-        if not isinstance(self.checkpoint, bool):
-            raise ConfigError(f"checkpoint: must be True or False, got {self.checkpoint!r}")
+        if not isinstance(self.checkpoint_activations, bool):
+            raise ConfigError(f"checkpoint_activations: must be True or False, got {self.checkpoint_activations!r}")
         if not isinstance(self.cost, CostModel):
             raise ConfigError(f"cost: must be a CostModel, got {type(self.cost).__name__}")
 
@@ -133,7 +133,7 @@ class TransformerShape:
 def synthetic_transformer(layers: int = 24, hidden: int = 2304, ffn: int = 0, heads: int = 24,
                           seq: int = 1024, batch: int = 8, dtype: str | torch.dtype = torch.float16,
                           *, vocab: int = 50304, positions: int = 0, tie_embeddings: bool = True,
-                          attention: str = "flash", optimizer_model: str = "adam", checkpoint: bool = False,
+                          attention: str = "flash", optimizer_model: str = "adam", checkpoint_activations: bool = False,
                           cost: CostModel | None = None) -> Trace:
     """Trace of one training iteration of a GPT with this shape, built from the configuration
     alone (closed-form footprint of ANGEL-PTM Table 1; see the module docs). Fields are those of
@@ -141,7 +141,8 @@ def synthetic_transformer(layers: int = 24, hidden: int = 2304, ffn: int = 0, he
     return build_synthetic(TransformerShape(
         layers=layers, hidden=hidden, ffn=ffn, heads=heads, seq=seq, batch=batch, dtype=dtype, vocab=vocab,
         positions=positions, tie_embeddings=tie_embeddings, attention=attention,
-        optimizer_model=optimizer_model, checkpoint=checkpoint, cost=cost if cost is not None else CostModel()))
+        optimizer_model=optimizer_model, checkpoint_activations=checkpoint_activations,
+        cost=cost if cost is not None else CostModel()))
 
 
 def synthetic_from_config(cfg: GPTConfig, *, batch: int, seq: int | None = None,
@@ -154,7 +155,7 @@ def synthetic_from_config(cfg: GPTConfig, *, batch: int, seq: int | None = None,
     return synthetic_transformer(cfg.layers, cfg.hidden, cfg.ffn, cfg.heads, seq or cfg.seq, batch, dtype,
                                  vocab=cfg.vocab, positions=cfg.seq, tie_embeddings=cfg.tie_embeddings,
                                  attention=attention, optimizer_model=optimizer_model,
-                                 checkpoint=cfg.checkpoint_activations, cost=cost)
+                                 checkpoint_activations=cfg.checkpoint_activations, cost=cost)
 
 
 def build_synthetic(shape: TransformerShape) -> Trace:
@@ -280,7 +281,7 @@ class _Emitter:
     def block_forward(self, i: int, x: str, recompute: bool = False) -> None:
         """Block ``i``'s forward on input record ``x``; its output is ``blocks.i:mlp_add``.
 
-        Checkpointed (``shape.checkpoint``), the block's saved activations are only held: in
+        Checkpointed (``shape.checkpoint_activations``), the block's saved activations are only held: in
         forward until Python drops them, in a recomputation (``recompute``, phase backward) until
         their backward use. A recomputation stops where the block saves its last tensor (the
         input of ``mlp.proj``), as ``torch.utils.checkpoint`` does (non-reentrant, early stop)."""
@@ -357,7 +358,7 @@ class _Emitter:
         scores_bytes = 2 * b * sh.heads * s * s * it if sh.attention == "math" else 0
         p = f"blocks.{i}"
         x_in = "embed" if i == 0 else f"blocks.{i - 1}:mlp_add"
-        if sh.checkpoint:
+        if sh.checkpoint_activations:
             # mlp.proj's backward unpacks a checkpointed tensor: the checkpoint reads its saved
             # input and recomputes the block; mlp.proj's backward runs after that
             self.bpre(f"{p}.mlp.proj", 0.0)
@@ -390,7 +391,7 @@ class _Emitter:
         self.ready(f"{p}.attn.qkv.bias", f"{p}.attn.qkv.weight")
         self.bpost(f"{p}.attn.qkv")
         self.bpre(f"{p}.ln1", self.mem(T * d, 4))
-        if sh.checkpoint:  # the recomputed ln1 saved the checkpoint's input, which goes with the block
+        if sh.checkpoint_activations:  # the recomputed ln1 saved the checkpoint's input, which goes with the block
             self.bpost(f"{p}.ln1")
             self.rec.release_activation(x_in)
         else:
@@ -417,7 +418,7 @@ class _Emitter:
         self.save("embed", bsd)
         x = "embed"
         for i in range(L):
-            self.in_checkpoint = sh.checkpoint
+            self.in_checkpoint = sh.checkpoint_activations
             self.block_forward(i, x)
             x = f"blocks.{i}:mlp_add"
         self.fpre("ln_f", self.mem(T * d, 2))

@@ -18,7 +18,7 @@ def _run(argv: list[str]) -> int:
 
 def test_trace_command_writes_both_files(tmp_path, capsys):
     out = tmp_path / "o"
-    assert _run(["--model", "tiny", "--layers", "3", "--batch", "2", "--seq", "16", "--out", str(out)]) == 0
+    assert _run(["--model", "tiny", "--layers", "3", "--batch", "2", "--seq", "16", "--out_dir", str(out)]) == 0
     tr = Trace.load(out / "trace.json")
     assert [lay.name for lay in tr.layers][2:5] == ["blocks.0", "blocks.1", "blocks.2"]
     assert tr.meta["optimizer"] == "traced AdamW"
@@ -30,25 +30,26 @@ def test_trace_command_writes_both_files(tmp_path, capsys):
 def test_synthetic_command(tmp_path):
     out = tmp_path / "s"
     assert _run(["--model", "gpt2", "--batch", "1", "--seq", "128", "--synthetic", "--dtype", "float16",
-                 "--out", str(out)]) == 0
+                 "--out_dir", str(out)]) == 0
     tr = Trace.load(out / "trace.json")
     assert tr.meta["source"] == "synthetic" and len(tr.layers) == 12 + 3
 
 
 def test_synthetic_command_with_checkpointing(tmp_path):
     common = ["--model", "gpt2", "--layers", "4", "--batch", "1", "--seq", "128", "--synthetic", "--dtype", "bfloat16"]
-    assert _run(common + ["--checkpoint", "--out", str(tmp_path / "ck")]) == 0
-    assert _run(common + ["--out", str(tmp_path / "plain")]) == 0
+    assert _run(common + ["--checkpoint_activations", "--out_dir", str(tmp_path / "ck")]) == 0
+    assert _run(common + ["--out_dir", str(tmp_path / "plain")]) == 0
     ck, plain = Trace.load(tmp_path / "ck" / "trace.json"), Trace.load(tmp_path / "plain" / "trace.json")
-    assert ck.meta["config"]["checkpoint"] is True and plain.meta["config"]["checkpoint"] is False
+    assert ck.meta["config"]["checkpoint_activations"] is True
+    assert plain.meta["config"]["checkpoint_activations"] is False
     assert sum(o.phase == "backward" and o.event == "forward_pre" for o in ck.ops) == 4 * 9  # recomputed
     assert ck.peak_non_model_bytes < plain.peak_non_model_bytes
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
-    assert _run(["--model", "nope", "--out", str(tmp_path)]) == 2
+    assert _run(["--model", "nope", "--out_dir", str(tmp_path)]) == 2
     assert "unknown preset" in capsys.readouterr().out
-    assert _run(["--model", "tiny", "--seq", "100000", "--out", str(tmp_path)]) == 2
+    assert _run(["--model", "tiny", "--seq", "100000", "--out_dir", str(tmp_path)]) == 2
 
 
 def test_registered_in_the_pagemem_command():

@@ -25,9 +25,9 @@ def _train(model, opt, steps: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("checkpoint", [False, True])
-def test_traced_model_trains_exactly_as_before(checkpoint):
-    model = make_gpt(checkpoint_activations=checkpoint)
+@pytest.mark.parametrize("checkpoint_activations", [False, True])
+def test_traced_model_trains_exactly_as_before(checkpoint_activations):
+    model = make_gpt(checkpoint_activations=checkpoint_activations)
     twin = copy.deepcopy(model)
     opt, opt_twin = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
     before = hook_snapshot(model)

@@ -28,10 +28,10 @@ def _model_states(tr):
             for t in tr.tensors if t.kind != "activation"]
 
 
-@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpoint_activations", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("preset,overrides,dtype,batch,seq", CASES)
-def test_synthetic_matches_traced_gpt(preset, overrides, dtype, batch, seq, checkpoint):
-    cfg = gpt_config(preset, checkpoint_activations=checkpoint, **overrides)
+def test_synthetic_matches_traced_gpt(preset, overrides, dtype, batch, seq, checkpoint_activations):
+    cfg = gpt_config(preset, checkpoint_activations=checkpoint_activations, **overrides)
     torch.manual_seed(0)
     model = GPT(cfg).to(dtype)
     traced = trace(model, gpt_step(model, batch, seq))
@@ -49,8 +49,8 @@ def test_synthetic_matches_traced_gpt(preset, overrides, dtype, batch, seq, chec
     assert abs(b - a) <= 0.10 * a, (a, b)
     # checkpointed: every block's forward is recomputed in backward (15 ops; torch stops early)
     recomputed = [o for o in syn.ops if o.phase == "backward" and o.event.startswith("forward")]
-    assert len(recomputed) == (15 * cfg.layers if checkpoint else 0)
-    assert syn.meta["config"]["checkpoint"] is checkpoint
+    assert len(recomputed) == (15 * cfg.layers if checkpoint_activations else 0)
+    assert syn.meta["config"]["checkpoint_activations"] is checkpoint_activations
 
 
 def test_synthetic_optimizer_states_match_a_traced_adamw():
@@ -125,10 +125,10 @@ def test_bad_synthetic_configuration_is_refused():
         synthetic_transformer(attention="sparse")
     with pytest.raises(ConfigError, match="positions"):
         synthetic_transformer(seq=1024, positions=512)
-    with pytest.raises(ConfigError, match="checkpoint"):
-        synthetic_transformer(checkpoint=1)
-    with pytest.raises(ConfigError, match="checkpoint"):
-        TransformerShape(checkpoint="yes")
+    with pytest.raises(ConfigError, match="checkpoint_activations"):
+        synthetic_transformer(checkpoint_activations=1)
+    with pytest.raises(ConfigError, match="checkpoint_activations"):
+        TransformerShape(checkpoint_activations="yes")
     with pytest.raises(ConfigError, match="flops_per_second"):
         CostModel(flops_per_second=0)
     assert TransformerShape(dtype=torch.bfloat16).dtype == "bfloat16"
@@ -174,7 +174,7 @@ def _recompute_window(tr, i: int) -> list:
 
 def test_checkpointed_backward_recomputes_each_block_before_its_backward():
     L = 3
-    tr = synthetic_transformer(layers=L, hidden=64, heads=4, seq=16, batch=2, vocab=128, checkpoint=True)
+    tr = synthetic_transformer(layers=L, hidden=64, heads=4, seq=16, batch=2, vocab=128, checkpoint_activations=True)
     forward_modules = [o.module for o in tr.ops if o.phase == "forward" and o.module.startswith("blocks.1")]
     for i in range(L):
         window = _recompute_window(tr, i)
@@ -201,7 +201,7 @@ def test_checkpointed_backward_recomputes_each_block_before_its_backward():
 def test_checkpointing_keeps_one_block_input_per_block_and_cuts_peak_memory():
     b, s, d, f, L, it = 2, 128, 256, 1024, 8, 2
     kw = dict(layers=L, hidden=d, ffn=f, heads=8, seq=s, batch=b, dtype=torch.float16, vocab=64)
-    plain, ck = synthetic_transformer(**kw), synthetic_transformer(**kw, checkpoint=True)
+    plain, ck = synthetic_transformer(**kw), synthetic_transformer(**kw, checkpoint_activations=True)
     bsd, bsf = b * s * d * it, b * s * f * it
     # forward keeps one (b, s, d) tensor per block (its output: the next block's or ln_f's input) ...
     kept = [(t.name, t.shape, t.nbytes) for t in ck.of_kind("activation") if t.name.startswith("blocks.")]
@@ -226,14 +226,14 @@ def test_checkpointing_keeps_one_block_input_per_block_and_cuts_peak_memory():
 def test_gpt3_175b_table_4_with_checkpointing():
     # ANGEL-PTM Table 4: GPT-3 175B, 70 layers, 112 heads, hidden 14336, ffn 57344, seq 2048, batch 1, bf16
     kw = dict(layers=70, hidden=14336, ffn=57344, heads=112, seq=2048, batch=1, dtype=torch.bfloat16, vocab=50304)
-    plain, ck = synthetic_transformer(**kw), synthetic_transformer(**kw, checkpoint=True)
+    plain, ck = synthetic_transformer(**kw), synthetic_transformer(**kw, checkpoint_activations=True)
     bsd = 2048 * 14336 * 2
     assert 60e9 < plain.peak_non_model_bytes < 70e9
     # checkpointed: 70 block inputs (4.1 GB), one recomputed block and the loss's logits
     assert 70 * bsd < ck.peak_non_model_bytes < 6e9
     assert ck.peak_non_model_bytes < 0.1 * plain.peak_non_model_bytes
     assert ck.bytes_by_kind()["param"] == plain.bytes_by_kind()["param"]
-    assert ck.ops[-1].non_model_bytes == 0 and ck.meta["config"]["checkpoint"] is True
+    assert ck.ops[-1].non_model_bytes == 0 and ck.meta["config"]["checkpoint_activations"] is True
     # backward computes the blocks' forward again, less mlp.proj (a third of a block's FLOPs)
     fwd = math.fsum(o.duration for o in ck.ops if o.phase == "forward")
     bwd = math.fsum(o.duration for o in ck.ops if o.phase == "backward")
@@ -247,9 +247,9 @@ def test_checkpointed_synthetic_invariants_and_json_round_trip(tmp_path_factory,
     kw = dict(layers=c["layers"], hidden=hidden, ffn=c["ffn_mult"] * hidden, heads=c["heads"], seq=c["seq"],
               batch=c["batch"], dtype=c["dtype"], vocab=c["vocab"], tie_embeddings=c["tie"],
               attention=c["attention"], optimizer_model=c["optimizer"])
-    tr = synthetic_transformer(**kw, checkpoint=True)
+    tr = synthetic_transformer(**kw, checkpoint_activations=True)
     plain = synthetic_transformer(**kw)
-    assert tr.meta["config"]["checkpoint"] is True
+    assert tr.meta["config"]["checkpoint_activations"] is True
     assert len(tr.ops) == len(plain.ops) + 15 * c["layers"]
     assert [(t.name, t.nbytes) for t in tr.tensors if t.is_model_state] == \
            [(t.name, t.nbytes) for t in plain.tensors if t.is_model_state]
