@@ -13,7 +13,9 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +62,22 @@ def test_each_headline_function_reads_what_its_benchmark_wrote(b):
     for r in rows:
         assert math.isfinite(r.figure) and r.anchor is not None and math.isfinite(r.anchor) and r.anchor > 0, r
         assert r.ratio == pytest.approx(r.figure / r.anchor) and r.unit and r.anchor_name
+
+
+def tracked_results() -> list:
+    """Suite entries whose results are committed in benchmarks/results (the record BENCHMARKS.md cites)."""
+    try:
+        out = subprocess.run(["git", "-C", REPO, "ls-files", "benchmarks/results"], capture_output=True, text=True,
+                             timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [b for b in SUITE if f"benchmarks/results/{b.result_name}.json" in out]
+
+
+@pytest.mark.parametrize("b", tracked_results(), ids=lambda b: b.name)
+def test_each_headline_function_reads_the_committed_results(b):
+    rows = HEADLINES[b.name](load(os.path.join(REPO, "benchmarks", "results", b.result_name + ".json")))
+    assert rows and all(math.isfinite(r.figure) and r.ratio is not None and math.isfinite(r.ratio) for r in rows)
 
 
 def test_offload_without_pagemem_figure_says_why_and_a_missing_anchor_is_a_note():
@@ -163,8 +181,7 @@ class Bench(NamedTuple):
         return self.result or self.name
 
 
-SUITE = [Bench("bench_planner", ("--tiny",)), Bench("bench_tracer"), Bench("bench_cpu_adam"),
-         Bench("bench_store_ops"), Bench("bench_gpu_moves", needs="cuda")]
+SUITE = [SUITE_HERE]
 
 
 def unavailable(bench):
@@ -193,13 +210,20 @@ FAKE_SCRIPTS = {
 }
 
 
-def test_runs_report_failures_as_rows_and_exit_1(tmp_path, capsys, monkeypatch):
+def fake_checkout(tmp_path, monkeypatch, suite: str) -> Path:
+    """A checkout whose benchmarks are ``FAKE_SCRIPTS`` and whose ``SUITE`` is ``suite``."""
     fake = tmp_path / "repo" / "benchmarks"
     fake.mkdir(parents=True)
-    (fake / "run_all.py").write_text(FAKE_RUN_ALL)
+    (fake / "run_all.py").write_text(FAKE_RUN_ALL.replace("SUITE_HERE", suite))
     for name, source in FAKE_SCRIPTS.items():
         (fake / f"{name}.py").write_text(textwrap.dedent(source))
     monkeypatch.setenv("RECORDED", os.path.join(RECORDED, "bench_planner.json"))
+    return fake
+
+
+def test_runs_report_failures_as_rows_and_exit_1(tmp_path, capsys, monkeypatch):
+    fake = fake_checkout(tmp_path, monkeypatch, 'Bench("bench_planner", ("--tiny",)), Bench("bench_tracer"), '
+                         'Bench("bench_cpu_adam"), Bench("bench_store_ops"), Bench("bench_gpu_moves", needs="cuda")')
     results = tmp_path / "res"
     # an old results file that the failing run does not rewrite must not count as its results
     results.mkdir()
@@ -223,6 +247,18 @@ def test_runs_report_failures_as_rows_and_exit_1(tmp_path, capsys, monkeypatch):
     for name, word in (("bench_tracer", "FAILED"), ("bench_cpu_adam", "FAILED"), ("bench_store_ops", "FAILED"),
                        ("bench_gpu_moves", "SKIPPED")):
         assert any(ln.startswith(name) and word in ln for ln in lines), name
+
+
+def test_quick_runs_default_to_their_own_results_directory(tmp_path, monkeypatch):
+    # a checkout whose results hold recorded figures: --quick leaves them alone
+    fake = fake_checkout(tmp_path, monkeypatch, 'Bench("bench_planner", ("--tiny",))')
+    (fake / "results").mkdir()
+    recorded = fake / "results" / "bench_planner.json"
+    recorded.write_text("recorded")
+    assert bench("--benchmarks", str(fake), "--quick") == 0
+    assert recorded.read_text() == "recorded"
+    assert load(fake / "results" / "quick" / "bench_planner.json")["argv"] == ["--tiny"]
+    assert (fake / "results" / "quick" / "bench.json").exists() and not (fake / "results" / "bench.json").exists()
 
 
 def test_a_real_benchmark_runs_quick_into_the_given_results(tmp_path, capsys):

@@ -5,7 +5,8 @@ installed wheel has no ``benchmarks/``, and the command says so). Each benchmark
 process of its own, its output going to ``<results>/<name>.log``; its results JSON is then read
 by its function in ``bench_headlines.HEADLINES``, and one table shows every headline figure with
 the anchor measured in the same run and their ratio. One combined JSON (``--out``) holds the
-rows and the machine they ran on. ``--from-results`` builds the table from the JSON files
+rows and the machine they ran on. ``--quick`` runs write to ``benchmarks/results/quick``: they
+check that the benchmarks run and never replace the recorded figures. ``--from-results`` builds the table from the JSON files
 already in the results directory without running anything. A benchmark that fails (a non-zero
 exit, no results written, results without their figure, ``--timeout`` passed) is a failed row
 and makes the exit status 1; one that needs what this machine lacks (fio, CUDA) is skipped.
@@ -40,7 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-results", action="store_true",
                         help="build the table from the JSON files already in the results directory; run nothing")
     parser.add_argument("--results", metavar="DIR", help="where benchmarks write and this reads results "
-                        "(default: benchmarks/results)")
+                        "(default: benchmarks/results, with --quick benchmarks/results/quick)")
     parser.add_argument("--out", metavar="FILE", help="the combined JSON (default: RESULTS/bench.json)")
     parser.add_argument("--benchmarks", metavar="DIR", help="the benchmarks directory (default: the checkout's)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="longest run of one benchmark")
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     bench_dir = benchmarks_dir(args.benchmarks)
     suite = load_suite(bench_dir)
     chosen = select(suite.SUITE, args.only)
-    results = os.path.abspath(args.results or os.path.join(bench_dir, "results"))
+    # quick runs are checks, not measurements: they never replace the recorded figures
+    results = os.path.abspath(args.results or os.path.join(bench_dir, "results", *(["quick"] if args.quick else [])))
     out = args.out or os.path.join(results, "bench.json")
     if args.from_results and not os.path.isdir(results):
         raise ConfigError(f"--from-results: no results directory {results} (run pagemem bench first)")
