@@ -36,8 +36,11 @@ def bench(*argv: str) -> int:
         return int(exc.code)
 
 
-def recorded(tmp_path) -> str:
+def recorded(tmp_path, failed_offload: bool = False) -> str:
+    """A copy of the recorded results (the failed bench_offload run only when asked for)."""
     shutil.copytree(RECORDED, tmp_path / "results")
+    if not failed_offload:
+        os.remove(tmp_path / "results" / "bench_offload_cpu.json")
     return str(tmp_path / "results")
 
 
@@ -99,8 +102,9 @@ def test_from_results_builds_the_table_and_the_combined_json(tmp_path, capsys):
     assert bench("--from-results", "--results", results, "--out", str(out)) == 0
     text = capsys.readouterr().out
     combined = load(out)
-    default = [b.name for b in SUITE if b.default]
-    assert [e["name"] for e in combined["benchmarks"]] == default
+    # the default suite, and those run only when named where they have results (bench_lockfree)
+    shown = [b.name for b in SUITE if b.default or b.name == "bench_lockfree"]
+    assert [e["name"] for e in combined["benchmarks"]] == shown
     assert all(e["status"] == "ok" and e["rows"] for e in combined["benchmarks"])
     assert combined["from_results"] is True and combined["failed"] == []
     m = combined["machine"]
@@ -126,7 +130,7 @@ def test_from_results_builds_the_table_and_the_combined_json(tmp_path, capsys):
     planner_line = next(ln for ln in lines if ln.startswith("bench_planner"))
     assert planner_line.split()[-2:] == ["ms", f"{row['ratio']:.4g}"]
     assert f"{1e3 * s['plan_scan']:.0f}" in planner_line
-    for name in default:
+    for name in shown:
         assert sum(ln.startswith(name + " ") for ln in lines) == 1, name
     body = lines[2:lines.index("")]
     assert len(body) == sum(len(e["rows"]) for e in combined["benchmarks"])
@@ -134,7 +138,7 @@ def test_from_results_builds_the_table_and_the_combined_json(tmp_path, capsys):
 
 
 def test_unreadable_or_incomplete_results_are_failed_rows(tmp_path, capsys):
-    results = recorded(tmp_path)
+    results = recorded(tmp_path, failed_offload=True)
     planner = load(os.path.join(results, "bench_planner.json"))
     del planner["seconds"]
     with open(os.path.join(results, "bench_planner.json"), "w") as f:
@@ -156,6 +160,12 @@ def test_unreadable_or_incomplete_results_are_failed_rows(tmp_path, capsys):
     assert status["bench_tracer"][0] == "failed" and "no " in status["bench_tracer"][1]  # named, so missing fails
     assert sorted(load(out)["failed"]) == ["bench_offload", "bench_planner", "bench_simulate", "bench_tracer"]
     assert any(ln.startswith("bench_planner") and "FAILED: " in ln for ln in captured.out.splitlines())
+
+
+def test_a_failed_run_recorded_is_a_failed_row_without_only(tmp_path, capsys):
+    results = recorded(tmp_path, failed_offload=True)
+    assert bench("--from-results", "--results", results, "--out", str(tmp_path / "c.json")) == 1
+    assert load(tmp_path / "c.json")["failed"] == ["bench_offload"]
 
 
 def test_a_missing_default_result_is_reported_not_failed(tmp_path, capsys):

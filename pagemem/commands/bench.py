@@ -6,10 +6,11 @@ process of its own, its output going to ``<results>/<name>.log``; its results JS
 by its function in ``bench_headlines.HEADLINES``, and one table shows every headline figure with
 the anchor measured in the same run and their ratio. One combined JSON (``--out``) holds the
 rows and the machine they ran on. ``--quick`` runs write to ``benchmarks/results/quick``: they
-check that the benchmarks run and never replace the recorded figures. ``--from-results`` builds the table from the JSON files
-already in the results directory without running anything. A benchmark that fails (a non-zero
-exit, no results written, results without their figure, ``--timeout`` passed) is a failed row
-and makes the exit status 1; one that needs what this machine lacks (fio, CUDA) is skipped.
+check that the benchmarks run and never replace the recorded figures. ``--from-results`` builds
+the table from the JSON files already in the results directory without running anything (those
+run only when named, too, where they have results). A benchmark that fails (a non-zero exit, no
+results written, results without their figure, ``--timeout`` passed) is a failed row and makes
+the exit status 1; one that needs what this machine lacks (fio, CUDA) is skipped.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or os.path.join(results, "bench.json")
     if args.from_results and not os.path.isdir(results):
         raise ConfigError(f"--from-results: no results directory {results} (run pagemem bench first)")
+    if args.from_results and args.only is None:  # and those run only when named, where they have results
+        chosen = [b for b in suite.SUITE if b.default or os.path.exists(os.path.join(results, b.result_name + ".json"))]
     outcomes = []
     for i, bench in enumerate(chosen, 1):
         if args.from_results:
