@@ -30,13 +30,14 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 import statistics
 import tempfile
 import time
 
 import torch
 from bench_engine import median_durations, with_durations
-from common import table, write_json
+from common import RESULTS, table, write_json
 
 import pagemem
 from pagemem.models.gpt import GPT, GPTConfig
@@ -263,7 +264,8 @@ def main() -> None:
     if args.part in ("convergence", "both"):
         conv = convergence(args.steps, args.bandwidth_factor, args.seeds)
         payload["convergence"] = conv
-        plot(conv, f"benchmarks/results/bench_lockfree{suffix}_loss.png")
+        os.makedirs(RESULTS, exist_ok=True)
+        plot(conv, os.path.join(RESULTS, f"bench_lockfree{suffix}_loss.png"))
         rows = []
         for n, r in conv.items():
             for k, label in (("sync", "synchronous"), ("predict", "lock-free, predict"), ("none", "lock-free, none"),

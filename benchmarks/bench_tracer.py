@@ -81,7 +81,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default="", help="run configurations whose label contains this")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_tracer.json"))
+    results = os.environ.get("PAGEMEM_BENCH_RESULTS") or os.path.join(os.path.dirname(__file__), "results")
+    ap.add_argument("--out", default=os.path.join(results, "bench_tracer.json"))
     args = ap.parse_args()
     rows = [bench(*c, repeats=args.repeats, device=args.device) for c in CONFIGS if args.only in c[0]]
     print(f"tracer overhead, {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -9,7 +9,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RESULTS = os.environ.get("PAGEMEM_BENCH_RESULTS") or os.path.join(ROOT, "benchmarks", "results")
+"""Where results go: ``benchmarks/results``, or ``$PAGEMEM_BENCH_RESULTS`` (``pagemem bench --results``)."""
 sys.path.insert(0, ROOT)
 
 

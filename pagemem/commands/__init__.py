@@ -10,5 +10,6 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("profile", "pagemem.commands.profile", "measure this machine into a hardware profile for the simulator"),
     ("doctor", "pagemem.commands.doctor", "what this machine offers (GPU, PCIe, pinned memory, AIO, O_DIRECT) and what pagemem will use"),
     ("io-tune", "pagemem.commands.io_tune", "sweep page size, queue depth and I/O engine on a directory; write the best as a [store] config"),
+    ("bench", "pagemem.commands.bench", "run the benchmarks; each headline figure beside its anchor from the same run"),
 ]
 """(name, module, one-line help). Add a command by adding a row."""
