@@ -22,7 +22,7 @@ test-all: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/run_all.py
+	$(VENV)/bin/pagemem bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis benchmarks/results

@@ -10,7 +10,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.environ.get("PAGEMEM_BENCH_RESULTS") or os.path.join(ROOT, "benchmarks", "results")
-"""Where results go: ``benchmarks/results``, or ``$PAGEMEM_BENCH_RESULTS`` (``pagemem bench --results``)."""
+"""Where results go: ``benchmarks/results``, or ``$PAGEMEM_BENCH_RESULTS`` (``pagemem bench --results_dir``)."""
 sys.path.insert(0, ROOT)
 
 

@@ -99,7 +99,7 @@ def test_offload_without_pagemem_figure_says_why_and_a_missing_anchor_is_a_note(
 def test_from_results_builds_the_table_and_the_combined_json(tmp_path, capsys):
     results = recorded(tmp_path)
     out = tmp_path / "combined.json"
-    assert bench("--from-results", "--results", results, "--out", str(out)) == 0
+    assert bench("--from_results", "--results_dir", results, "--out", str(out)) == 0
     text = capsys.readouterr().out
     combined = load(out)
     # the default suite, and those run only when named where they have results (bench_lockfree)
@@ -147,7 +147,7 @@ def test_unreadable_or_incomplete_results_are_failed_rows(tmp_path, capsys):
         f.write('{"results": ')
     os.remove(os.path.join(results, "bench_tracer.json"))
     out = tmp_path / "c.json"
-    code = bench("--from-results", "--results", results, "--out", str(out),
+    code = bench("--from_results", "--results_dir", results, "--out", str(out),
                  "--only", "planner,simulate,bench_offload,tracer,bench_nvme.py")
     captured = capsys.readouterr()
     assert code == 1
@@ -164,14 +164,14 @@ def test_unreadable_or_incomplete_results_are_failed_rows(tmp_path, capsys):
 
 def test_a_failed_run_recorded_is_a_failed_row_without_only(tmp_path, capsys):
     results = recorded(tmp_path, failed_offload=True)
-    assert bench("--from-results", "--results", results, "--out", str(tmp_path / "c.json")) == 1
+    assert bench("--from_results", "--results_dir", results, "--out", str(tmp_path / "c.json")) == 1
     assert load(tmp_path / "c.json")["failed"] == ["bench_offload"]
 
 
 def test_a_missing_default_result_is_reported_not_failed(tmp_path, capsys):
     results = recorded(tmp_path)
     os.remove(os.path.join(results, "bench_gpu_moves.json"))
-    assert bench("--from-results", "--results", results, "--out", str(tmp_path / "c.json")) == 0
+    assert bench("--from_results", "--results_dir", results, "--out", str(tmp_path / "c.json")) == 0
     assert any(ln.startswith("bench_gpu_moves") and "NO RESULTS" in ln for ln in capsys.readouterr().out.splitlines())
 
 
@@ -238,7 +238,7 @@ def test_runs_report_failures_as_rows_and_exit_1(tmp_path, capsys, monkeypatch):
     # an old results file that the failing run does not rewrite must not count as its results
     results.mkdir()
     shutil.copy(os.path.join(RECORDED, "bench_cpu_adam.json"), results / "bench_cpu_adam.json")
-    code = bench("--benchmarks", str(fake), "--results", str(results), "--quick", "--timeout", "4")
+    code = bench("--benchmarks_dir", str(fake), "--results_dir", str(results), "--quick", "--timeout", "4")
     captured = capsys.readouterr()
     assert code == 1
     assert "Traceback" not in captured.out + captured.err
@@ -265,7 +265,7 @@ def test_quick_runs_default_to_their_own_results_directory(tmp_path, monkeypatch
     (fake / "results").mkdir()
     recorded = fake / "results" / "bench_planner.json"
     recorded.write_text("recorded")
-    assert bench("--benchmarks", str(fake), "--quick") == 0
+    assert bench("--benchmarks_dir", str(fake), "--quick") == 0
     assert recorded.read_text() == "recorded"
     assert load(fake / "results" / "quick" / "bench_planner.json")["argv"] == ["--tiny"]
     assert (fake / "results" / "quick" / "bench.json").exists() and not (fake / "results" / "bench.json").exists()
@@ -273,7 +273,7 @@ def test_quick_runs_default_to_their_own_results_directory(tmp_path, monkeypatch
 
 def test_a_real_benchmark_runs_quick_into_the_given_results(tmp_path, capsys):
     results = tmp_path / "res"
-    assert bench("--only", "planner", "--quick", "--results", str(results)) == 0
+    assert bench("--only", "planner", "--quick", "--results_dir", str(results)) == 0
     (entry,) = load(results / "bench.json")["benchmarks"]
     assert entry["status"] == "ok" and entry["args"] == ["--repeats", "1"]
     assert entry["rows"][0]["figure"] == 1e3 * load(results / "bench_planner.json")["seconds"]["plan_segment"]
@@ -285,12 +285,12 @@ def test_without_a_benchmarks_directory_one_line_and_exit_2(tmp_path, capsys, mo
     monkeypatch.setattr(pagemem, "__file__", str(tmp_path / "site-packages" / "pagemem" / "__init__.py"))
     with pytest.raises(pagemem.ConfigError, match="no benchmarks directory"):
         benchmarks_dir(None)
-    assert bench("--from-results") == 2
+    assert bench("--from_results") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no benchmarks directory" in err and "Traceback" not in err
 
 
 def test_an_unknown_name_in_only_is_refused(capsys):
-    assert bench("--only", "engine,nope", "--from-results") == 2
+    assert bench("--only", "engine,nope", "--from_results") == 2
     err = capsys.readouterr().err
     assert "'nope'" in err and "bench_engine" in err

@@ -64,7 +64,12 @@ COMMAND_ONLY = {
     "config": "pagemem train's TOML files",
     "resume": "the run pagemem train continues",
     "help_config": "pagemem train lists its settings",
-    "quick": "pagemem io-tune's short sweep",
+    "quick": "pagemem io-tune's short sweep, pagemem bench's smallest settings",
+    "only": "the benchmarks pagemem bench runs",
+    "from_results": "pagemem bench reads recorded results instead of running",
+    "results_dir": "the directory benchmarks write results to and pagemem bench reads",
+    "benchmarks_dir": "the directory of benchmark scripts",
+    "timeout": "the longest one benchmark may run",
 }
 """Options no config field holds: what to read and write, and what to run."""
 

@@ -6,7 +6,7 @@ process of its own, its output going to ``<results>/<name>.log``; its results JS
 by its function in ``bench_headlines.HEADLINES``, and one table shows every headline figure with
 the anchor measured in the same run and their ratio. One combined JSON (``--out``) holds the
 rows and the machine they ran on. ``--quick`` runs write to ``benchmarks/results/quick``: they
-check that the benchmarks run and never replace the recorded figures. ``--from-results`` builds
+check that the benchmarks run and never replace the recorded figures. ``--from_results`` builds
 the table from the JSON files already in the results directory without running anything (those
 run only when named, too, where they have results). A benchmark that fails (a non-zero exit, no
 results written, results without their figure, ``--timeout`` passed) is a failed row and makes
@@ -39,12 +39,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run these benchmarks only (bench_engine or engine; also those not run by default)")
     parser.add_argument("--quick", action="store_true",
                         help="each benchmark's smallest settings: a check that it runs, not a measurement")
-    parser.add_argument("--from-results", action="store_true",
+    parser.add_argument("--from_results", action="store_true",
                         help="build the table from the JSON files already in the results directory; run nothing")
-    parser.add_argument("--results", metavar="DIR", help="where benchmarks write and this reads results "
+    parser.add_argument("--results_dir", metavar="DIR", help="where benchmarks write and this reads results "
                         "(default: benchmarks/results, with --quick benchmarks/results/quick)")
     parser.add_argument("--out", metavar="FILE", help="the combined JSON (default: RESULTS/bench.json)")
-    parser.add_argument("--benchmarks", metavar="DIR", help="the benchmarks directory (default: the checkout's)")
+    parser.add_argument("--benchmarks_dir", metavar="DIR", help="the benchmarks directory (default: the checkout's)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="longest run of one benchmark")
 
 
@@ -69,14 +69,14 @@ class Outcome:
 
 
 def run(args: argparse.Namespace) -> int:
-    bench_dir = benchmarks_dir(args.benchmarks)
+    bench_dir = benchmarks_dir(args.benchmarks_dir)
     suite = load_suite(bench_dir)
     chosen = select(suite.SUITE, args.only)
     # quick runs are checks, not measurements: they never replace the recorded figures
-    results = os.path.abspath(args.results or os.path.join(bench_dir, "results", *(["quick"] if args.quick else [])))
+    results = os.path.abspath(args.results_dir or os.path.join(bench_dir, "results", *(["quick"] if args.quick else [])))
     out = args.out or os.path.join(results, "bench.json")
     if args.from_results and not os.path.isdir(results):
-        raise ConfigError(f"--from-results: no results directory {results} (run pagemem bench first)")
+        raise ConfigError(f"--from_results: no results directory {results} (run pagemem bench first)")
     if args.from_results and args.only is None:  # and those run only when named, where they have results
         chosen = [b for b in suite.SUITE if b.default or os.path.exists(os.path.join(results, b.result_name + ".json"))]
     outcomes = []
@@ -105,7 +105,7 @@ def benchmarks_dir(given: str | None) -> str:
     if not os.path.isfile(os.path.join(path, "run_all.py")):
         raise ConfigError(f"no benchmarks directory at {path} (no run_all.py): the benchmarks ship with the source "
                           "checkout, not the installed package; run from a clone of the repository, or pass "
-                          "--benchmarks DIR")
+                          "--benchmarks_dir DIR")
     return path
 
 
