@@ -25,4 +25,4 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/pagemem bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis benchmarks/results
+	rm -rf $(VENV) .pytest_cache .hypothesis benchmarks/results/quick runs
