@@ -10,7 +10,7 @@ import sys
 from typing import NoReturn
 
 from pagemem.commands import COMMANDS
-from pagemem.errors import PageMemError
+from pagemem.errors import PageMemError, one_line
 
 USAGE_ERROR = 2
 INTERRUPTED = 130
@@ -39,15 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except PageMemError as exc:
-        print(f"pagemem {args.command}: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"pagemem {args.command}: {type(exc).__name__}: {one_line(str(exc))}", file=sys.stderr)
+        return USAGE_ERROR
+    except OSError as exc:  # a path the command was given cannot be read or written
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"pagemem {args.command}: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         print(f"pagemem {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -130,3 +130,8 @@ class FirstError:
             first.add_note(f"closing raised {len(self.errors) - 1} more error(s): "
                            + "; ".join(repr(e) for e in self.errors[1:]))
         raise first
+
+
+def one_line(text: str) -> str:
+    """A message on one line (a command's error is one line on stderr)."""
+    return " ".join(text.split())

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 
 from pagemem.commands.flags import add_shape_arguments, add_switch, shape_overrides
-from pagemem.errors import ConfigError, PageMemError
+from pagemem.errors import ConfigError, PageMemError, one_line
 from pagemem.models import gpt_config
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.sched.plan import Plan
 from pagemem.sched.planner import plan
 from pagemem.sched.validate import validate
 from pagemem.tracer import Trace, synthetic_from_config
-from pagemem.units import format_bytes
+from pagemem.units import format_bytes, parse_size
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -55,7 +56,8 @@ def load_trace(args: argparse.Namespace, cost=None) -> Trace:
 
 
 def make_plan(args: argparse.Namespace, tr: Trace) -> Plan:
-    return plan(tr, {"gpu": args.gpu_bytes, "cpu": args.cpu_bytes, "nvme": args.nvme_bytes}, world_size=args.world_size,
+    budgets = {tier: parse_size(getattr(args, f"{tier}_bytes"), f"{tier}_bytes") for tier in ("gpu", "cpu", "nvme")}
+    return plan(tr, budgets, world_size=args.world_size,
                 optimizer_tier=args.optimizer_tier, page_bytes=args.page_bytes, cache_optimizer=args.cache_optimizer)
 
 
@@ -95,9 +97,9 @@ def run(args: argparse.Namespace) -> int:
               f"peak non-model memory {format_bytes(tr.peak_non_model_bytes)} (built in {took * 1000:.0f} ms)")
         p = make_plan(args, tr)
     except InfeasiblePlan as e:
-        print(f"pagemem plan: {e}")
+        print(f"pagemem plan: {one_line(str(e))}", file=sys.stderr)
         return 3
     except (PageMemError, OSError) as e:
-        print(f"pagemem plan: {e}")
+        print(f"pagemem plan: {one_line(str(e))}", file=sys.stderr)
         return 2
     return report_plan(args, tr, p)

@@ -5,6 +5,7 @@ executor's host time per window is measured by the engine (:mod:`pagemem.engine.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -26,13 +27,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pagemem.commands.measure import measure
     from pagemem.engine.measure import window_host_seconds
-    from pagemem.errors import PageMemError
+    from pagemem.errors import PageMemError, one_line
     from pagemem.sched.hardware import HardwareProfile
 
     try:
         if args.show:
             print(HardwareProfile.builtin(args.show).summary())
             return 0
+        if args.nvme_path is not None and not os.path.isdir(args.nvme_path):  # before minutes of measuring
+            print(f"pagemem profile: nvme_path: {args.nvme_path!r} is not an existing directory", file=sys.stderr)
+            return 2
         if not args.out:
             print("pagemem profile: --out FILE is required to measure (or --show NAME)", file=sys.stderr)
             return 2
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                           repeats=args.repeats, log=lambda msg: print(f"  {msg}", flush=True),
                           window_host=lambda: window_host_seconds(repeats=args.repeats))
     except PageMemError as e:
-        print(f"pagemem profile: {e}", file=sys.stderr)
+        print(f"pagemem profile: {one_line(str(e))}", file=sys.stderr)
         return 2
     profile.save(args.out)
     print(profile.summary())

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from pagemem.commands.plan import add_plan_arguments, load_trace, make_plan
-from pagemem.errors import PageMemError
+from pagemem.errors import PageMemError, one_line
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.units import format_bytes
 
@@ -33,10 +34,10 @@ def run(args: argparse.Namespace) -> int:
         print(p.summary())
         result = simulate(p, tr, hw, iterations=args.iterations)
     except InfeasiblePlan as e:
-        print(f"pagemem simulate: {e}")
+        print(f"pagemem simulate: {one_line(str(e))}", file=sys.stderr)
         return 3
     except (PageMemError, OSError) as e:
-        print(f"pagemem simulate: {e}")
+        print(f"pagemem simulate: {one_line(str(e))}", file=sys.stderr)
         return 2
     print(result.summary())
     if args.chrome:

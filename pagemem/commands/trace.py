@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 
 from pagemem.commands.flags import add_shape_arguments, shape_overrides
-from pagemem.errors import ConfigError, PageMemError
+from pagemem.errors import ConfigError, PageMemError, one_line
 from pagemem.models import GPT, gpt_config
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             tr = _trace_gpt(cfg, args.batch, seq, dtype, args.device, args.optimizer, args.seed)
         took = time.perf_counter() - t0
     except PageMemError as e:
-        print(f"pagemem trace: {e}")
+        print(f"pagemem trace: {one_line(str(e))}", file=sys.stderr)
         return 2
     os.makedirs(args.out_dir, exist_ok=True)
     json_path = os.path.join(args.out_dir, "trace.json")

@@ -48,7 +48,7 @@ def test_synthetic_command_with_checkpointing(tmp_path):
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
     assert _run(["--model", "nope", "--out_dir", str(tmp_path)]) == 2
-    assert "unknown preset" in capsys.readouterr().out
+    assert "unknown preset" in capsys.readouterr().err
     assert _run(["--model", "tiny", "--seq", "100000", "--out_dir", str(tmp_path)]) == 2
 
 
