@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import os
 import statistics
 import tempfile
@@ -53,6 +54,8 @@ TASKS = {"branching": 4, "exact": 1}
 """Successors per token: ``branching`` has a loss floor of ln 4 (as language has an entropy
 floor), ``exact`` can be learnt to zero loss."""
 TASK = "branching"
+GPU_BACKEND = "host"
+"""``--gpu_backend``: ``host`` (the stand-in) or ``cuda`` (a GPU session: benchmarks/GPU.md)."""
 SEED_STRIDE = 1000
 
 
@@ -101,7 +104,7 @@ def config(make, hf: bool, tier: str, nvme: str, bandwidth: int | None, **kw) ->
     tr = trace(model, lambda: loss_of(model, x, hf).backward()).with_non_model_peak_reserved()
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     gpu = -(-(least_gpu_bytes(tr, page_bytes=PAGE) + nbytes // 2 + (4 << 20)) // PAGE) * PAGE
-    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=24 * nbytes + (64 << 20),
+    store = pagemem.StoreConfig(gpu_backend=GPU_BACKEND, page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=24 * nbytes + (64 << 20),
                                 nvme_bytes=24 * nbytes + (64 << 20) if tier == "nvme" else 0,
                                 nvme_path=nvme if tier == "nvme" else None, copy_threads=0,
                                 nvme_bandwidth=bandwidth if tier == "nvme" else None)
@@ -248,19 +251,26 @@ def throughput(steps: int, bandwidth_factor: float) -> dict:
 
 
 def main() -> None:
-    global TASK
+    global TASK, GPU_BACKEND
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="both", choices=["convergence", "throughput", "both"])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=3, help="data orders the convergence tails are averaged over")
     ap.add_argument("--task", default=TASK, choices=sorted(TASKS))
+    ap.add_argument("--gpu_backend", default=GPU_BACKEND, choices=["host", "cuda"])
     ap.add_argument("--throughput-steps", type=int, default=40)
     ap.add_argument("--bandwidth-factor", type=float, default=2.0,
                     help="the capped disk moves the optimizer states in and out in this many anchor iterations")
     args = ap.parse_args()
-    TASK = args.task
+    TASK, GPU_BACKEND = args.task, args.gpu_backend
     suffix = "" if TASK == "branching" else f"_{TASK}"  # the exact task's figures go beside, not over
     payload: dict = {"steps": args.steps, "bandwidth_factor": args.bandwidth_factor, "task": TASK, "seeds": args.seeds}
+    earlier = os.path.join(RESULTS, f"bench_lockfree{suffix}.json")
+    if args.part != "both" and os.path.exists(earlier):  # one part run: the other part's figures stay
+        with open(earlier) as f:
+            kept = json.load(f)
+        payload = {**kept, **{k: v for k, v in payload.items() if args.part == "convergence"
+                              or k not in ("steps", "seeds", "task")}}
     if args.part in ("convergence", "both"):
         conv = convergence(args.steps, args.bandwidth_factor, args.seeds)
         payload["convergence"] = conv

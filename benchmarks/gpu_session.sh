@@ -12,6 +12,8 @@
 #   moves     bench_gpu_moves.py: page moves against a pinned copy_ and the link's bandwidth
 #   fits      bench_engine.py, row fits, a GPT that fits: pagemem against plain PyTorch
 #   offload   bench_offload.py: pagemem, DeepSpeed ZeRO-3 (cpu offload) and plain PyTorch, one GPT
+#   lockfree  bench_lockfree.py --part throughput on the GPU: the lock-free updater against
+#             states in cpu memory, the nvme tier capped (issue 22)
 #   largest-cpu, largest-nvme
 #             bench_offload.py --largest: the largest GPT each trains with that offload
 #
@@ -62,6 +64,8 @@ for s in "$@"; do
     offload)
       step offload $py benchmarks/bench_offload.py --model gpt-1.3b --batch 8 --seq 1024 --offload cpu \
         --checkpoint-activations ;;
+    lockfree)
+      step lockfree $py benchmarks/bench_lockfree.py --part throughput --gpu_backend cuda ;;
     largest-cpu)
       step largest-cpu $py benchmarks/bench_offload.py --largest --hidden 4096 --batch 4 --seq 1024 --offload cpu \
         --checkpoint-activations --systems pagemem,deepspeed --start-layers 16 --timeout 900 ;;

@@ -387,16 +387,3 @@ def test_prediction_buffers_the_weights_synchronous_training_would_hold(correcti
         assert abs(written - (applied + (ahead if correction == "predict" else 0))) < 1e-3, (ahead, applied, written)
     assert all(abs(j - round(j)) < 1e-3 and round(j) <= t for t, j in Probe.seen)  # never torn, never ahead
 
-
-def test_the_updating_thread_yields_the_cores_to_the_compute(tmp_path):
-    """The updating thread runs at a lower scheduling priority than the training loop, so on a
-    machine whose compute shares the host's cores it takes only what the compute leaves."""
-    import os
-
-    make, loss, cfg = nvme_config(tmp_path)
-    with pagemem.Engine(make(), cfg) as engine:
-        engine.stats()
-        time.sleep(0.05)
-        (updater,) = [t for t in threading.enumerate() if t.name.startswith("pagemem-lockfree")]
-        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        assert os.getpriority(os.PRIO_PROCESS, updater.native_id) == min(19, mine + lockfree.NICENESS)

@@ -57,7 +57,6 @@ published values kept in fp32 until drained.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 from collections import Counter, deque
@@ -266,7 +265,6 @@ class LockFreeUpdater:
     # ------------------------------------------------------------------ the updating thread
 
     def _run(self) -> None:
-        _lower_priority()
         try:
             while True:
                 with self._cond:
@@ -352,19 +350,6 @@ class LockFreeUpdater:
             self.updates += 1
             self._cond.notify_all()
         return writeback
-
-
-NICENESS = 10
-"""How much lower the updating thread's scheduling priority is than the training loop's."""
-
-
-def _lower_priority() -> None:
-    """The calling thread yields the cores to the compute side (Linux: a thread's own nice value)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICENESS))
-    except (AttributeError, OSError):
-        pass
 
 
 def _master(pieces: list) -> torch.Tensor:
