@@ -45,6 +45,7 @@ from typing import Any, Mapping
 
 from pagemem.checks import check_int, check_rate
 from pagemem.errors import ConfigError
+from pagemem.plain import from_plain, to_plain
 from pagemem.tracer import CostModel
 
 FORMAT = "pagemem-hardware-profile"
@@ -204,13 +205,8 @@ class HardwareProfile:
     # ------------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"format": FORMAT, "version": VERSION, "name": self.name}
-        d.update({k: getattr(self, k) for k in _RATES})
-        d["ranks_per_server"] = self.ranks_per_server
-        d["window_host_seconds"] = self.window_host_seconds
-        d["shared_processor"] = list(self.shared_processor)
-        d["facts"] = dict(self.facts)
-        return d
+        """The profile as JSON-ready values: every field by its name (``pagemem.plain``)."""
+        return {"format": FORMAT, "version": VERSION, **to_plain(self)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":
@@ -225,14 +221,10 @@ class HardwareProfile:
         if data.get("version") != VERSION:
             raise ConfigError(f"hardware profile version {data.get('version')!r} is not supported "
                               f"(this pagemem reads 2 and {VERSION})")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names - {"format", "version"}
-        if unknown:
-            raise ConfigError(f"hardware profile: unknown field(s) {sorted(unknown)}")
         missing = [n for n in ("name", *_RATES) if n not in data and n != "compute_scale"]
         if missing:
             raise ConfigError(f"hardware profile: missing field(s) {missing}")
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return from_plain(cls, {k: v for k, v in data.items() if k not in ("format", "version")}, "hardware profile")
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w", encoding="utf-8") as f:
