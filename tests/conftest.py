@@ -209,3 +209,13 @@ def engine_gpu_budget(model, step, page_bytes: int, param_fraction: float) -> in
     least = least_gpu_bytes(tr, page_bytes=page_bytes)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return -(-(least + int(params * param_fraction)) // page_bytes) * page_bytes
+
+
+def exit_status(*argv: str) -> int:
+    """``pagemem ARGV`` in this process: its exit status, argparse's exits included."""
+    from pagemem.cli import main
+
+    try:
+        return main(list(argv))
+    except SystemExit as exc:
+        return int(exc.code)

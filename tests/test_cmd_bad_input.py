@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagemem.cli import main
+from tests.conftest import exit_status
 
 CASES = [
     (["plan", "--gpu_bytes", "-1"], "gpu_bytes"),
@@ -30,10 +30,7 @@ CASES = [
 
 @pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_bad_input_is_one_line_on_stderr_and_a_non_zero_exit(argv, needle, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as exc:  # argparse
-        rc = exc.code
+    rc = exit_status(*argv)
     out, err = capsys.readouterr()
     err = err.strip()
     assert rc not in (0, None)

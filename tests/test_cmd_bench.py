@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 import pagemem
-from pagemem.cli import main
 from pagemem.commands.bench import benchmarks_dir, load_suite
 from pagemem.commands.bench_headlines import HEADLINES, NoFigure
+from tests.conftest import exit_status
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDED = os.path.join(REPO, "tests", "data", "bench_results")
@@ -30,10 +30,7 @@ SUITE = load_suite(os.path.join(REPO, "benchmarks")).SUITE
 
 
 def bench(*argv: str) -> int:
-    try:
-        return main(["bench", *argv])
-    except SystemExit as exc:
-        return int(exc.code)
+    return exit_status("bench", *argv)
 
 
 def recorded(tmp_path, failed_offload: bool = False) -> str:

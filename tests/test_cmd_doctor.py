@@ -16,21 +16,17 @@ import pytest
 import torch
 
 from pagemem import machine
-from pagemem.cli import main
 from pagemem.commands import doctor as doctor_cmd
 from pagemem.commands import probes
 from pagemem.tiers.io.base import EngineUnavailable
 from pagemem.tiers.pagefile import _open_direct
-from tests.conftest import aio_available
+from tests.conftest import aio_available, exit_status
 
 NAMES = ("cuda", "memlock", "host_memory", "libaio", "direct_io", "io_engine", "disk", "torch")
 
 
 def doctor(*argv: str) -> int:
-    try:
-        return main(["doctor", *argv])
-    except SystemExit as exc:  # argparse
-        return int(exc.code)
+    return exit_status("doctor", *argv)
 
 
 def report_of(tmp_path, *argv: str) -> dict:

@@ -14,21 +14,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagemem.cli import main
 from pagemem.commands import io_sweep, measure
 from pagemem.commands.io_sweep import CopySweep, Measurement, pick_best, plateau
 from pagemem.commands.train_config import layered, read_toml, resolve
 from pagemem.tiers.io.base import EngineUnavailable
-from tests.conftest import aio_available
+from tests.conftest import aio_available, exit_status
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
 def io_tune(*argv: str) -> int:
-    try:
-        return main(["io-tune", *argv])
-    except SystemExit as exc:  # argparse
-        return int(exc.code)
+    return exit_status("io-tune", *argv)
 
 
 def run_json(tmp_path, *argv: str) -> dict:

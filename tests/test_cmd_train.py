@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import pagemem
-from pagemem.cli import main
 from pagemem.commands.run_dir import METRIC_KEYS, files_of_a_finished_run
+from tests.conftest import exit_status
 
 SMALL = ["--model.layers", "2", "--model.hidden", "64", "--model.heads", "2", "--model.vocab", "64", "--model.seq", "16",
          "--data.vocab", "64", "--data.seq", "16", "--data.batch", "16", "--store.page_bytes", "64KiB",
@@ -23,10 +23,7 @@ SMALL = ["--model.layers", "2", "--model.hidden", "64", "--model.heads", "2", "-
 
 def train(tmp_path, *extra: str, steps: int = 8) -> int:
     """``pagemem train`` in this process; its exit status (argparse's exits included)."""
-    try:
-        return main(["train", "--train.runs", str(tmp_path / "runs"), "--train.steps", str(steps), *SMALL, *extra])
-    except SystemExit as exc:
-        return int(exc.code)
+    return exit_status("train", "--train.runs", str(tmp_path / "runs"), "--train.steps", str(steps), *SMALL, *extra)
 
 
 def only_run(tmp_path) -> str:
