@@ -24,7 +24,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pagemem", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = _Parser(prog="pagemem", allow_abbrev=False,
+                     description="pagemem: train PyTorch models larger than GPU memory, and the tools around it "
+                                 "(`pagemem COMMAND --help` for each)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for name, module_name, help_text in COMMANDS:
         module = importlib.import_module(module_name)
