@@ -61,7 +61,8 @@ class StoreConfig:
     """``nvme_path`` normalised to a tuple of directories (derived)."""
 
     def __post_init__(self) -> None:
-        page = parse_size(self.page_bytes, "page_bytes")
+        page = self.page_bytes if isinstance(self.page_bytes, int) and not isinstance(self.page_bytes, bool) \
+            else parse_size(self.page_bytes, "page_bytes")
         if page <= 0 or page % ALIGNMENT:
             raise ConfigError(
                 f"page_bytes: must be a positive multiple of {ALIGNMENT} bytes, got {page}"
