@@ -137,15 +137,20 @@ def _weights(run: str) -> dict[str, torch.Tensor]:
         return engine.state_dict()
 
 
-def test_ctrl_c_leaves_a_resumable_run_that_ends_as_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("accumulation", ["1", "2"])
+def test_ctrl_c_leaves_a_resumable_run_that_ends_as_an_uninterrupted_one(tmp_path, accumulation):
+    """A step is ``accumulation_steps`` backwards and one update; checkpoints, metrics and
+    ``train.steps`` all count steps (the attack found a resumed run with accumulation taking
+    a different number of updates)."""
     steps = 30
     whole = tmp_path / "whole"
     whole.mkdir()
-    assert train(whole, *DETERMINISTIC, "--train.name", "w", steps=steps) == 0
+    acc = ["--engine.accumulation_steps", accumulation]
+    assert train(whole, *DETERMINISTIC, *acc, "--train.name", "w", steps=steps) == 0
     cut = tmp_path / "cut"
     cut.mkdir()
     argv = [sys.executable, "-m", "pagemem", "train", "--train.runs", str(cut / "runs"), "--train.steps", str(steps),
-            "--train.name", "c", "--train.save_every", "7", *SMALL, *DETERMINISTIC]
+            "--train.name", "c", "--train.save_every", "7", *SMALL, *DETERMINISTIC, *acc]
     proc = subprocess.Popen(argv, cwd=cut, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = cut / "runs" / "c" / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -193,3 +198,31 @@ def test_auto_gpu_bytes_holds_a_model_whose_units_need_more_than_its_trace_says(
     saved = json.load(open(tmp_path / "runs" / "a" / "config.json"))
     summary = json.load(open(tmp_path / "runs" / "a" / "summary.json"))
     assert summary["steps_done"] == 3 and summary["peak_bytes"]["gpu"] <= saved["store"]["gpu_bytes"]
+
+
+def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path):
+    from pagemem.commands.train import _new_run_dir
+    from pagemem.commands.train_config import TrainSettings
+
+    settings = TrainSettings(runs=str(tmp_path / "runs"))
+    paths = {_new_run_dir(settings) for _ in range(3)}
+    assert len(paths) == 3 and all(os.path.isdir(p) for p in paths)
+    named = TrainSettings(runs=str(tmp_path / "runs"), name="x")
+    _new_run_dir(named)
+    with pytest.raises(pagemem.ConfigError, match="train.name: .* exists"):
+        _new_run_dir(named)
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
+    assert train(tmp_path, "--train.name", "f", steps=3) == 0
+    summary = (tmp_path / "runs" / "f" / "summary.json").read_text()
+    assert exit_status("train", "--resume", str(tmp_path / "runs" / "f")) == 0
+    assert "has finished its 3 steps" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "f" / "summary.json").read_text() == summary
+
+
+def test_a_non_utf8_config_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "bin.toml").write_bytes(bytes(range(256)))
+    assert train(tmp_path, "--config", str(tmp_path / "bin.toml"), steps=2) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not valid TOML" in err and "\n" not in err

@@ -61,6 +61,15 @@ class RunDir:
             raise ConfigError(f"resume: {path!r} has no checkpoint to resume from")
         return RunDir(path)
 
+    def latest_step(self) -> int | None:
+        """The step of the checkpoint ``latest`` names (None: none)."""
+        try:
+            with open(os.path.join(self.checkpoints, "latest")) as f:
+                name = f.read().strip()
+            return int(name.split("-")[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
     def has_checkpoint(self) -> bool:
         return os.path.lexists(os.path.join(self.checkpoints, "latest"))
 

@@ -8,14 +8,13 @@ FILE`` layers a TOML file over it and ``--SECTION.FIELD VALUE`` sets one field
 lists every setting. ``--resume auto`` continues the newest run under ``train.runs`` from its
 last checkpoint with its saved config (``--resume RUN_DIR`` a given one).
 
-[Note: Ctrl-C in pagemem train] The first Ctrl-C ends the loop at a whole step: one landing in
-a forward ends it there (nothing of that step happened); from the backward on it is held (the
-engine's ``shield``) until the step, its metrics line and its timeline events are written, so
-the metrics hold every step a checkpoint holds. A second Ctrl-C lands at once: a backward it
-interrupts is discarded (the engine's step transaction), an update it interrupts is finished
-(``step()`` again, the same bits as an uninterrupted one). Then the engine saves a checkpoint
-of the last whole step, the run directory gets its plots, timelines and summary, and
-the command exits 130. A second Ctrl-C during that save stops at once; ``latest`` still names
+[Note: Ctrl-C in pagemem train] A Ctrl-C during a step (its ``accumulation_steps``
+forwards and backwards, the update, its metrics line and timeline events) is held (the engine's
+``shield``) until the step is whole, so the metrics hold every step a checkpoint holds. A second
+Ctrl-C lands at once: a backward it interrupts is discarded (the engine's step transaction),
+gradients no update took are discarded, an update it interrupts is finished (``step()`` again,
+the same bits as an uninterrupted one). Then the engine saves a checkpoint of the last whole
+step, the run directory gets its plots, timelines and summary, and the command exits 130. A second Ctrl-C during that save stops at once; ``latest`` still names
 the previous checkpoint, so the run stays resumable. The batches are a pure function of the
 step, and a checkpoint holds the whole training state, so a resumed run ends with the weights
 an uninterrupted one would, bit for bit, where training is deterministic (synchronous updates,
@@ -76,10 +75,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         plain = layered(files, overrides)
         train = from_plain(TrainSettings, plain["train"], "train")
-        rd = RunDir(os.path.join(train.runs, train.name or time.strftime("%Y%m%d-%H%M%S")))
-        if os.path.exists(rd.path):
-            raise ConfigError(f"train.name: {rd.path} exists; give another name, or --resume {rd.path}")
-    created = not os.path.exists(rd.path)
+        rd = RunDir(_new_run_dir(train))
+    created = not args.resume
     try:
         if plain.get("engine", {}).get("optimizer_tier") == "nvme" and plain.get("store", {}).get("nvme_path") is None:
             os.makedirs(os.path.join(rd.path, "nvme"), exist_ok=True)  # where resolve() puts the page files
@@ -105,12 +102,32 @@ def run(args: argparse.Namespace) -> int:
         if created:  # nothing of this run exists yet: leave nothing behind
             _remove_tree(rd.path)
         raise
+    if args.resume and engine.global_step >= cfg.train.steps:
+        engine.close()
+        print(f"pagemem train: {rd.path} has finished its {cfg.train.steps} steps (give --train.steps N to go on)")
+        return 0
     try:
         return _Loop(cfg, rd, engine, loss_of, table).run()
     except Exception:
-        if created and not rd.has_checkpoint():  # nothing to resume: leave nothing behind
+        if created and not rd.metrics():  # not one step: nothing to resume or to read
             _remove_tree(rd.path)
         raise
+
+
+def _new_run_dir(train: TrainSettings) -> str:
+    """Make the run's directory, atomically: a given name that exists is refused; the default
+    (the start time) takes a suffix, so runs started in the same second get one each."""
+    os.makedirs(train.runs, exist_ok=True)
+    base = os.path.join(train.runs, train.name or time.strftime("%Y%m%d-%H%M%S"))
+    for n in range(1, 1000):
+        path = base if n == 1 else f"{base}-{n}"
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            if train.name:
+                raise ConfigError(f"train.name: {path} exists; give another name, or --resume {path}") from None
+    raise ConfigError(f"train.runs: no free run directory name under {train.runs}")
 
 
 def _sized(cfg: TrainConfig, model: Any, iteration: Any) -> TrainConfig:
@@ -148,7 +165,7 @@ class _Loop:
 
     def __init__(self, cfg: TrainConfig, rd: RunDir, engine: Engine, loss_of: Any, table: Any) -> None:
         self.cfg, self.rd, self.engine, self.loss_of, self.table = cfg, rd, engine, loss_of, table
-        self.tokens = cfg.data.batch * cfg.data.seq
+        self.tokens = cfg.data.batch * cfg.data.seq * cfg.engine.accumulation_steps
         self.saved_at = engine.global_step if rd.has_checkpoint() else -1
         self.peak_used: dict[str, int] = {}
 
@@ -182,23 +199,27 @@ class _Loop:
     def _steps(self, start: int, bar: Any) -> None:
         engine, t = self.engine, self.cfg.train
         before = engine.stats()
+        acc = self.cfg.engine.accumulation_steps
         for step in range(start, t.steps):
-            x = self.cfg.data.batch_at(step, self.table)
             t0 = time.perf_counter()
-            loss = self.loss_of(engine, x)
-            t1 = time.perf_counter()
+            losses = []
             with shield():  # a Ctrl-C from here on lands when the step and its record are whole
-                engine.backward(loss)
+                # a step is accumulation_steps backwards, each over its own batch
+                for micro in range(acc):
+                    loss = self.loss_of(engine, self.cfg.data.batch_at(step * acc + micro, self.table))
+                    engine.backward(loss)
+                    losses.append(float(loss.detach()))
+                t1 = t2 = time.perf_counter()
                 # the lock-free updater takes the gradients away: their norm is not kept
                 grad_norm = None if self.cfg.engine.lock_free else engine.get_global_grad_norm()
                 t2 = time.perf_counter()
                 engine.step()
                 t3 = time.perf_counter()
                 stats = engine.stats()
-                m = self._metrics(step + 1, float(loss.detach()), grad_norm, t3 - t0, stats, before)
+                m = self._metrics(step + 1, sum(losses) / acc, grad_norm, t3 - t0, stats, before)
                 before = stats
                 self.rd.append_metrics(m)
-                for name, a, b in (("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3)):
+                for name, a, b in (("forward and backward", t0, t1), ("grad norm", t1, t2), ("step", t2, t3)):
                     self.rd.phase(name, a, b - a, step + 1)
                 self.rd.counters(t3, m["tier_used_bytes"])
                 bar.update(1)
@@ -233,9 +254,13 @@ class _Loop:
                 "gpu_idle": stats["gpu_idle"], "staleness_mean": staleness["mean"] if staleness else None}
 
     def _save(self) -> None:
-        if self.engine.global_step != self.saved_at:
-            self.engine.save(self.rd.checkpoints, keep=self.cfg.train.keep)
-            self.saved_at = self.engine.global_step
+        step = self.engine.global_step
+        if step != self.saved_at:
+            try:
+                self.engine.save(self.rd.checkpoints, keep=self.cfg.train.keep)
+            finally:  # a Ctrl-C held during the save lands once it is whole: it is saved
+                if self.rd.latest_step() == step:
+                    self.saved_at = step
 
     def _finish(self, interrupted: bool) -> dict[str, Any]:
         from pagemem.sched import HardwareProfile, simulate

@@ -129,6 +129,8 @@ class TrainConfig:
     data: BranchingTask
     engine: EngineConfig
     auto: tuple[str, ...] = ()
+    """Store fields the file left to pagemem: sizes still to resolve, and ``nvme_path`` (which
+    stays the run directory's own)."""
 
     def with_sizes(self, **sizes: int) -> "TrainConfig":
         """The config with ``auto`` store sizes given (``gpu_bytes=...``)."""
@@ -142,7 +144,7 @@ class TrainConfig:
         out = {"train": to_plain(self.train), "model": to_plain(self.model), "data": to_plain(self.data),
                "store": engine.pop("store"), "optimizer": engine.pop("optimizer"), "engine": engine}
         for name in self.auto:
-            out["store"][name] = AUTO
+            out["store"][name] = None if name == "nvme_path" else AUTO
         return out
 
 
@@ -162,7 +164,7 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"config: {os.fspath(path)} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"config: {os.fspath(path)} is a directory, not a TOML file") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config: {os.fspath(path)} is not valid TOML ({exc})") from None
     except OSError as exc:
         raise ConfigError(f"config: cannot read {os.fspath(path)} ({exc.strerror})") from None
@@ -208,6 +210,7 @@ def resolve(plain: Mapping[str, Any], run_dir: str) -> TrainConfig:
     tier = engine_own.get("optimizer_tier", EngineConfig.optimizer_tier)
     if tier == "nvme" and store.get("nvme_path") is None:
         store["nvme_path"] = os.path.join(run_dir, "nvme")
+        auto += ("nvme_path",)  # written back as None: the run directory's own, wherever it is
     if tier != "nvme" and "nvme_bytes" in auto:
         store["nvme_bytes"] = 0
         auto = tuple(a for a in auto if a != "nvme_bytes")
