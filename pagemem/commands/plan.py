@@ -11,7 +11,7 @@ import time
 import torch
 
 from pagemem.commands.flags import add_shape_arguments, add_switch, shape_overrides
-from pagemem.errors import ConfigError, PageMemError, one_line
+from pagemem.errors import ConfigError, one_line
 from pagemem.models import gpt_config
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.sched.plan import Plan
@@ -99,7 +99,4 @@ def run(args: argparse.Namespace) -> int:
     except InfeasiblePlan as e:
         print(f"pagemem plan: {one_line(str(e))}", file=sys.stderr)
         return 3
-    except (PageMemError, OSError) as e:
-        print(f"pagemem plan: {one_line(str(e))}", file=sys.stderr)
-        return 2
     return report_plan(args, tr, p)

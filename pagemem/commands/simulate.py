@@ -7,7 +7,7 @@ import os
 import sys
 
 from pagemem.commands.plan import add_plan_arguments, load_trace, make_plan
-from pagemem.errors import PageMemError, one_line
+from pagemem.errors import one_line
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.units import format_bytes
 
@@ -36,9 +36,6 @@ def run(args: argparse.Namespace) -> int:
     except InfeasiblePlan as e:
         print(f"pagemem simulate: {one_line(str(e))}", file=sys.stderr)
         return 3
-    except (PageMemError, OSError) as e:
-        print(f"pagemem simulate: {one_line(str(e))}", file=sys.stderr)
-        return 2
     print(result.summary())
     if args.chrome:
         result.to_chrome(args.chrome)

@@ -209,7 +209,7 @@ class _Loop:
                     loss = self.loss_of(engine, self.cfg.data.batch_at(step * acc + micro, self.table))
                     engine.backward(loss)
                     losses.append(float(loss.detach()))
-                t1 = t2 = time.perf_counter()
+                t1 = time.perf_counter()
                 # the lock-free updater takes the gradients away: their norm is not kept
                 grad_norm = None if self.cfg.engine.lock_free else engine.get_global_grad_norm()
                 t2 = time.perf_counter()
