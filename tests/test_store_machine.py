@@ -412,6 +412,16 @@ class StoreMachine(RuleBasedStateMachine):
         for t, lease in self.leases:
             assert lease.active and not t.is_freed
 
+    @invariant()
+    def a_read_only_lease_reads_as_the_tensor_does(self):
+        """An alias sees later writes; a merged copy (scattered pages) must too ([Note: read-only
+        merged copies follow writes])."""
+        for t, lease in self.leases:
+            expected = next((e for u, e in self.live if u is t), None)
+            if isinstance(expected, torch.Tensor):
+                assert same_bytes(lease.tensor, expected), "a read-only lease went stale" + (
+                    " (a merged copy)" if lease.copied else "")
+
 
 machine_settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow])

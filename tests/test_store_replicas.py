@@ -283,3 +283,36 @@ def test_a_pin_keeps_every_copy_of_its_pages_until_the_view_dies(store):
     del v
     t.release("cpu").wait()
     assert t.tiers == {"gpu"} and same_bytes(t.to_torch(), data)
+
+
+@pytest.mark.parametrize("replica", [None, "cpu"])
+def test_a_read_only_merged_copy_sees_later_writes_as_an_alias_would(make_store, replica):
+    """[Note: read-only merged copies follow writes] The engine binds a parameter on scattered
+    gpu slots to such a copy; an update writing the compute copy must reach it (it went stale:
+    the demand executor trained wrong at budgets that scattered a unit)."""
+    store = make_store(gpu_bytes=6 * PAGE)
+    holes = [store.allocate((PAGE,), torch.uint8, tier="gpu") for _ in range(6)]
+    for h in holes[::2]:
+        h.free()
+    t = store.allocate((3 * PAGE // 4,), torch.float32, tier="gpu")  # 3 pages on scattered slots
+    data = random_tensor(t.shape, t.dtype, 1)
+    t.copy_(data)
+    if replica:
+        t.copy(replica).wait()
+    reader = t.lease("gpu", write=False)
+    writer = t.lease("gpu", write=True)
+    assert reader.copied and writer.copied
+    new = random_tensor(t.shape, t.dtype, 2)
+    t.copy_(new)  # every copy, and the reader's merged copy
+    assert same_bytes(reader.tensor, new)
+    assert same_bytes(writer.tensor, data)  # a writer's copy is its own until it writes back
+    part = random_tensor((100,), t.dtype, 3)
+    store.write(t, part, PAGE // 4 - 50)  # a range across a page boundary
+    want = new.clone()
+    want[PAGE // 4 - 50:PAGE // 4 + 50] = part
+    assert same_bytes(reader.tensor, want)
+    writer.release()  # writes its (old) bytes back: the reader follows again
+    assert same_bytes(reader.tensor, data)
+    reader.release()
+    t.copy_(new)  # released: nothing follows any more, and nothing fails
+    assert same_bytes(t.to_torch(), new)

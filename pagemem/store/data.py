@@ -68,6 +68,24 @@ class DataPath:
         self.check = check
         """Raises InvalidRequest for a freed tensor, another store's tensor, or a closed store."""
         self.closed = False
+        self._followers: dict[int, dict[int, tuple[torch.Tensor, Tier]]] = {}
+        """Read-only merged copies lent out, per tensor (see ``follow``)."""
+
+    def follow(self, t: PagedTensor, key: int, merged: torch.Tensor, tier: Tier) -> None:
+        """[Note: read-only merged copies follow writes] A read-only lease of a tensor whose
+        pages are not adjacent lends a merged copy (``merged``: its bytes, uint8). An alias would
+        see every later write to the tensor, so the copy does too: each write updates it as it
+        updates the pages, until ``unfollow``. (A writable lease's copy is the writer's own: it
+        is written back at release, and nothing writes into it meanwhile.) Caller holds the lock."""
+        self._followers.setdefault(id(t), {})[key] = (merged, tier)
+
+    def unfollow(self, t: PagedTensor, key: int) -> None:
+        with self.queue.lock:
+            mine = self._followers.get(id(t))
+            if mine is not None:
+                mine.pop(key, None)
+                if not mine:
+                    del self._followers[id(t)]
 
     def _exclusive(self, t: PagedTensor, fn):
         return self.queue.exclusive(t.page_refs, fn, lambda: self.check(t))
@@ -146,10 +164,15 @@ class DataPath:
             for page, lo, hi, pos in segments:
                 for tier, slot in page.copies().items():
                     (memory if tier.resident else disk).append((page, tier, slot, lo, hi, pos))
+            followers = list(self._followers.get(id(t), {}).values())
         commit = self._write_disk(disk, data) if disk else None
         for _page, tier, slot, lo, hi, pos in memory:
             tier.buffer(slot)[lo:hi].copy_(data[pos:pos + hi - lo])
-        self._sync_cuda([m[1] for m in memory])
+        first = span[0] if span is not None else 0
+        for merged, _tier in followers:  # [Note: read-only merged copies follow writes]
+            for _page, lo, hi, pos in segments:
+                merged[first + pos:first + pos + hi - lo].copy_(data[pos:pos + hi - lo])
+        self._sync_cuda([m[1] for m in memory] + [f[1] for f in followers])
         with self.queue.lock:
             if commit:
                 commit()

@@ -129,7 +129,11 @@ class Lender:
         for slot, lo, hi, pos in segments:
             merged[pos:pos + hi - lo].copy_(tier.buffer(slot)[lo:hi])
         tensor = merged.view(t.dtype).view(t.shape)
-        return Lease(t, tier.name, tensor, True, write, self._end_copy, self._closed)
+        lease = Lease(t, tier.name, tensor, True, write, self._end_copy, self._closed)
+        if not write:  # it reads as an alias would: later writes reach it ([Note: read-only merged copies follow writes])
+            with self.queue.lock:
+                self.data.follow(t, id(lease), merged, tier)
+        return lease
 
     def _memory_order(self, want: Tier | None) -> list[Tier]:
         """The memory tiers to lend from, nearest first (only ``want`` when one is asked for)."""
@@ -211,6 +215,8 @@ class Lender:
             return any(p.replicas for p in t.page_refs)
 
     def _end_copy(self, lease: Lease, tensor: torch.Tensor) -> None:
+        if not lease.write:
+            self.data.unfollow(lease.source, id(lease))
         try:
             if lease.write and not self.data.closed:
                 self.data.write(lease.source, tensor)
