@@ -293,12 +293,17 @@ class Engine(BackwardMixin):
         return self.gradients.global_norm()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradient sums by their global 2-norm, bit for bit as
+        """Clip the gradient sums by their global ``norm_type``-norm, bit for bit as
         ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``; returns that norm (before
-        clipping). For every step, ``EngineConfig(max_grad_norm=)`` does the same."""
-        if norm_type not in (2, 2.0):
-            raise InvalidRequest(f"clip_grad_norm_: norm_type must be 2, got {norm_type!r}")
-        return self.gradients.clip(max_norm)
+        clipping). The 2-norm is computed over the pages; another norm over the gradients
+        materialised ([Note: gradient handles]). For every step, ``EngineConfig(max_grad_norm=)``
+        clips by the 2-norm."""
+        if norm_type in (2, 2.0):
+            return self.gradients.clip(max_norm)
+        self._usable("clip_grad_norm_")
+        self.gradients.take_back()
+        self.gradients.show()
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
     # ------------------------------------------------------------------ hooks
 
@@ -423,6 +428,7 @@ class Engine(BackwardMixin):
             "moved_bytes": {k: m.bytes for k, m in s.moves.items()},
             "seconds": dict(self._phase_seconds),
             "view_copies": s.view_copies,
+            "grad_materialised": self.gradients.handles.materialised,
             "skipped_steps": self.updater.skipped_steps,
             "overlapped_updates": self.updater.overlapped_updates,
             "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),

@@ -22,7 +22,8 @@ class Gradients:
     def __init__(self, bank: ParamBank, updater: Updater) -> None:
         self.bank = bank
         self.updater = updater
-        self.handles = GradHandles(bank.params, updater.grad_norm, updater.scale_grad, updater.zero_grad)
+        self.handles = GradHandles(bank.params, updater.grad_norm, updater.scale_grad, updater.zero_grad,
+                                   updater.take_sum, updater.set_grad)
         self.handoff = GradHandoff(bank.layer_of)
         """Units whose gradients are final, as backward hands them off."""
         self.sink = updater.grad_ready
@@ -71,7 +72,7 @@ class Gradients:
             if params and pending():
                 raise InvalidRequest(SHARED_SUMS)
         self.sink, self.pending, self.discard = sink, pending, discard
-        self.handles = GradHandles(self.bank.params, refuse, refuse, refuse)
+        self.handles = GradHandles(self.bank.params, refuse, refuse, refuse, refuse, refuse)
         self.assign = refuse
 
     def abort_backward(self) -> None:

@@ -8,16 +8,23 @@ with no values (one element), whose ``__torch_function__`` does what plain PyTor
 gradients, on the sums in pages:
 
 - ``torch.linalg.vector_norm(g)`` / ``g.norm()`` / ``torch._foreach_norm`` (2-norms over the
-  whole tensor): the norm of the gradient sum, computed as ``clip_grad_norm_`` computes it, so
-  ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` returns the true norm;
-- ``g.mul_(c)`` / ``g.div_(c)`` / ``torch._foreach_mul_`` by a scalar: the gradient sum is
-  multiplied (divided) in place (so clipping by habit clips, bit for bit as plain PyTorch);
-- ``g.zero_()`` / ``torch._foreach_zero_``: the gradient becomes zero (AdamW still steps it);
+  whole tensor): the norm of the gradient sum, computed over its pages as ``clip_grad_norm_``
+  computes it, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` returns the
+  true norm;
+- ``g.mul_(c)`` / ``g.div_(c)`` / ``torch._foreach_mul_`` by a scalar, ``g.zero_()`` /
+  ``torch._foreach_zero_``: done on the sums in place, over their pages;
 - ``p.grad = None`` (``zero_grad()``, ``model.zero_grad()``): the gradient is discarded;
 - ``p.grad = g`` (a tensor assigned by hand, after ``torch.autograd.grad`` say): ``g`` becomes
   the gradient sum, as torch's optimizer would step with it and backward would add to it;
 - ``detach()`` and ``.data``: the handle itself; shape, dtype, device and the like: as they are;
-- anything else raises ``InvalidRequest`` (use ``engine.get_global_grad_norm()``).
+- any other op (``clamp_`` of ``clip_grad_value_``, the inf-norm of ``clip_grad_norm_``, SAM's
+  ``p.grad * scale``, ``p.grad.add_(p, alpha=wd)``, ``p.grad[mask] = 0``, ``clone()``, ...):
+  runs on the gradient *materialised*, a tensor of the sum's values in the parameter's dtype on
+  its device (counted in ``stats()["grad_materialised"]``); an op that writes a handle in place
+  (a name ending in ``_``, ``__setitem__``, ``+=`` and the like, ``out=``, the first list of a
+  ``torch._foreach_*_``) has what it wrote made the gradient sum. In fp32 this is plain
+  PyTorch's arithmetic on the same values, bit for bit; a bf16/fp16 parameter's sum is fp32, so
+  an op on it sees the sum rounded to the parameter's dtype, as plain PyTorch's ``p.grad`` is.
 Before a backward adds to the sums the handles come down (the engine first reads which were
 set to None), so autograd never accumulates into one.
 """
@@ -28,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from pagemem.engine.guard import intercept
 from pagemem.errors import InvalidRequest
@@ -35,6 +43,9 @@ from pagemem.errors import InvalidRequest
 _T = torch.Tensor
 _NORMS = frozenset([torch.linalg.vector_norm, torch.norm, _T.norm])
 _SELF = frozenset([_T.detach, _T.data.__get__])
+_IN_PLACE_DUNDERS = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                               "__irshift__", "__imatmul__"])
 
 
 class GradHandle(torch.Tensor):
@@ -52,14 +63,18 @@ class GradHandles:
     """Puts up and takes down the gradient handles of one engine's parameters."""
 
     def __init__(self, params: Sequence[tuple[str, nn.Parameter]], norm: Callable[[int], torch.Tensor],
-                 scale: Callable[[int, float, bool], None], zero: Callable[[int], None]) -> None:
+                 scale: Callable[[int, float, bool], None], zero: Callable[[int], None],
+                 read: Callable[[int], torch.Tensor], write: Callable[[int, torch.Tensor], None]) -> None:
         """``norm(i)``: the 2-norm of parameter ``i``'s gradient sum (a 0-dim fp32 tensor);
         ``scale(i, c, divide)``: multiply it by ``c`` (divide: by ``c``) in place; ``zero(i)``:
-        make it zero."""
+        make it zero; ``read(i)``: a copy of it (fp32, flat); ``write(i, g)``: make ``g`` the sum."""
         self.params = [p for _, p in params]
         self.names = [n for n, _ in params]
         self.cls = type("GradHandle", (GradHandle,), {"_owner": self})
         self._norm, self._scale, self._zero = norm, scale, zero
+        self._read, self._write = read, write
+        self.materialised = 0
+        """Gradients materialised for an op the handles do not do over pages (see the Note)."""
         self._shown: dict[int, torch.Tensor] = {}
         self._of: dict[int, int] = {}
         """id(handle) -> parameter index."""
@@ -113,34 +128,59 @@ class GradHandles:
         name = getattr(func, "__name__", str(func))
         if func in _SELF:
             return args[0]
-        if func in _NORMS:
-            self._check_two_norm(args, kwargs, name)
+        if func in _NORMS and _two_norm(args, kwargs) and _all_handles(args[:1]):
             return self._norm(self._index(args[0]))
-        if func is torch._foreach_norm:
-            self._check_two_norm(args, kwargs, name)
+        if func is torch._foreach_norm and _two_norm(args, kwargs) and _all_handles(args[0]):
             return [self._norm(self._index(g)) for g in args[0]]
-        if func is _T.mul_:
-            self._scale(self._index(args[0]), _scalar(args[1], name), False)
+        if func in (_T.mul_, _T.div_) and not kwargs and _is_scalar(args[1]):
+            self._scale(self._index(args[0]), float(args[1]), func is _T.div_)
             return args[0]
-        if func is _T.div_:
-            self._scale(self._index(args[0]), _scalar(args[1], name), True)
-            return args[0]
-        if func is torch._foreach_mul_:
+        if func is torch._foreach_mul_ and not kwargs and _all_handles(args[0]):
             c = args[1]
             cs = c if isinstance(c, (list, tuple)) else [c] * len(args[0])
-            for g, ci in zip(args[0], cs):
-                self._scale(self._index(g), _scalar(ci, name), False)
-            return None
+            if all(_is_scalar(ci) for ci in cs):
+                for g, ci in zip(args[0], cs):
+                    self._scale(self._index(g), float(ci), False)
+                return None
         if func is _T.zero_:
             self._zero(self._index(args[0]))
             return args[0]
-        if func is torch._foreach_zero_:
+        if func is torch._foreach_zero_ and _all_handles(args[0]):
             for g in args[0]:
                 self._zero(self._index(g))
             return None
-        raise InvalidRequest(f"p.grad: the engine keeps gradients as fp32 sums in pages; {name} on them is not "
-                             "supported (norms, clipping by a scalar, zero_() and zero_grad() are: see "
-                             "engine.get_global_grad_norm() and engine.clip_grad_norm_())")
+        return self._materialised(func, name, args, kwargs)
+
+    def _materialised(self, func: Any, name: str, args: Sequence, kwargs: dict) -> Any:
+        """``func`` run on the gradients' values in place of the handles; what it writes in
+        place of a handle becomes that gradient sum (see the Note)."""
+        values: dict[int, torch.Tensor] = {}
+
+        def real(x: Any) -> Any:
+            if not isinstance(x, GradHandle):
+                return x
+            i = self._index(x)
+            if i not in values:
+                p = self.params[i]
+                with torch._C.DisableTorchFunctionSubclass():
+                    values[i] = self._read(i).reshape(p.shape).to(device=p.device, dtype=p.dtype)
+                self.materialised += 1
+            return values[i]
+
+        real_args, real_kwargs = tree_map(real, (tuple(args), kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*real_args, **real_kwargs)
+        written = []
+        if name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_DUNDERS:
+            first = args[0] if args else None
+            written += first if isinstance(first, (list, tuple)) else [first]
+        out_arg = kwargs.get("out")
+        written += out_arg if isinstance(out_arg, (list, tuple)) else [out_arg]
+        back = {id(values[self._index(h)]): h for h in written if isinstance(h, GradHandle)}
+        for h in dict.fromkeys(h for h in written if isinstance(h, GradHandle)):
+            i = self._index(h)
+            self._write(i, values[i])
+        return tree_map(lambda x: back.get(id(x), x), out)  # an op that returns what it wrote gives the handle
 
     def _index(self, g: Any) -> int:
         i = self._of.get(id(g))
@@ -148,22 +188,24 @@ class GradHandles:
             raise InvalidRequest("p.grad: a gradient handle of an earlier step was kept and used; read p.grad again")
         return i
 
-    @staticmethod
-    def _check_two_norm(args: Sequence, kwargs: dict, name: str) -> None:
-        """Only the 2-norm of the whole tensor: ord 2 (or the default), no dim, no keepdim, no
-        dtype, however they are passed."""
-        given = dict(zip(("ord", "dim", "keepdim"), args[1:4]))
-        given.update({("ord" if k == "p" else k): v for k, v in kwargs.items()})
-        ord_ = given.get("ord", 2)
-        bad = {k: v for k, v in given.items() if k != "ord" and v is not None and v is not False}
-        if ord_ not in (2, 2.0, "fro", None) or bad:
-            raise InvalidRequest(f"p.grad: {name} of the engine's gradients is supported as the 2-norm of the "
-                                 f"whole tensor only, got ord={ord_!r}{' ' + str(bad) if bad else ''}")
 
 
-def _scalar(c: Any, name: str) -> float:
-    if isinstance(c, torch.Tensor) and c.numel() == 1:
-        return float(c)
-    if isinstance(c, (int, float)) and not isinstance(c, bool):
-        return float(c)
-    raise InvalidRequest(f"p.grad: {name} of the engine's gradients takes a scalar, got {type(c).__name__}")
+def _two_norm(args: Sequence, kwargs: dict) -> bool:
+    """The 2-norm of the whole tensor: ord 2 (or the default), no dim, no keepdim, no dtype,
+    however they are passed (what the pages compute; any other norm is materialised)."""
+    given = dict(zip(("ord", "dim", "keepdim"), args[1:4]))
+    given.update({("ord" if k == "p" else k): v for k, v in kwargs.items()})
+    rest = {k: v for k, v in given.items() if k != "ord" and v is not None and v is not False}
+    return given.get("ord", 2) in (2, 2.0, "fro", None) and not rest
+
+
+def _all_handles(xs: Any) -> bool:
+    return isinstance(xs, (list, tuple)) and all(isinstance(x, GradHandle) for x in xs)
+
+
+def _is_scalar(c: Any) -> bool:
+    """A Python number, or a one-element tensor that is not a handle (multiplying the pages by it
+    is the same arithmetic as multiplying the gradient)."""
+    if isinstance(c, torch.Tensor):
+        return c.numel() == 1 and not isinstance(c, GradHandle) and c.dtype.is_floating_point
+    return isinstance(c, (int, float)) and not isinstance(c, bool)
