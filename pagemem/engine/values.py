@@ -120,7 +120,9 @@ class FromStateDict:
 def materialize_meta(model: nn.Module, device: torch.device) -> None:
     """Replace every parameter on the ``meta`` device by a Parameter of the same shape, dtype
     and ``requires_grad`` on ``device`` (one element of memory), in every module that holds it
-    (tied ones stay tied). Its values come from the source."""
+    (tied ones stay tied). Its values come from the source. What code hung on the old one comes
+    along: its gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``: the
+    same dicts, so their handles still remove them) and its Python attributes."""
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -128,8 +130,13 @@ def materialize_meta(model: nn.Module, device: torch.device) -> None:
                 continue
             if id(p) not in new:
                 shell = torch.zeros((), dtype=p.dtype, device=device)
-                new[id(p)] = nn.Parameter(shell.expand(p.shape) if p.dim() else shell,
-                                          requires_grad=p.requires_grad)
+                q = nn.Parameter(shell.expand(p.shape) if p.dim() else shell, requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)
+                if p._backward_hooks:
+                    q._backward_hooks = p._backward_hooks
+                if p._post_accumulate_grad_hooks:
+                    q._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
+                new[id(p)] = q
             module._parameters[name] = new[id(p)]
 
 
