@@ -992,3 +992,96 @@ def test_a_hook_removed_before_the_engine_on_a_meta_model_stays_removed(tmp_path
             engine.backward(gpt_loss(engine, model, s))
             engine.step()
         assert_same(ref, engine.state_dict())
+
+
+# ---------------------------------------------------------------------------- each parameter's own dtype
+
+class MixedPrecisionNet(nn.Module):
+    """An fp32 model with one bf16 layer whose forward follows its weight's dtype (as Hugging
+    Face code does for layers kept in another precision), and a float64 buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 32)
+        self.mid = nn.Linear(32, 32).to(torch.bfloat16)
+        self.out = nn.Linear(32, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 32, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = self.mid(h.to(self.mid.weight.dtype)).float()
+        return self.out((h.double() * self.scale).float())
+
+
+def train_with_fp32_masters(make, loss, steps):
+    """Plain PyTorch with the engine's precision policy ([Note: compute dtypes]): each parameter
+    computes in its own dtype, AdamW steps fp32 master weights, which are cast back."""
+    model = make()
+    params = list(model.parameters())
+    master = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(master, fused=True, **HP)
+    for s in range(steps):
+        loss(model, model, s).backward()
+        for m, p in zip(master, params):
+            m.grad, p.grad = p.grad.float(), None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(master, params):
+                p.copy_(m.to(p.dtype))
+    names = [n for n, _ in model.named_parameters()]
+    return {**{n: m.detach() for n, m in zip(names, master)},
+            **{n: b for n, b in model.state_dict().items() if n not in names}}
+
+
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme", "gpu"])
+@pytest.mark.parametrize("executor", ["plan", "demand"])
+def test_each_parameter_and_buffer_keeps_its_own_dtype_unless_a_compute_dtype_is_asked(executor, optimizer_tier,
+                                                                                       tmp_path):
+    """A bf16 layer among fp32 ones was cast to fp32 at Engine() (its forward then crashed, or
+    computed otherwise), and a float64 buffer became float32: casts nobody asked for."""
+    make = seeded(MixedPrecisionNet)
+    seen = []
+    model = make()
+    model.mid.register_forward_pre_hook(lambda m, a: seen.append((m.weight.dtype, a[0].dtype)))
+    kw = {"fraction": 30.0} if optimizer_tier == "gpu" else {}
+    cfg = engine_config(make(), mse, tmp_path, optimizer_tier=optimizer_tier, executor=executor, **kw)
+    assert cfg.compute_dtype is None
+    with pagemem.Engine(model, cfg) as engine:
+        assert model.scale.dtype == torch.float64 and model.mid.weight.dtype == torch.bfloat16
+        for s in range(3):
+            engine.backward(mse(engine, model, s))
+            engine.step()
+        got = engine.state_dict()
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    assert got["scale"].dtype == torch.float64
+    assert_same(train_with_fp32_masters(make, mse, 3), got)
+    assert model.mid.weight.dtype == torch.bfloat16 and model.inp.weight.dtype == torch.float32  # given back
+
+
+def test_a_compute_dtype_asked_for_casts_every_floating_parameter_and_buffer(tmp_path):
+    model = seeded(MixedPrecisionNet)()
+    cfg = engine_config(seeded(MixedPrecisionNet)(), mse, tmp_path, compute_dtype=torch.float32)
+    with pagemem.Engine(model, cfg) as engine:
+        engine(X[0])  # the forward follows the weights: fp32 everywhere now
+        assert model.mid.weight.dtype == torch.float32 and model.scale.dtype == torch.float32
+
+
+def test_mixed_dtypes_resume_from_a_checkpoint_bit_for_bit(tmp_path):
+    make = seeded(MixedPrecisionNet)
+    (tmp_path / "nvme").mkdir()
+    cfg = engine_config(make(), mse, tmp_path / "nvme", optimizer_tier="nvme")
+    model = make()
+    with pagemem.Engine(model, cfg) as engine:
+        for s in range(2):
+            engine.backward(mse(engine, model, s))
+            engine.step()
+        path = engine.save(str(tmp_path / "ckpt"))
+    model = make()
+    with pagemem.Engine.load(path, model) as engine:
+        assert engine.config.compute_dtype is None and model.mid.weight.dtype == torch.bfloat16
+        assert model.scale.dtype == torch.float64
+        engine.backward(mse(engine, model, 2))
+        engine.step()
+        got = engine.state_dict()
+    assert_same(train_with_fp32_masters(make, mse, 3), got)

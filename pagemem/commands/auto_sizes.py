@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pagemem.engine.records import compute_dtype_of
 from pagemem.engine.config import EngineConfig
 from pagemem.sched import least_gpu_bytes
 from pagemem.tracer import trace
@@ -46,7 +47,7 @@ def gpu_bytes(model: nn.Module, iteration: Callable[[], None], config: EngineCon
 def grown(least: int, model: nn.Module, config: EngineConfig) -> int:
     """``least`` plus the share of the parameters' compute bytes the host stand-in adds."""
     page = int(config.store.page_bytes)
-    compute = sum(p.numel() for p in model.parameters()) * config.compute_dtype.itemsize
+    compute = sum(p.numel() * compute_dtype_of(config.compute_dtype, p.dtype).itemsize for p in model.parameters())
     return _round_up(least + compute // 4 + 4 * page, page)
 
 
@@ -59,7 +60,8 @@ def host_bytes(model: nn.Module, config: EngineConfig) -> dict[str, int]:
     largest = max((p.numel() for p in model.parameters()), default=0)
     # with states on nvme, the cpu holds those of the unit being updated and of the next one
     held = states if config.optimizer_tier == "cpu" else 2 * 12 * largest + 4 * numel
-    cpu = numel * (config.compute_dtype.itemsize + 4) + held
+    cpu = sum(p.numel() * compute_dtype_of(config.compute_dtype, p.dtype).itemsize for p in model.parameters())
+    cpu += 4 * numel + held
     out = {"cpu_bytes": _round_up(cpu * 5 // 4 + 4 * tensors * page + MARGIN, page)}
     if config.optimizer_tier == "nvme":
         out["nvme_bytes"] = _round_up(states * 5 // 4 + 3 * tensors * page + MARGIN, page)

@@ -4,7 +4,7 @@ A paging unit (``Layer``) is a run of consecutive modules owning parameters (a t
 belongs to the first module that owns it), merged up to a size cap (``paging_units``); the
 warm-up trace is recorded over these units, so the scheduler's plans speak of exactly them. Per
 unit:
-- ``compute``: the parameters in the compute dtype, home on ``cpu``; a replica on ``gpu`` while
+- ``compute``: the parameters in their compute dtype ([Note: compute dtypes]), home on ``cpu``; a replica on ``gpu`` while
   the unit is resident (its only copy, on ``gpu``, while the plan keeps it there for good:
   ``Residency.settle``);
 - ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, home on the optimizer tier;
@@ -32,7 +32,8 @@ from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store import PagedTensor, PageStore
 from pagemem.store.layout import pack
 from pagemem.engine.grad_copies import GradCopies
-from pagemem.engine.records import Layer, ParamRecord, grad_tier_beside, owning_layers, paging_units, placeholder
+from pagemem.engine.records import (Layer, ParamRecord, compute_dtype_of, compute_is_master, grad_tier_beside,
+                                    owning_layers, paging_units, placeholder)
 from pagemem.engine.values import FromModule, ValueSource, check_source, materialize_meta
 
 
@@ -47,24 +48,19 @@ def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 
 
 class ParamBank:
-    def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype, optimizer_tier: str,
+    def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype | None, optimizer_tier: str,
                  unit_bytes: int | None = None, source: ValueSource | None = None,
                  states_apart: bool = False) -> None:
         """``source`` gives the first values (default: the module's own; see [Note: first values]
         in ``values.py``), one module at a time. ``states_apart``: each unit's optimizer states on
-        pages of their own (the lock-free updater moves one unit's states at a time)."""
+        pages of their own (the lock-free updater moves one unit's states at a time);
+        ``compute_dtype``: ``EngineConfig.compute_dtype`` ([Note: compute dtypes])."""
         self.store = store
         self.states_apart = states_apart
         self.copies = GradCopies()
         self.compute_dtype = compute_dtype
+        """The compute dtype asked for (None: each parameter's own; see ``compute_dtype_of``)."""
         self.optimizer_tier = optimizer_tier
-        self.compute_is_master = compute_dtype == torch.float32 and optimizer_tier == "gpu"
-        """[Note: the compute copy is the master] fp32 compute with the optimizer states on the
-        gpu: a compute copy would hold the master's bits on the same tier, so the parameters are
-        views of the master pages instead. No compute pages, no refresh after the update, and
-        the gpu holds 16 bytes per parameter (weights, gradient sums, two moments), as plain
-        PyTorch does. Those pages never move: units have nothing to page (``param_nbytes`` 0,
-        ``compute_pages`` 0), so a plan only schedules compute around them."""
         self._lasting: dict[tuple[str, int], torch.Tensor | None] = {}
         source = source if source is not None else FromModule()
         check_source(source, model)
@@ -73,12 +69,20 @@ class ParamBank:
         self.params, module_specs = owning_layers(model)
         if not self.params:
             raise InvalidRequest("the model has no parameters to train")
+        dtypes = [compute_dtype_of(compute_dtype, p.dtype) for _, p in self.params]
+        self.compute_is_master = compute_is_master(dtypes, optimizer_tier)
+        """[Note: the compute copy is the master] fp32 compute with the optimizer states on the
+        gpu: a compute copy would hold the master's bits on the same tier, so the parameters are
+        views of the master pages instead. No compute pages, no refresh after the update, and
+        the gpu holds 16 bytes per parameter (weights, gradient sums, two moments), as plain
+        PyTorch does. Those pages never move: units have nothing to page (``param_nbytes`` 0,
+        ``compute_pages`` 0), so a plan only schedules compute around them."""
         trainable = [p.requires_grad for _, p in self.params]
         """[Note: frozen parameters] A parameter that does not require a gradient when the bank is
         made keeps only its compute copy: no fp32 master, no moments, no gradient sums (a LoRA
         model pays optimizer memory for its adapters only). Unfrozen later, it gets them then
         (``make_trainable``), its master weights cast from the compute copy."""
-        nbytes = [p.numel() * compute_dtype.itemsize for _, p in self.params]
+        nbytes = [p.numel() * dtypes[i].itemsize for i, (_, p) in enumerate(self.params)]
         layer_specs = paging_units(module_specs, nbytes, unit_bytes if unit_bytes is not None else store.page_bytes)
         self.units: list[tuple[str, list[int]]] = [(n, list(idx)) for n, idx in layer_specs]
         """(name, parameter indices) of every paging unit, in unit order."""
@@ -103,7 +107,7 @@ class ParamBank:
         # groups start on fresh pages (a unit is paged alone, so evicting it never drags a
         # resident neighbour's page); states and gradients are chained (they move together),
         # except states apart for the lock-free updater (it moves one unit's states at a time)
-        for kind, dtype, tier in (("compute", compute_dtype, "cpu"), ("master", torch.float32, optimizer_tier),
+        for kind, dtype, tier in (("compute", None, "cpu"), ("master", torch.float32, optimizer_tier),
                                   ("exp_avg", torch.float32, optimizer_tier),
                                   ("exp_avg_sq", torch.float32, optimizer_tier),
                                   ("grad", torch.float32, grad_tier_beside(optimizer_tier))):
@@ -115,7 +119,7 @@ class ParamBank:
             chained = kind == "grad" or (kind != "compute" and not states_apart)
             for _name, idx in layer_specs:
                 members = [i for i in idx if every or trainable[i]]
-                group = store.allocate_group([(self.params[i][1].shape, dtype) for i in members], tier=tier,
+                group = store.allocate_group([(self.params[i][1].shape, dtype or dtypes[i]) for i in members], tier=tier,
                                              after=tail if chained else None) if members else []
                 tail = group[-1] if group else tail
                 at = dict(zip(members, group))
@@ -127,8 +131,8 @@ class ParamBank:
                 self.layer_of[i], self.position[i] = li, k
             self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
                                      groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
-        self.records = [ParamRecord(i, n, p, self.layer_of[i], self.position[i], p.dtype, trainable[i])
-                        for i, (n, p) in enumerate(self.params)]
+        self.records = [ParamRecord(i, n, p, self.layer_of[i], self.position[i], p.dtype, trainable[i],
+                                    compute_dtype=dtypes[i]) for i, (n, p) in enumerate(self.params)]
         """One record per parameter ([Note: parameter records]); ``layer_of`` and ``position``
         are the same facts as flat lists, for the hot paths."""
         with torch.no_grad():  # [Note: first values]: one module at a time, from the source
@@ -136,8 +140,7 @@ class ParamBank:
                 given = source.values(mname, model.get_submodule(mname), [self.params[i] for i in idx])
                 for i, value in zip(idx, given):
                     self.fill(i, value)
-                    self.params[i][1].data = placeholder(self.params[i][1].shape, compute_dtype,
-                                                         self._gpu_device())
+                    self.params[i][1].data = placeholder(self.params[i][1].shape, dtypes[i], self._gpu_device())
 
     def fill(self, i: int, value: torch.Tensor) -> None:
         """Parameter ``i``'s first value: into its master and compute copies, with zero moments."""
@@ -145,7 +148,7 @@ class ParamBank:
         if layer.master[k] is not None:
             layer.master[k].copy_(value.float())
         if not self.compute_is_master:
-            layer.compute[k].copy_(value.to(self.compute_dtype))
+            layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
         zeros = torch.zeros(value.shape)
         for t in (layer.exp_avg[k], layer.exp_avg_sq[k]):
             if t is not None:
@@ -202,6 +205,10 @@ class ParamBank:
     def original_dtype_of(self, i: int) -> torch.dtype:
         return self.records[i].original_dtype
 
+    def compute_dtype_of(self, i: int) -> torch.dtype:
+        """The dtype parameter ``i`` computes in ([Note: compute dtypes])."""
+        return self.records[i].compute_dtype
+
     def count_step(self, i: int) -> int:
         """Parameter ``i`` was updated once more; returns its update count."""
         self.records[i].steps += 1
@@ -252,7 +259,7 @@ class ParamBank:
             if layer.master[k] is not None:
                 layer.master[k].copy_(value.float())
             if not self.compute_is_master:
-                layer.compute[k].copy_(value.to(self.compute_dtype))
+                layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
             return
         t = getattr(layer, kind)[k]
         if t is None:
@@ -280,9 +287,9 @@ class ParamBank:
         layer, k = self.where(i)
         shape = self.params[i][1].shape
         if start == 0 and master.numel() == shape.numel():
-            layer.compute[k].copy_(master.reshape(shape).to(self.compute_dtype))
+            layer.compute[k].copy_(master.reshape(shape).to(self.compute_dtype_of(i)))
         else:
-            self.store.write(layer.compute[k], master.to(self.compute_dtype), start)
+            self.store.write(layer.compute[k], master.to(self.compute_dtype_of(i)), start)
 
     def refresh_unit(self, values: dict[int, torch.Tensor]) -> None:
         """Write new values (``refresh_compute``'s, already in the compute dtype) into the compute
@@ -292,7 +299,7 @@ class ParamBank:
         items = []
         for i, value in values.items():
             layer, k = self.where(i)
-            items.append((layer.compute[k], value.reshape(self.params[i][1].shape).to(self.compute_dtype)))
+            items.append((layer.compute[k], value.reshape(self.params[i][1].shape).to(self.compute_dtype_of(i))))
         self.store.write_many(items)
 
     # ------------------------------------------------------------------ gradients

@@ -25,7 +25,7 @@ from torch import nn
 
 from pagemem.config import StoreConfig
 from pagemem.engine.config import EngineConfig
-from pagemem.engine.records import owning_layers, paging_units
+from pagemem.engine.records import compute_dtype_of, compute_is_master, owning_layers, paging_units
 from pagemem.errors import OutOfMemory
 from pagemem.sched import InfeasiblePlan
 from pagemem.store.layout import pack
@@ -39,9 +39,9 @@ def unit_cap(store: StoreConfig) -> int:
     return max(store.page_bytes, store.pages("gpu") * store.page_bytes // 16)  # type: ignore[operator]
 
 
-def _units(model: nn.Module, dtype: torch.dtype, cap: int) -> tuple[list, list[tuple[str, list[int]]], list[int]]:
+def _units(model: nn.Module, dtype: torch.dtype | None, cap: int) -> tuple[list, list[tuple[str, list[int]]], list[int]]:
     params, modules = owning_layers(model)
-    nbytes = [p.numel() * dtype.itemsize for _, p in params]
+    nbytes = [p.numel() * compute_dtype_of(dtype, p.dtype).itemsize for _, p in params]
     return params, paging_units(modules, nbytes, cap), nbytes
 
 
@@ -50,7 +50,8 @@ def _need(model: nn.Module, config: EngineConfig, cap: int) -> tuple[int, int, s
     unit's compute pages, its name)."""
     pb = config.store.page_bytes
     params, units, nbytes = _units(model, config.compute_dtype, cap)
-    master_is_compute = config.compute_dtype == torch.float32 and config.optimizer_tier == "gpu"
+    master_is_compute = compute_is_master((compute_dtype_of(config.compute_dtype, p.dtype) for _, p in params),
+                                          config.optimizer_tier)
     largest, name = 0, ""
     if not master_is_compute:
         for unit, idx in units:
@@ -85,7 +86,7 @@ def check_units_fit(model: nn.Module, config: EngineConfig) -> None:
     raise OutOfMemory("gpu", static + largest, have, pb, f"gpu_bytes: {unit}{kept}", least_bytes=least)
 
 
-def refusal(exc: InfeasiblePlan, model: nn.Module, units: list[tuple[str, list[int]]], dtype: torch.dtype,
+def refusal(exc: InfeasiblePlan, model: nn.Module, units: list[tuple[str, list[int]]], dtype: torch.dtype | None,
             store: StoreConfig, static_pages: int) -> OutOfMemory:
     """The error refusing iterations whose plan found the gpu budget too small (see the Note)."""
     pb = store.page_bytes

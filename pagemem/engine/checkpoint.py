@@ -321,7 +321,6 @@ def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
     rng = _verified(ckpt, manifest["rng"])
     buffers = _verified(ckpt, manifest["buffers"])
     pb = manifest["page_bytes"]
-    saved_dtype = getattr(torch, manifest["config"]["compute_dtype"])
     for kind in KINDS:
         path = os.path.join(ckpt, f"{kind}.pages")
         data = read_file(path)
@@ -344,7 +343,8 @@ def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
                 left -= take
                 lo = 0
             flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
-            dtype = torch.float32 if kind != "compute" else saved_dtype
+            dtype = (torch.float32 if kind != "compute" else
+                     getattr(torch, mf.saved_compute_dtype(manifest["config"], manifest["params"][i])))
             value = torch.from_numpy(flat.copy()).view(dtype).reshape(engine.bank.params[i][1].shape)
             engine.bank.set_state(i, kind, value)
     torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))

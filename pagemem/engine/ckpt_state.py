@@ -37,7 +37,7 @@ def buffer_bytes(model: nn.Module) -> tuple[bytes, list[dict[str, Any]]]:
 
 
 def load_buffers(model: nn.Module, data: bytes, entries: list[dict[str, Any]], device: torch.device,
-                 compute_dtype: torch.dtype, path: str) -> None:
+                 compute_dtype: torch.dtype | None, path: str) -> None:
     """Set ``model``'s buffers from ``data`` (verified) as ``entries`` lay them out, on ``device``;
     floating ones in ``compute_dtype`` ([Note: precision on load])."""
     where = {key: (module, bname) for key, module, bname in persistent_buffers(model)}
@@ -53,9 +53,10 @@ def load_buffers(model: nn.Module, data: bytes, entries: list[dict[str, Any]], d
         module._buffers[bname] = value.to(engine_dtype(value, compute_dtype)).to(device)
 
 
-def engine_dtype(value: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the engine keeps a buffer in: floating ones in the compute dtype."""
-    return compute_dtype if value.is_floating_point() else value.dtype
+def engine_dtype(value: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the engine keeps a buffer in: floating ones in the compute dtype asked for, else
+    their own ([Note: compute dtypes])."""
+    return compute_dtype if value.is_floating_point() and compute_dtype is not None else value.dtype
 
 
 @dataclass

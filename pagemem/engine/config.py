@@ -32,7 +32,9 @@ class EngineConfig:
     ``store``: the tier budgets. ``optimizer``: AdamW's hyperparameters (``engine.optimizer``'s
     ``param_groups`` start from them; lr schedulers change those). ``optimizer_tier``: where the
     fp32 master weights and Adam moments live. ``compute_dtype``: the dtype forward and backward
-    run in. ``max_grad_norm``: clip by global norm (None: no clipping). ``accumulation_steps``:
+    run in: None (default) keeps each parameter's and buffer's own dtype, as plain PyTorch
+    computes; a dtype casts every floating parameter and buffer to it, as ``model.to(dtype)``
+    would ([Note: compute dtypes] in ``records.py``). ``max_grad_norm``: clip by global norm (None: no clipping). ``accumulation_steps``:
     ``step()`` updates after this many ``backward()`` calls, their gradients summed.
     ``loss_scale``: ``"dynamic"`` (as ``torch.amp.GradScaler``), a number (static), or None;
     ``"default"`` is ``"dynamic"`` for float16 and None otherwise, resolved when used
@@ -59,7 +61,7 @@ class EngineConfig:
     store: StoreConfig
     optimizer: AdamW = field(default_factory=AdamW)
     optimizer_tier: str = "cpu"
-    compute_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype | None = None
     max_grad_norm: float | None = None
     accumulation_steps: int = 1
     loss_scale: str | float | None = "default"
@@ -79,7 +81,8 @@ class EngineConfig:
             raise ConfigError(f"optimizer: must be a pagemem.AdamW, got {type(self.optimizer).__name__}")
         check_no_amsgrad(self.optimizer)
         check_choice("optimizer_tier", self.optimizer_tier, ("gpu", "cpu", "nvme"))
-        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        if self.compute_dtype is not None:
+            check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         if self.max_grad_norm is not None:
             object.__setattr__(self, "max_grad_norm", check_rate("max_grad_norm", self.max_grad_norm))
         check_int("accumulation_steps", self.accumulation_steps, 1, 1 << 20)

@@ -27,6 +27,7 @@ from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.backward import BackwardMixin
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.budget_checks import check_units_fit, unit_cap
+from pagemem.engine.ckpt_state import engine_dtype
 from pagemem.engine.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.groups import checked_groups
@@ -99,13 +100,13 @@ class Engine(BackwardMixin):
         self.device = self.store.tier("gpu").device
         """Where the model computes: the ``gpu`` tier's device (the host for the stand-in). Put
         the inputs there."""
-        with torch.no_grad():  # buffers are small and used by compute: they live on the device,
-            # floating ones in the compute dtype, as ``model.to(compute_dtype)`` casts them
+        with torch.no_grad():  # buffers are small and used by compute: they live on the device, in
+            # their own dtype unless a compute dtype was asked for ([Note: compute dtypes])
             for module in model.modules():
                 for name, b in list(module._buffers.items()):
                     if b is None or b.is_meta:
                         continue
-                    dtype = config.compute_dtype if b.is_floating_point() else b.dtype
+                    dtype = engine_dtype(b, config.compute_dtype)
                     if b.device != self.device or b.dtype != dtype:
                         module._buffers[name] = b.to(self.device, dtype)
         params = [p for _, p in self.bank.params]

@@ -335,7 +335,7 @@ class LockFreeUpdater:
                         self.bank.count_step(i)
                     shape = self.bank.params[i][1].shape
                     if drift is None:
-                        values[i] = _master(pieces).to(self.bank.compute_dtype, copy=True).reshape(shape)
+                        values[i] = _master(pieces).to(self.bank.compute_dtype_of(i), copy=True).reshape(shape)
                     else:
                         values[i] = _master(pieces).clone().reshape(shape)
                         drift[i] = values[i].sub(before.reshape(shape)).div_(k)

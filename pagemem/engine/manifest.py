@@ -118,14 +118,20 @@ def saved_loss_scale(config: dict[str, Any]) -> Any:
     return scale
 
 
+def saved_compute_dtype(config: dict[str, Any], param: dict[str, Any]) -> str:
+    """The name of the dtype a saved parameter's compute copy was in ([Note: compute dtypes]):
+    the saved config's, or the parameter's own where it asked for none."""
+    return config["compute_dtype"] or param["dtype"].removeprefix("torch.")
+
+
 def validate(m: dict[str, Any]) -> None:
     """Raise (a PageMemError) unless every value of the manifest body ``m`` is in range."""
     _dict(m, "manifest", ("page_bytes", "state", "config", "params", "tensors", "page_digests", "rng", "buffers"))
     pb = _int(m["page_bytes"], "page_bytes", 4096, 2 ** 40)
     _need(pb % 4096 == 0, "page_bytes", "a multiple of 4096", pb)
     config = _dict(m["config"], "config", ("store", "optimizer", "compute_dtype", "loss_scale"))
-    _need(config["compute_dtype"] in COMPUTE_DTYPES, "config.compute_dtype", "float32, float16 or bfloat16",
-          config["compute_dtype"])
+    _need(config["compute_dtype"] is None or config["compute_dtype"] in COMPUTE_DTYPES, "config.compute_dtype",
+          "null, float32, float16 or bfloat16", config["compute_dtype"])
     scale = saved_loss_scale(config)
     if scale is not None and scale != "dynamic":
         _real(scale, "config.loss_scale", positive=True)
@@ -146,8 +152,13 @@ def validate(m: dict[str, Any]) -> None:
         pages = len(_list(digests[kind], f"page_digests.{kind}"))
         for d in digests[kind]:
             _int(d, f"page_digests.{kind}", 0, 2 ** 64 - 1)
-        itemsize = 4 if kind != "compute" else COMPUTE_DTYPES[config["compute_dtype"]]
         for i, where in enumerate(tensors[kind]):
+            itemsize = 4
+            if kind == "compute":
+                name = saved_compute_dtype(config, params[i])
+                _need(name in COMPUTE_DTYPES, f"params[{i}].dtype", "float32, float16 or bfloat16 (the compute "
+                      "copy's dtype where config.compute_dtype is null)", params[i]["dtype"])
+                itemsize = COMPUTE_DTYPES[name]
             frozen = tensors["exp_avg"][i] is None
             if where is None:  # a frozen parameter has no moments, and a master only where it is the compute copy
                 _need(kind != "compute" and frozen, f"tensors.{kind}[{i}]",

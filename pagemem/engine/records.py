@@ -5,12 +5,30 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from pagemem.models.gpt import owning_modules
 from pagemem.store import PagedTensor
+
+
+def compute_dtype_of(asked: torch.dtype | None, held: torch.dtype) -> torch.dtype:
+    """[Note: compute dtypes] The dtype a parameter computes in: ``EngineConfig.compute_dtype``
+    where the user asked for one (every floating parameter and buffer is cast to it, as
+    ``model.to(dtype)`` casts them), else the dtype the parameter holds (None, the default: a
+    bf16 parameter among fp32 ones stays bf16, a float64 buffer stays float64, as in plain
+    PyTorch). Whatever it computes in, a trained parameter's update runs on fp32 master weights
+    and moments (mixed precision: for a bf16 or fp16 parameter this is more precise than plain
+    PyTorch's AdamW over the parameter itself, and not bit-identical to it)."""
+    return asked if asked is not None else held
+
+
+def compute_is_master(compute_dtypes: Iterable[torch.dtype], optimizer_tier: str) -> bool:
+    """[Note: the compute copy is the master] (``ParamBank``): every parameter computes in fp32
+    and the optimizer states are on the gpu."""
+    return optimizer_tier == "gpu" and all(d == torch.float32 for d in compute_dtypes)
 
 
 @dataclass
@@ -29,6 +47,8 @@ class ParamRecord:
     position: int
     original_dtype: torch.dtype
     trainable: bool
+    compute_dtype: torch.dtype
+    """What its compute copy holds ([Note: compute dtypes])."""
     steps: int = 0
     """AdamW's update count (torch's ``state['step']``)."""
 
