@@ -193,7 +193,8 @@ def run_deepspeed(spec: dict, cfg) -> dict:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from pagemem.models.gpt import GPT, init_module, owning_modules
+    from pagemem.models.gpt import GPT, init_module
+    from pagemem.ownership import owning_modules
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
                        ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):

@@ -284,7 +284,7 @@ def test_units_the_plan_keeps_on_the_gpu_have_one_copy_there_and_train_exactly()
         layers = engine.bank.layers
         res = engine.pager.residency
         assert all(res.is_settled(l.index) and res.is_bound(l.index) for l in layers)
-        assert engine.bank.state_tiers == ["gpu"] * len(layers)  # their updates run on the gpu
+        assert all(u.state_tier == "gpu" for u in layers)  # their updates run on the gpu
         home_pages = sum(engine.store.page_count(l.compute) for l in layers)
         used = cpu.used_pages
         engine.pager.residency.release_all()  # every unit goes home, its only copy moved

@@ -15,7 +15,8 @@ from torch import nn
 import pagemem
 from pagemem.engine.bank import ParamBank
 from pagemem.engine.guard import Guard, GuardedParameter
-from pagemem.engine.residency import Residency, UnitState
+from pagemem.engine.residency import Residency
+from pagemem.engine.unit import UnitState
 from pagemem.engine.scopes import Scopes
 from pagemem.errors import OutOfMemory
 
@@ -35,8 +36,9 @@ class ResidencyMachine(RuleBasedStateMachine):
         cfg = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=4 * PAGE, cpu_bytes=64 * PAGE)
         self.store = pagemem.PageStore(cfg)
         self.bank = ParamBank(self.model, self.store, torch.float32, "cpu", unit_bytes=PAGE)
-        self.scopes = Scopes()
-        self.guard = Guard(self.bank.params, self._fetch, threading.RLock())
+        self.scopes = Scopes(self.bank.layers)
+        self.guard = Guard(self.bank.params, self._fetch, threading.RLock(),
+                           resident=lambda i: self.bank.layers[self.bank.layer_of[i]].bound)
         self.res = Residency(self.bank, self.scopes, self.guard)
         self.n = len(self.bank.layers)
         self.views: list[torch.Tensor] = []
@@ -62,6 +64,11 @@ class ResidencyMachine(RuleBasedStateMachine):
             call()
         except OutOfMemory:
             pass
+
+    @rule(u=units)
+    def settle(self, u):
+        """A unit the plan keeps on the gpu for good: its gpu copy becomes the only one."""
+        self.res.settle(u % self.n)
 
     @rule(u=units)
     def release(self, u):
@@ -126,6 +133,20 @@ class ResidencyMachine(RuleBasedStateMachine):
         assert self.res.used_pages <= self.store.tier("gpu").capacity
         for u in range(self.n):
             assert self.res.state_of(u) in UnitState
+
+    @invariant()
+    def each_state_holds_the_copies_it_says(self):
+        """[Note: unit states]: where a unit's compute pages are follows from its state."""
+        for unit in self.bank.layers:
+            tiers = set().union(*(t.tiers for t in unit.compute))
+            if unit.state in (UnitState.KEPT, UnitState.PARKED):
+                assert tiers == {"gpu"}, (unit.state, tiers)
+            elif unit.state is UnitState.HOME:
+                assert tiers == {"cpu"}, (unit.state, tiers)
+            else:  # a replica beside the home copy (staging: part of one)
+                assert "cpu" in tiers, (unit.state, tiers)
+            assert unit.bound == (unit.state in (UnitState.BOUND, UnitState.KEPT))
+            assert unit.holds >= 0 and unit.soft_holds >= 0
 
     @invariant()
     def a_read_of_an_evicted_parameter_fetches_it(self):

@@ -12,7 +12,7 @@ import pytest
 import pagemem
 
 LEAVES = {"pagemem.config", "pagemem.errors", "pagemem.units", "pagemem.checks", "pagemem.models", "pagemem.plain",
-          "pagemem.machine"}
+          "pagemem.machine", "pagemem.ownership"}
 ALLOWED = {
     "tiers": set(),
     "store": {"tiers"},

@@ -1,9 +1,9 @@
 """The model's states in pages, one group per paging unit.
 
-A paging unit (``Layer``) is a run of consecutive modules owning parameters (a tied parameter
-belongs to the first module that owns it), merged up to a size cap (``paging_units``); the
-warm-up trace is recorded over these units, so the scheduler's plans speak of exactly them. Per
-unit:
+A paging unit (``Unit``, ``unit.py``: [Note: the unit owns its state]) is a run of consecutive
+modules owning parameters (a tied parameter belongs to the first module that owns it), merged up
+to a size cap (``paging_units``); the warm-up trace is recorded over these units, so the
+scheduler's plans speak of exactly them. Per unit:
 - ``compute``: the parameters in their compute dtype ([Note: compute dtypes]), home on ``cpu``; a replica on ``gpu`` while
   the unit is resident (its only copy, on ``gpu``, while the plan keeps it there for good:
   ``Residency.settle``);
@@ -32,8 +32,9 @@ from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store import PagedTensor, PageStore
 from pagemem.store.layout import pack
 from pagemem.engine.grad_copies import GradCopies
-from pagemem.engine.records import (Layer, ParamRecord, compute_dtype_of, compute_is_master, grad_tier_beside,
+from pagemem.engine.records import (ParamRecord, compute_dtype_of, compute_is_master, grad_tier_beside,
                                     owning_layers, paging_units, placeholder)
+from pagemem.engine.unit import Unit
 from pagemem.engine.values import FromModule, ValueSource, check_source, materialize_meta
 
 
@@ -66,7 +67,9 @@ class ParamBank:
         check_source(source, model)
         if any(p.is_meta for p in model.parameters()):
             materialize_meta(model, self._gpu_device())
-        self.params, module_specs = owning_layers(model)
+        params, module_specs = owning_layers(model)
+        self.params: tuple[tuple[str, nn.Parameter], ...] = tuple(params)
+        """(name, Parameter) of each parameter, in index order: a read-only view of the records."""
         if not self.params:
             raise InvalidRequest("the model has no parameters to train")
         dtypes = [compute_dtype_of(compute_dtype, p.dtype) for _, p in self.params]
@@ -84,23 +87,17 @@ class ParamBank:
         (``make_trainable``), its master weights cast from the compute copy."""
         nbytes = [p.numel() * dtypes[i].itemsize for i, (_, p) in enumerate(self.params)]
         layer_specs = paging_units(module_specs, nbytes, unit_bytes if unit_bytes is not None else store.page_bytes)
-        self.units: list[tuple[str, list[int]]] = [(n, list(idx)) for n, idx in layer_specs]
+        self.units: tuple[tuple[str, list[int]], ...] = tuple((n, list(idx)) for n, idx in layer_specs)
         """(name, parameter indices) of every paging unit, in unit order."""
-        self.param_nbytes = [0] * len(self.params)
-        """Bytes each parameter's compute copy occupies in its unit's pages (start to the next
-        tensor's start): per unit they add up to what the unit's pages hold, as plans count it."""
+        param_nbytes = [0] * len(self.params)
         for _name, idx in layer_specs:
             layout = pack([nbytes[i] for i in idx], store.page_bytes)  # as allocate_group lays them out
             ends = layout.starts[1:] + (layout.end,)
             for i, start, end in zip(idx, layout.starts, ends):
-                self.param_nbytes[i] = 0 if self.compute_is_master else end - start
-        self.layers: list[Layer] = []
-        self.state_tiers: list[str] = [optimizer_tier] * len(layer_specs)
-        """Where each unit's optimizer states are: ``optimizer_tier``, or the gpu while a plan
-        keeps the unit there (``place_states``)."""
-        self.layer_of: list[int] = [0] * len(self.params)
-        self.position: list[int] = [0] * len(self.params)
-        """Where parameter ``i`` sits in its unit's lists (see ``where``)."""
+                param_nbytes[i] = 0 if self.compute_is_master else end - start
+        self.layers: list[Unit] = []
+        """Every paging unit, in unit order ([Note: the unit owns its state])."""
+        layer_of, position = [0] * len(self.params), [0] * len(self.params)
         groups: dict[str, list[list[PagedTensor]]] = {}
         # [Note: layout] each kind is allocated for every layer before the next kind, so a kind's
         # pages are adjacent in its tier and every state tensor can be viewed in place. Compute
@@ -128,13 +125,20 @@ class ParamBank:
             groups["compute"] = groups["master"]
         for li, (name, idx) in enumerate(layer_specs):
             for k, i in enumerate(idx):
-                self.layer_of[i], self.position[i] = li, k
-            self.layers.append(Layer(li, name, list(idx), groups["compute"][li], groups["master"][li],
-                                     groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li]))
-        self.records = [ParamRecord(i, n, p, self.layer_of[i], self.position[i], p.dtype, trainable[i],
-                                    compute_dtype=dtypes[i]) for i, (n, p) in enumerate(self.params)]
-        """One record per parameter ([Note: parameter records]); ``layer_of`` and ``position``
-        are the same facts as flat lists, for the hot paths."""
+                layer_of[i], position[i] = li, k
+            self.layers.append(Unit(li, name, list(idx), groups["compute"][li], groups["master"][li],
+                                    groups["exp_avg"][li], groups["exp_avg_sq"][li], groups["grad"][li],
+                                    state_tier=optimizer_tier))
+        self.records = [ParamRecord(i, n, p, layer_of[i], position[i], p.dtype, trainable[i],
+                                    compute_dtype=dtypes[i], nbytes=param_nbytes[i])
+                        for i, (n, p) in enumerate(self.params)]
+        """One record per parameter ([Note: parameter records])."""
+        self.layer_of: tuple[int, ...] = tuple(r.unit for r in self.records)
+        """Each parameter's unit: a read-only view of the records, for the hot paths."""
+        self.position: tuple[int, ...] = tuple(r.position for r in self.records)
+        """Where parameter ``i`` sits in its unit's lists (see ``where``): a read-only view."""
+        self.param_nbytes: tuple[int, ...] = tuple(r.nbytes for r in self.records)
+        """Each parameter's ``ParamRecord.nbytes``: a read-only view."""
         with torch.no_grad():  # [Note: first values]: one module at a time, from the source
             for mname, idx in module_specs:
                 given = source.values(mname, model.get_submodule(mname), [self.params[i] for i in idx])
@@ -162,7 +166,7 @@ class ParamBank:
             return
         layer, k = self.where(i)
         shape = self.params[i][1].shape
-        tier = self.state_tiers[layer.index]
+        tier = layer.state_tier
         kinds = [("exp_avg", tier), ("exp_avg_sq", tier), ("grad", grad_tier_beside(tier))]
         if not self.compute_is_master:
             kinds.insert(0, ("master", tier))
@@ -195,7 +199,12 @@ class ParamBank:
     def _gpu_device(self) -> torch.device:
         return self.store.tier("gpu").device
 
-    def where(self, i: int) -> tuple[Layer, int]:
+    @property
+    def state_tiers(self) -> tuple[str, ...]:
+        """Each unit's ``state_tier``: a read-only view."""
+        return tuple(u.state_tier for u in self.layers)
+
+    def where(self, i: int) -> tuple[Unit, int]:
         """Parameter ``i``'s unit and its position in the unit's lists."""
         return self.layers[self.layer_of[i]], self.position[i]
 
@@ -242,7 +251,7 @@ class ParamBank:
         """Start copying unit ``li``'s optimizer states to the cpu ahead of their update (the
         plan's ``move_to_cpu optim``); no room on the cpu leaves them to be read at the update."""
         layer = self.layers[li]
-        if self.state_tiers[li] != "nvme" or self.states_apart:  # the lock-free updater fetches its own
+        if self.layers[li].state_tier != "nvme" or self.states_apart:  # the lock-free updater fetches its own
             return
         try:
             self.store.copy(layer.states(), "cpu")
@@ -331,11 +340,11 @@ class ParamBank:
     def tier_of(self, kind: str, li: int) -> str:
         """Where unit ``li``'s ``grad`` or optimizer-state (``master``, ``exp_avg``,
         ``exp_avg_sq``) pages live."""
-        return self.grad_tier_of(li) if kind == "grad" else self.state_tiers[li]
+        return self.grad_tier_of(li) if kind == "grad" else self.layers[li].state_tier
 
     def grad_tier_of(self, li: int) -> str:
         """Where unit ``li``'s fp32 gradient sums live (``grad_tier_beside`` its states)."""
-        return grad_tier_beside(self.state_tiers[li])
+        return grad_tier_beside(self.layers[li].state_tier)
 
     # ------------------------------------------------------------------ states kept on the gpu
 
@@ -357,7 +366,7 @@ class ParamBank:
         would split a neighbour) and the old ones freed. False, changing nothing, when the new
         pages cannot be had. Call between updates (gradient sums are carried over too)."""
         tier = tier or self.optimizer_tier
-        if self.state_tiers[li] == tier:
+        if self.layers[li].state_tier == tier:
             return True
         if self.states_apart:  # the lock-free updater owns the states: they stay on their tier
             return False
@@ -389,7 +398,7 @@ class ParamBank:
                 src.free()
                 moved.append(dst)
             setattr(layer, kind, moved)
-        self.state_tiers[li] = tier
+        layer.state_tier = tier
         return True
 
     def lasting_view(self, kind: str, i: int) -> torch.Tensor | None:

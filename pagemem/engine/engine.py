@@ -152,8 +152,10 @@ class Engine(BackwardMixin):
         self._trainable = [r.trainable for r in self.bank.records]
         self._hooks = self.gradients.hooks(self._trainable, self.group_of, self._before_accumulate)
         self.clock = OpClock(model, self.bank.params)
+        units, unit_of = self.bank.layers, self.bank.layer_of
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
-                           self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i))
+                           self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i),
+                           resident=lambda i: units[unit_of[i]].bound)
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights)

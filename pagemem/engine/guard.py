@@ -83,11 +83,13 @@ class Guard:
 
     def __init__(self, params: Sequence[tuple[str, nn.Parameter]], fetch: Callable[[int], None],
                  lock: Any, saved_hooks: Callable[[], Any] | None = None,
-                 data_taken: Callable[[int], None] | None = None) -> None:
+                 data_taken: Callable[[int], None] | None = None, *,
+                 resident: Callable[[int], bool]) -> None:
         """``fetch(i)`` makes parameter ``i``'s unit resident (under ``lock``); ``saved_hooks()``
         gives the context of the engine's saved-tensor hooks (for ops outside its calls);
         ``data_taken(i)``: parameter ``i``'s ``.data`` was handed out (code may write through it,
-        which its version counter does not see: [Note: writes to parameters])."""
+        which its version counter does not see: [Note: writes to parameters]); ``resident(i)``:
+        parameter ``i``'s unit is bound (its ``Unit`` says: the guard keeps no copy of that)."""
         self.params = [p for _, p in params]
         self.names = [n for n, _ in params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -96,7 +98,7 @@ class Guard:
         self._data_taken = data_taken
         self.lock = lock
         self._saved_hooks = saved_hooks
-        self._resident = [False] * len(self.params)
+        self._resident = resident
         self._calls = 0
         self._local = threading.local()
         self.reads = 0
@@ -109,21 +111,19 @@ class Guard:
     # ---------------------------------------------------------------- residency
     def bound(self, i: int) -> None:
         """Parameter ``i``'s ``.data`` is its values now."""
-        self._resident[i] = True
         if self._calls:
             self.params[i].__class__ = nn.Parameter
 
     def evicted(self, i: int) -> None:
         """Parameter ``i``'s ``.data`` is a placeholder now."""
-        self._resident[i] = False
         self.params[i].__class__ = self.cls
 
     def enter(self) -> None:
         """The engine's forward or backward starts: resident parameters compute unguarded."""
         self._calls += 1
         if self._calls == 1:
-            for p, resident in zip(self.params, self._resident):
-                if resident:
+            for i, p in enumerate(self.params):
+                if self._resident(i):
                     p.__class__ = nn.Parameter
 
     def exit(self) -> None:
@@ -154,7 +154,7 @@ class Guard:
         """An op on guarded parameters: fetch those evicted, then run it (see the Note)."""
         if not getattr(self._local, "quiet", 0):
             for i in self._guarded_in(args, kwargs):
-                if not self._resident[i]:
+                if not self._resident(i):
                     self._fetch_for(i, func)
                 if func == _DATA_GET and self._data_taken is not None:
                     self._data_taken(i)
@@ -182,7 +182,7 @@ class Guard:
         if self.closed is not None:
             raise InvalidRequest(f"parameter {self.names[i]!r}: {self.closed}")
         with self.lock:
-            if not self._resident[i]:
+            if not self._resident(i):
                 self._fetch(i)
                 self.reads += 1
 

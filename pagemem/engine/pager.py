@@ -104,7 +104,7 @@ class Pager:
         self.model = model
         self.bank = bank
         self.clock = clock
-        self.scopes = Scopes()
+        self.scopes = Scopes(bank.layers)
         self.residency = Residency(bank, self.scopes, guard)
         self.store = bank.store
         self._gpu = self.store.tier("gpu")

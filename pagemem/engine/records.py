@@ -1,5 +1,5 @@
-"""What the bank holds, record by record: one ``ParamRecord`` per parameter, one ``Layer`` per
-paging unit (its pages), and how a model's modules become units."""
+"""What the bank holds, record by record: one ``ParamRecord`` per parameter (its unit is a
+``Unit``, ``unit.py``), and how a model's modules become units."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from pagemem.models.gpt import owning_modules
-from pagemem.store import PagedTensor
+from pagemem.ownership import owning_modules
 
 
 def compute_dtype_of(asked: torch.dtype | None, held: torch.dtype) -> torch.dtype:
@@ -35,10 +34,12 @@ def compute_is_master(compute_dtypes: Iterable[torch.dtype], optimizer_tier: str
 class ParamRecord:
     """[Note: parameter records] One parameter of the model, as the engine holds it: its name, the
     ``nn.Parameter`` (whose identity never changes), its unit and position there (its pages are
-    ``layer.compute[position]``, ``layer.master[position]``, ...), the dtype it came with, whether
-    it trains (see [Note: frozen parameters]) and how many updates it has had. The bank owns the
-    record; the updater counts ``steps`` through ``ParamBank.count_step``; residency is per unit
-    (``UnitResidency``)."""
+    ``unit.compute[position]``, ``unit.master[position]``, ...), the dtype it came with and the one
+    it computes in, the bytes it takes in its unit's pages, whether it trains (see [Note: frozen
+    parameters]) and how many updates it has had. The bank owns the record; the updater counts
+    ``steps`` through ``ParamBank.count_step``; residency is per unit (``Unit``, ``unit.py``).
+    ``ParamBank.params``, ``layer_of``, ``position`` and ``param_nbytes`` are read-only views of
+    the records, for the hot paths."""
 
     index: int
     name: str
@@ -49,31 +50,12 @@ class ParamRecord:
     trainable: bool
     compute_dtype: torch.dtype
     """What its compute copy holds ([Note: compute dtypes])."""
+    nbytes: int
+    """Bytes its compute copy occupies in its unit's pages (start to the next tensor's start): per
+    unit they add up to what the unit's pages hold, as plans count it (0 where the compute copy is
+    the master)."""
     steps: int = 0
     """AdamW's update count (torch's ``state['step']``)."""
-
-
-@dataclass
-class Layer:
-    """A paging unit: consecutive modules whose parameters move to and from the gpu together."""
-
-    index: int
-    name: str
-    params: list[int]
-    """Indices into ``ParamBank.params``."""
-    compute: list[PagedTensor]
-    master: list[PagedTensor | None]
-    """None for a frozen parameter (see [Note: frozen parameters]); the same as ``compute`` where
-    the compute copy is the master."""
-    exp_avg: list[PagedTensor | None]
-    exp_avg_sq: list[PagedTensor | None]
-    grad: list[PagedTensor | None] = field(default_factory=list)
-    """fp32 gradient sums on ``ParamBank.grad_tier_of(index)`` (valid for the parameters that got a
-    gradient this step)."""
-
-    def states(self) -> list[PagedTensor]:
-        """The optimizer-state tensors the unit has (master weights and moments), kind by kind."""
-        return [t for t in (*self.master, *self.exp_avg, *self.exp_avg_sq) if t is not None]
 
 
 def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, list[int]]]]:

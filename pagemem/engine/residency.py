@@ -1,9 +1,9 @@
 """Which paging units are on the gpu, and the parameters' ``.data`` while they are.
 
-Two ways in, one record per unit (``UnitResidency``, see [Note: unit states]):
+Two ways in; each unit's state lives on its ``Unit`` (see [Note: unit states]):
 
 - **kept for good** (a unit the plan caches on the gpu): ``settle(unit)`` makes the gpu copy the
-  only one, so each update refreshes one copy; evicting it moves it home;
+  only one (``KEPT``), so each update refreshes one copy; evicting it moves it home;
 - **as the plan says** (``executor.py``): ``stage(unit, pages)`` starts copying a run of the
   unit's pages to the gpu at the op the plan's ``move_to_gpu`` names; ``bind(unit)`` at its
   ``compute`` waits for that unit's copies only (and copies what was not staged: a miss), then
@@ -14,9 +14,9 @@ Two ways in, one record per unit (``UnitResidency``, see [Note: unit states]):
   demand iteration used next, if that fits without evicting.
 
 Where the compute copy is the master (``ParamBank.compute_is_master``) every unit is home on the
-gpu: binding points its parameters at the master pages, releasing keeps them bound (a unit has
-no pages to give back), nothing evicts them; only ``release_all`` unbinds them, before the store
-resizes the arena or closes.
+gpu (``PARKED``): binding points its parameters at the master pages (``KEPT``), releasing keeps
+them bound (a unit has no pages to give back), nothing evicts them; only ``release_all`` unbinds
+them, before the store resizes the arena or closes.
 
 [Note: parameters are views over page memory]
 While a unit is resident each of its ``nn.Parameter`` objects has ``.data`` set to a view of its
@@ -31,15 +31,14 @@ objects themselves never change, so optimizer and autograd references stay valid
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Iterable
 
 import torch
 
 from pagemem.engine.interrupts import shielded
 from pagemem.engine.bank import ParamBank
-from pagemem.engine.records import Layer, placeholder
-from pagemem.engine.unit_state import UnitResidency, UnitState
+from pagemem.engine.records import placeholder
+from pagemem.engine.unit import Unit, UnitState
 from pagemem.engine.guard import Guard, Unguarded
 from pagemem.engine.scopes import Scopes
 from pagemem.errors import InvalidRequest, OutOfMemory
@@ -50,7 +49,7 @@ class Residency:
         self.bank = bank
         self.guard = guard if guard is not None else Unguarded()
         """Told of every bind and eviction (see [Note: evicted parameters])."""
-        self.scopes = scopes if scopes is not None else Scopes()
+        self.scopes = scopes if scopes is not None else Scopes(bank.layers)
         """Units held by open module scopes: never evicted (see [Note: the residency rule])."""
         self.store = bank.store
         self._gpu = self.store.tier("gpu")
@@ -59,8 +58,12 @@ class Residency:
         """The gpu budget: pages plus the non-model memory callers reserve beside them."""
         self.home_on_gpu = bank.compute_is_master
         """Every unit's compute copy is its master, kept on the gpu (see the module docs)."""
-        self._units = [UnitResidency(layer.index, settled=self.home_on_gpu) for layer in bank.layers]
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._units = bank.layers
+        if self.home_on_gpu:
+            for u in self._units:
+                u.to(UnitState.PARKED)
+        self._clock = 0
+        """Ticks at every use of a unit (``Unit.last_used``: least recently used goes first)."""
         self._order: list[int] = []
         """Units in the order the previous demand iteration asked for them (what staging on
         demand follows)."""
@@ -101,8 +104,8 @@ class Residency:
         return sorted({self.bank.layer_of[i] for i in params})
 
     def resident_units(self) -> list[int]:
-        """Units bound or staging."""
-        return [u.index for u in self._units if u.state in (UnitState.BOUND, UnitState.STAGING)]
+        """Units bound (a replica or their only copy) or staging."""
+        return [u.index for u in self._units if u.bound or u.state is UnitState.STAGING]
 
     def is_bound(self, li: int) -> bool:
         return self._units[li].bound
@@ -122,7 +125,7 @@ class Residency:
         if self.home_on_gpu:
             return
         layer, u = self.bank.layers[li], self._units[li]
-        if u.bound:
+        if u.bound or u.settled:  # a parked unit's only copy is on the gpu already
             return
         handle = self.store.copy(layer.compute, "gpu", pages=pages)
         u.to(UnitState.STAGING)
@@ -136,13 +139,12 @@ class Residency:
         (counted in ``misses``), point its parameters at the gpu pages."""
         layer, u = self.bank.layers[li], self._units[li]
         if u.bound:
-            self._lru[li] = None
-            self._lru.move_to_end(li)
+            self._touch(u)
             return
         if self.home_on_gpu:
             self._bind_views(layer)
             return
-        if u.staged_pages < self.store.page_count(layer.compute):
+        if not u.settled and u.staged_pages < self.store.page_count(layer.compute):
             self.misses += 1
         self._fetch(layer, keep={li}, reserve=0)
 
@@ -152,7 +154,7 @@ class Residency:
         becomes the only one, so the refresh after each update writes one copy, not two. Evicting
         it later moves it back to the cpu. No room on either side leaves it as it was."""
         layer, u = self.bank.layers[li], self._units[li]
-        if u.settled:
+        if u.settled or (u.bound and u.held):  # a scope may read it: it stays as it is
             return
         if u.bound:
             self.evict(layer)  # its views pin the pages: settle between unbound pages only
@@ -164,7 +166,7 @@ class Residency:
             return  # bound at its compute (a miss)
         try:
             self.store.release(layer.compute, "cpu").wait()
-            u.settled = True
+            u.to(UnitState.PARKED)
         except InvalidRequest:
             pass
         self._bind_views(layer)
@@ -180,7 +182,7 @@ class Residency:
         if u.state is UnitState.STAGING:
             self._drop_staged(layer)
             return
-        if u.bound and self.scopes.is_held(li):
+        if u.bound and u.held:
             self.deferred_releases += 1  # a scope may still read it (see scopes.py)
             return
         self.evict(layer)
@@ -206,7 +208,7 @@ class Residency:
             self._seen.append(li)
             layer = self.bank.layers[li]
             if self._units[li].bound:
-                self._lru.move_to_end(li)
+                self._touch(self._units[li])
             elif self.home_on_gpu:
                 self._bind_views(layer)
             else:
@@ -248,7 +250,7 @@ class Residency:
         except OutOfMemory:
             return
 
-    def _fetch(self, layer: Layer, keep: set[int], reserve: int, bind: bool = True) -> None:
+    def _fetch(self, layer: Unit, keep: set[int], reserve: int, bind: bool = True) -> None:
         t0 = time.perf_counter()
         u = self._units[layer.index]
         need = max(0, self.store.page_count(layer.compute) - u.staged_pages)
@@ -272,7 +274,7 @@ class Residency:
             self._bind_views(layer)
         self.wait_seconds += time.perf_counter() - t0
 
-    def _bind_views(self, layer: Layer) -> None:
+    def _bind_views(self, layer: Unit) -> None:
         params = self.bank.params
         u = self._units[layer.index]
         try:  # one store call for the unit (a view each costs a queue entry)
@@ -303,9 +305,12 @@ class Residency:
                 u.bound_ptrs[i] = ptr
         with torch._C.DisableTorchFunctionSubclass():
             u.versions = [params[i][1]._version for i in layer.params]
-        u.to(UnitState.BOUND)
-        self._lru[layer.index] = None
-        self._lru.move_to_end(layer.index)
+        u.to(UnitState.KEPT if u.settled else UnitState.BOUND)
+        self._touch(u)
+
+    def _touch(self, u: Unit) -> None:
+        self._clock += 1
+        u.last_used = self._clock
 
     def _evict_one(self, keep: set[int]) -> bool:
         """Give back the pages of one unit not in ``keep``: staged but unbound copies first,
@@ -313,26 +318,25 @@ class Residency:
         (nothing can where units are home on the gpu)."""
         if self.home_on_gpu:
             return False
-        held = self.scopes.is_held
-        for layer, u in zip(self.bank.layers, self._units):
-            if u.state is UnitState.STAGING and layer.index not in keep:
-                self._drop_staged(layer)
+        for u in self._units:
+            if u.state is UnitState.STAGING and u.index not in keep:
+                self._drop_staged(u)
                 return True
-        for layer, u in zip(self.bank.layers, self._units):
-            if u.state is UnitState.ZOMBIE and self._drop(layer):
+        for u in self._units:
+            if u.state in (UnitState.ZOMBIE, UnitState.PARKED) and self._drop(u):
                 return True
-        soft = self.scopes.is_soft_held
+        by_use = sorted((u for u in self._units if u.bound), key=lambda u: u.last_used)
         for spare_backward in (True, False):  # units backward scopes hold go last
-            for li in list(self._lru):
-                if li in keep or held(li) or (spare_backward and soft(li)):
+            for u in by_use:
+                if u.index in keep or u.held or (spare_backward and u.soft_holds) or not u.bound:
                     continue
-                self.evict(self.bank.layers[li])
-                if self._units[li].state is not UnitState.ZOMBIE:
+                self.evict(u)
+                if not u.bound and u.state is not UnitState.ZOMBIE and u.state is not UnitState.PARKED:
                     return True
         return False
 
     @shielded
-    def evict(self, layer: Layer) -> None:
+    def evict(self, layer: Unit) -> None:
         """Point the unit's parameters at placeholders and drop its gpu replica (see the Note)."""
         u = self._units[layer.index]
         if not u.bound:
@@ -350,9 +354,13 @@ class Residency:
         for ptr in u.bound_ptrs.values():
             self._by_ptr.pop(ptr, None)
         u.bound_ptrs.clear()
-        self._lru.pop(layer.index, None)
         self.evictions += not self.home_on_gpu
-        u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
+        if self.home_on_gpu:
+            u.to(UnitState.PARKED)
+        elif u.settled:  # its only copy goes home, or waits on the gpu for room there
+            u.to(UnitState.HOME if self._give_back(layer) else UnitState.PARKED)
+        else:
+            u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
 
     @shielded
     def keep_writes(self) -> None:
@@ -382,7 +390,7 @@ class Residency:
         counter, so its values are compared with its master weights when it is next checked."""
         self._data_taken.add(i)
 
-    def _keep_writes(self, layer: Layer) -> bool:
+    def _keep_writes(self, layer: Unit) -> bool:
         """Keep what was written to the unit's bound parameters; True if one of them no longer
         views its pages (``set_``, ``swap_tensors``: the caller rebinds the unit)."""
         u = self._units[layer.index]
@@ -405,31 +413,30 @@ class Residency:
                     replaced |= elsewhere
         return replaced
 
-    def _give_back(self, layer: Layer) -> bool:
+    def _give_back(self, layer: Unit) -> bool:
         """Give back the unit's gpu pages: drop the replica, or move a settled unit's only copy
         home. False while a tensor derived from an old view pins them (or no cpu room is left).
         Units home on the gpu have nothing to give back."""
         if self.home_on_gpu:
             return True
-        u = self._units[layer.index]
         try:
-            if u.settled:
+            if layer.settled:
                 self.store.move(layer.compute, "cpu").wait()
-                u.settled = False
             else:
                 self.store.release(layer.compute, "gpu").wait()
         except (InvalidRequest, OutOfMemory):
             return False
         return True
 
-    def _drop(self, layer: Layer) -> bool:
-        """A zombie's pages go back, if they can now."""
-        if not self._give_back(layer):
+    def _drop(self, layer: Unit) -> bool:
+        """A zombie's replica, or a parked unit's only copy, goes back home if it can now
+        (units home on the gpu stay parked)."""
+        if self.home_on_gpu or not self._give_back(layer):
             return False
-        self._units[layer.index].to(UnitState.HOME)
+        layer.to(UnitState.HOME)
         return True
 
-    def _drop_staged(self, layer: Layer) -> None:
+    def _drop_staged(self, layer: Unit) -> None:
         """Wait for a unit's staged copies and drop what they brought."""
         u = self._units[layer.index]
         for handle in u.staged:
@@ -447,9 +454,9 @@ class Residency:
             if u.state is UnitState.STAGING:
                 self._drop_staged(layer)
             self.evict(layer)
-        for layer, u in zip(self.bank.layers, self._units):
-            if u.state is UnitState.ZOMBIE:
-                self._drop(layer)
+        for u in self._units:
+            if u.state is UnitState.ZOMBIE or (u.state is UnitState.PARKED and not self.home_on_gpu):
+                self._drop(u)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:

@@ -17,38 +17,37 @@ loss term over ``model.parameters()``, user code between steps) is not foreseen 
 values (see [Note: evicted parameters]).
 
 ``Scopes`` follows the op clock's events the way the tracer's recorder does, so both agree on
-what is open when.
+what is open when, and counts the holds on the units themselves (``Unit.holds``: an open forward
+scope, never evicted; ``Unit.soft_holds``: an open backward scope, kept while the budget allows,
+since a backward that does not reach a module's parameters, ``autograd.grad`` with respect to
+the inputs, never ends that module's backward scope, and only saved tensors read parameters
+there, which are fetched again when unpacked).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Iterable
+from typing import Iterable, Sequence
 
+from pagemem.engine.unit import Unit
 from pagemem.tracer import Op
 
 
 class Scopes:
     """The units held by open module scopes, kept from the op clock's events."""
 
-    def __init__(self) -> None:
+    def __init__(self, units: Sequence[Unit]) -> None:
+        self.units = units
         self._forward: list[tuple[int, tuple[int, ...], bool]] = []
         """(module key, units, opened during backward) of each open forward scope, outermost first."""
         self._backward: dict[int, tuple[int, ...]] = {}
-        self._count: Counter = Counter()
-        self._soft: Counter = Counter()
-        """Units held by backward scopes: kept while the budget allows (a backward that does not
-        reach a module's parameters, ``autograd.grad`` with respect to the inputs, never ends
-        that module's backward scope; only saved tensors read parameters there, and they are
-        fetched again when unpacked)."""
 
     def is_held(self, unit: int) -> bool:
         """Held by an open forward scope: never evicted."""
-        return unit in self._count
+        return self.units[unit].holds > 0
 
     def is_soft_held(self, unit: int) -> bool:
         """Held by an open backward scope: evicted only when nothing else can go."""
-        return unit in self._soft
+        return self.units[unit].soft_holds > 0
 
     def on_op(self, op: Op, units: Iterable[int]) -> None:
         """An op starts (``units``: those of ``op.params``): open or close the scope it marks."""
@@ -62,13 +61,12 @@ class Scopes:
             self._close_forward(op.window)
         elif ev == "backward_pre":
             if op.params and op.window not in self._backward:
-                self._backward[op.window] = u = tuple(units)
-                self._soft.update(u)
+                self._backward[op.window] = held = tuple(units)
+                for u in held:
+                    self.units[u].soft_holds += 1
         elif ev == "backward_post":
             for u in self._backward.pop(op.window, ()):
-                self._soft[u] -= 1
-                if self._soft[u] <= 0:
-                    del self._soft[u]
+                self.units[u].soft_holds = max(0, self.units[u].soft_holds - 1)
         elif ev == "step":
             self.clear()
 
@@ -76,12 +74,13 @@ class Scopes:
         """Every scope closes (the iteration ended, or was abandoned)."""
         self._forward.clear()
         self._backward.clear()
-        self._count.clear()
-        self._soft.clear()
+        for u in self.units:
+            u.holds = u.soft_holds = 0
 
     def _open_forward(self, key: int, units: tuple[int, ...], in_backward: bool) -> None:
         self._forward.append((key, units, in_backward))
-        self._count.update(units)
+        for u in units:
+            self.units[u].holds += 1
 
     def _close_forward(self, key: int) -> None:
         """The module's forward ended; scopes opened inside it and never closed end too."""
@@ -105,8 +104,5 @@ class Scopes:
             self._forward[:] = keep
 
     def _release(self, units: Iterable[int]) -> None:
-        c = self._count
         for u in units:
-            c[u] -= 1
-            if c[u] <= 0:
-                del c[u]
+            self.units[u].holds = max(0, self.units[u].holds - 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pagemem.checks import check_int
 from pagemem.errors import ConfigError
+from pagemem.ownership import owning_modules
 
 
 @dataclass(frozen=True)
@@ -89,17 +90,6 @@ def gpt_config(name: str, **overrides: object) -> GPTConfig:
         fields["ffn"] = 0
     fields.update(overrides)
     return GPTConfig(**fields)  # type: ignore[arg-type]
-
-
-def owning_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """Each module that owns parameters, with them, in module order; a parameter shared by
-    several modules (a tied embedding) belongs to the first."""
-    seen: set[int] = set()
-    for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-        if own:
-            seen.update(id(p) for p in own)
-            yield name, module, own
 
 
 def init_module(cfg: GPTConfig) -> Callable[[str, nn.Module], None]:
