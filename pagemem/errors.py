@@ -17,13 +17,16 @@ class OutOfMemory(PageMemError, MemoryError):
     """A tier has too few free pages for a request. Raised before anything changes.
 
     Attributes name the tier, the pages and bytes asked for, and what was free; where a budget
-    is refused as too small, ``least_bytes`` is the smallest that works (else None).
+    is refused as too small, ``least_bytes`` is the smallest that works (else None), or with
+    ``least_is_bound`` the smallest this check can tell, which a later check may raise (the
+    activations are known only once an iteration has run).
     """
 
     def __init__(self, tier: str, requested_pages: int, free_pages: int, page_bytes: int,
-                 what: str = "", least_bytes: int | None = None) -> None:
+                 what: str = "", least_bytes: int | None = None, least_is_bound: bool = False) -> None:
         self.tier = tier
         self.least_bytes = least_bytes
+        self.least_is_bound = least_is_bound
         self.requested_pages = requested_pages
         self.free_pages = free_pages
         self.page_bytes = page_bytes
@@ -36,8 +39,10 @@ class OutOfMemory(PageMemError, MemoryError):
             f"tier {tier!r} is out of memory{detail}: requested {requested_pages} pages "
             f"({format_bytes(self.requested_bytes)}), free {free_pages} pages "
             f"({format_bytes(self.free_bytes)}); nothing was changed"
-            + (f"; the smallest budget that works is {tier}_bytes={least_bytes} ({format_bytes(least_bytes)})"
-               if least_bytes is not None else "")
+            + ("" if least_bytes is None else
+               f"; the smallest budget that works is at least {tier}_bytes={least_bytes} ({format_bytes(least_bytes)})"
+               if least_is_bound else
+               f"; the smallest budget that works is {tier}_bytes={least_bytes} ({format_bytes(least_bytes)})")
         )
 
 

@@ -138,7 +138,7 @@ def test_a_budget_too_small_for_the_activations_is_refused_after_the_traced_iter
     engine = make_engine(model, least // 2 // PAGE * PAGE)
     engine_run(engine, steps[:1])  # traced: its activations were unknown before it ran
     with pytest.raises(pagemem.OutOfMemory, match=r"gpu_bytes: the traced iteration's activations .* refused.*"
-                                                  r"the smallest budget that works is gpu_bytes=\d+") as err:
+                                                  r"the smallest budget that works is (at least )?gpu_bytes=\d+") as err:
         engine_run(engine, steps[1:])
     stats = engine.stats()
     assert stats["iterations"] == {"traced": 1} and stats["plan"] is None  # nothing ran over the budget

@@ -7,15 +7,17 @@ naming the smallest that works (``least_bytes``), not accepted to fail later or 
   budget must hold the optimizer states kept on the gpu (``optimizer_tier="gpu"``) plus the
   largest unit's compute pages, counted as the bank lays them out. The units themselves depend
   on the budget (merged up to ``unit_cap``), so the least is found by iterating the budget to a
-  fixed point: the smallest budget whose own units' need it covers;
+  fixed point: the smallest budget whose own units' need it covers. With the plan executor that
+  is a lower bound (``OutOfMemory.least_is_bound``: the message says "at least"), since the
+  activations beside the units are known only after the first iteration;
 - after a traced iteration whose plan finds the gpu too small (``InfeasiblePlan`` on the gpu:
   activations plus the units that must be resident together), iterations with those inputs
   are refused at their forward, where before they ran on demand over the budget. The traced
   iteration itself ran (its activations were unknown before it) and its ``step()`` updates as
   usual; the engine stays open, so ``save()`` and ``close()`` work and the run resumes under a
   larger budget with ``Engine.load(directory, model, config)``. The least named is the plan's
-  least for this budget's units; where a budget that size would merge the units otherwise, the
-  message says it is a lower bound (that budget's own first iteration checks again).
+  least for this budget's units; where a budget that size would merge the units otherwise, it
+  is a lower bound too (that budget's own first iteration checks again).
 """
 
 from __future__ import annotations
@@ -83,7 +85,10 @@ def check_units_fit(model: nn.Module, config: EngineConfig) -> None:
         least = (s + l) * pb  # type: ignore[operator]
     kept = f" beside the optimizer states kept there ({static} pages)" if static else ""
     unit = f"the largest paging unit ({name!r}, {largest} pages)" if largest else "nothing more"
-    raise OutOfMemory("gpu", static + largest, have, pb, f"gpu_bytes: {unit}{kept}", least_bytes=least)
+    later = (" (the first iteration's plan checks the activations beside it, and may ask for more)"
+             if config.executor == "plan" else "")
+    raise OutOfMemory("gpu", static + largest, have, pb, f"gpu_bytes: {unit}{kept}{later}", least_bytes=least,
+                      least_is_bound=config.executor == "plan")
 
 
 def refusal(exc: InfeasiblePlan, model: nn.Module, units: list[tuple[str, list[int]]], dtype: torch.dtype | None,
@@ -99,4 +104,5 @@ def refusal(exc: InfeasiblePlan, model: nn.Module, units: list[tuple[str, list[i
     what = (f"gpu_bytes: the traced iteration's activations and the units resident beside them need "
             f"{format_bytes(exc.min_gpu_bytes)} at op {exc.op_id}; iterations with these inputs are refused "
             f"(save() and load with a larger budget){caveat}")
-    return OutOfMemory("gpu", -(-least // pb), have, pb, what, least_bytes=least)  # type: ignore[operator]
+    return OutOfMemory("gpu", -(-least // pb), have, pb, what, least_bytes=least,  # type: ignore[operator]
+                       least_is_bound=not same)
