@@ -50,11 +50,13 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 import xxhash
+from torch import nn
 
 from pagemem.engine import manifest as mf
 from pagemem.engine.ckpt_io import (fsync_dir, file_size, io_errors, read_file, remove, remove_leftovers,
@@ -64,21 +66,39 @@ from pagemem.engine.ckpt_state import (buffer_bytes, load_buffers, model_snapsho
 from pagemem.errors import ConfigError, CorruptCheckpoint, CorruptPage, InvalidRequest
 
 if TYPE_CHECKING:
+    from pagemem.engine.bank import ParamBank
     from pagemem.engine.config import EngineConfig
-    from pagemem.engine.engine import Engine
+    from pagemem.store import PageStore
 
 VERSION = mf.VERSION
 KINDS = mf.KINDS
 MANIFEST = "manifest.json"
 NAME = re.compile(r"step-\d{8,}(-[0-9a-f]{8})?")
 """What ``latest`` may name."""
-__all__ = ["VERSION", "KINDS", "save", "resolve", "read_manifest", "load", "load_into", "saved_groups",
-           "persistent_buffers"]
+__all__ = ["VERSION", "KINDS", "Checkpointed", "save", "resolve", "read_manifest", "load", "load_into",
+           "saved_groups", "persistent_buffers"]
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """What a checkpoint reads and writes of an engine, and nothing more (the checkpoint code
+    never sees the ``Engine``): the module (its buffers), the config, the bank (the pages and
+    each parameter's counts), the store, the device buffers live on, and the counters, loss
+    scale and optimizer groups as JSON-ready values, to read and to restore."""
+
+    module: nn.Module
+    config: "EngineConfig"
+    bank: "ParamBank"
+    store: "PageStore"
+    device: torch.device
+    training_state: Callable[[], dict[str, Any]]
+    restore_training_state: Callable[[dict[str, Any]], None]
+    loss_scale: Callable[[], float | None]
 
 
 # ---------------------------------------------------------------------------------------- save
 
-def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict | None], list[int]]:
+def _write_pages(engine: Checkpointed, kind: str, path: str) -> tuple[list[dict | None], list[int]]:
     """Write every page holding a ``kind`` tensor into ``path``, each verified; return where each
     tensor lies (page positions in the file, offset, bytes) and each page's checksum."""
     store, bank = engine.store, engine.bank
@@ -109,7 +129,7 @@ def _write_pages(engine: "Engine", kind: str, path: str) -> tuple[list[dict | No
     return tensors, digests
 
 
-def _write_files(engine: "Engine", tmp: str) -> None:
+def _write_files(engine: Checkpointed, tmp: str, state: dict[str, Any]) -> None:
     """Every file of a checkpoint into the directory ``tmp``, the manifest last."""
     layout, digests = {}, {}
     for kind in KINDS:
@@ -120,7 +140,7 @@ def _write_files(engine: "Engine", tmp: str) -> None:
     write_durable(os.path.join(tmp, "buffers.bin"), buffers)
     body = {
         "page_bytes": engine.store.page_bytes,
-        "state": engine.training_state(),
+        "state": state,
         "config": engine.config.to_dict(),
         "params": [{"name": n, "shape": list(p.shape), "dtype": str(engine.bank.original_dtype_of(i))}
                    for i, (n, p) in enumerate(engine.bank.params)],
@@ -134,7 +154,7 @@ def _write_files(engine: "Engine", tmp: str) -> None:
     write_durable(os.path.join(tmp, MANIFEST), mf.encode(body))
 
 
-def save(engine: "Engine", root: str, keep: int | None = None) -> str:
+def save(engine: Checkpointed, root: str, keep: int | None = None) -> str:
     """Write a checkpoint of ``engine`` under ``root`` (see the module docs); returns its path.
     ``keep``: then remove all but the newest ``keep`` checkpoints (never the one ``latest``
     names)."""
@@ -142,13 +162,14 @@ def save(engine: "Engine", root: str, keep: int | None = None) -> str:
     with io_errors("creating", root):
         os.makedirs(root, exist_ok=True)
     remove_leftovers(root)
-    name = f"step-{engine.global_step:08d}"
+    state = engine.training_state()
+    name = f"step-{state['global_step']:08d}"
     tmp = os.path.join(root, f"{name}.tmp-{uuid.uuid4().hex[:8]}")
     final = None
     try:
         with io_errors("creating", tmp):
             os.mkdir(tmp)
-        _write_files(engine, tmp)
+        _write_files(engine, tmp, state)
         fsync_dir(tmp)
         final = os.path.join(root, name)
         if os.path.lexists(final):  # saved at this step before (maybe what ``latest`` names): keep it
@@ -280,10 +301,12 @@ def saved_groups(manifest: dict[str, Any], model: torch.nn.Module) -> list[dict[
     return [{"params": [p for p, g in zip(params, group_of) if g == n]} for n in range(len(state["param_groups"]))]
 
 
-def load(cls: type["Engine"], directory: str, model: torch.nn.Module, config: "EngineConfig | None",
-         param_groups: Any) -> "Engine":
-    """``Engine.load``: an engine over ``model`` from the checkpoint ``directory`` names; a
-    refused load leaves ``model`` as it was ([Note: a refused load changes nothing])."""
+def load(make: Callable[..., Any], directory: str, model: torch.nn.Module, config: "EngineConfig | None",
+         param_groups: Any) -> Any:
+    """``Engine.load``: ``make(model, config, _values=, param_groups=)`` (the engine class) over
+    ``model``, its states from the checkpoint ``directory`` names (through the engine's
+    ``checkpointed()`` handle); a refused load leaves ``model`` as it was ([Note: a refused load
+    changes nothing])."""
     from pagemem.engine.model_checks import check_no_meta_buffers
 
     ckpt = resolve(directory)
@@ -296,12 +319,12 @@ def load(cls: type["Engine"], directory: str, model: torch.nn.Module, config: "E
         config = saved_config(manifest, ckpt)
     before = model_snapshot(model)
     try:
-        engine = cls(model, config, _values=not meta, param_groups=param_groups)
+        engine = make(model, config, _values=not meta, param_groups=param_groups)
     except BaseException:
         restore_model(before)
         raise
     try:
-        load_into(engine, ckpt, manifest)
+        load_into(engine.checkpointed(), ckpt, manifest)
         check_no_meta_buffers(model)
     except BaseException:
         try:
@@ -312,7 +335,7 @@ def load(cls: type["Engine"], directory: str, model: torch.nn.Module, config: "E
     return engine
 
 
-def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
+def load_into(engine: Checkpointed, ckpt: str, manifest: dict[str, Any]) -> None:
     """Overwrite ``engine``'s states with the checkpoint's, verifying every page and file first
     (the manifest is ``read_manifest``'s, already validated)."""
     params = [(n, list(p.shape)) for n, p in engine.bank.params]
@@ -352,5 +375,5 @@ def load_into(engine: "Engine", ckpt: str, manifest: dict[str, Any]) -> None:
                  os.path.join(ckpt, manifest["buffers"]["file"]))
     state = dict(manifest["state"])
     if mf.saved_loss_scale(manifest["config"]) != engine.config.effective_loss_scale:  # [Note: precision on load]
-        state["loss_scale"], state["good_steps"] = engine.updater.scaler.scale, 0
+        state["loss_scale"], state["good_steps"] = engine.loss_scale(), 0
     engine.restore_training_state(state)

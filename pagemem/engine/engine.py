@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagemem.engine import checkpoint
 from pagemem.engine.adam import PagedOptimizer
 from pagemem.engine.backward import BackwardMixin
 from pagemem.engine.bank import ParamBank
@@ -115,7 +116,8 @@ class Engine(BackwardMixin):
             groups = [{**g, "params": [now[n] for n in g["params"]]} for g in groups]
         self.optimizer = PagedOptimizer(groups if groups is not None else params, config.optimizer,
                                         step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad,
-                                        states=OptimizerStates(self))
+                                        states=OptimizerStates(self.bank, lambda: self.optimizer.param_groups,
+                                                               lambda: self.updater.flush()))
         index = {id(p): i for i, p in enumerate(params)}
         self.group_of: list[int | None] = [None] * len(params)
         """Each parameter's group in ``optimizer.param_groups`` (None: in none, never updated)."""
@@ -372,13 +374,17 @@ class Engine(BackwardMixin):
         if self._micro:
             raise InvalidRequest("save: gradients of an unfinished accumulation are not saved; "
                                  "call save() after step() has updated")
-        from pagemem.engine import checkpoint
-
         self.updater.flush()
         self.pager.residency.keep_writes()
         if keep is not None:
             check_int("keep", keep, 1)
-        return checkpoint.save(self, directory, keep)
+        return checkpoint.save(self.checkpointed(), directory, keep)
+
+    def checkpointed(self) -> checkpoint.Checkpointed:
+        """What a checkpoint reads and writes of this engine (``checkpoint.Checkpointed``)."""
+        return checkpoint.Checkpointed(self.module, self.config, self.bank, self.store, self.device,
+                                       self.training_state, self.restore_training_state,
+                                       lambda: self.updater.scaler.scale)
 
     @classmethod
     def load(cls, directory: str, model: nn.Module, config: EngineConfig | None = None, *,
@@ -394,8 +400,6 @@ class Engine(BackwardMixin):
         is loaded: load its state, then set each group's ``lr`` from ``get_last_lr()``. A damaged
         checkpoint raises a PageMemError naming the file, and a refused load leaves ``model`` as it
         was; compute dtype and loss scaling are ``config``'s (``engine/checkpoint.py``)."""
-        from pagemem.engine import checkpoint
-
         return checkpoint.load(cls, directory, model, config, param_groups)
 
     def training_state(self) -> dict[str, Any]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Sequence
 
 import torch
 
+from pagemem.engine.bank import ParamBank
 from pagemem.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from pagemem.engine.engine import Engine
 
 
 class OptimizerStates:
@@ -19,28 +17,33 @@ class OptimizerStates:
     that save ``optimizer.state_dict()`` resume exactly). fp32 master weights are not in it, as
     torch keeps none: they are the model's values (``model.state_dict()``)."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
+    def __init__(self, bank: ParamBank, param_groups: Callable[[], Sequence[dict[str, Any]]],
+                 flush: Callable[[], None]) -> None:
+        """``param_groups()``: the optimizer's groups now; ``flush()``: every update submitted has
+        landed in the pages."""
+        self.bank = bank
+        self._groups = param_groups
+        self._flush = flush
 
     def _numbered(self) -> list[int]:
         """Bank index of each parameter, in torch's numbering."""
-        index = {id(p): i for i, (_, p) in enumerate(self.engine.bank.params)}
-        return [index[id(p)] for g in self.engine.optimizer.param_groups for p in g["params"]]
+        index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
+        return [index[id(p)] for g in self._groups() for p in g["params"]]
 
     def read(self) -> dict[int, dict[str, torch.Tensor]]:
-        engine = self.engine
-        engine.updater.flush()
+        bank = self.bank
+        self._flush()
         out = {}
         for n, i in enumerate(self._numbered()):
-            steps = engine.bank.records[i].steps
-            if not steps or not engine.bank.is_trainable(i):
+            steps = bank.records[i].steps
+            if not steps or not bank.is_trainable(i):
                 continue
             out[n] = {"step": torch.tensor(float(steps)),
-                      **{kind: engine.bank.host_state(i, kind) for kind in ("exp_avg", "exp_avg_sq")}}
+                      **{kind: bank.host_state(i, kind) for kind in ("exp_avg", "exp_avg_sq")}}
         return out
 
     def write(self, state: dict[Any, dict[str, Any]]) -> None:
-        engine = self.engine
+        bank = self.bank
         numbered = self._numbered()
         for key, s in state.items():
             n = int(key)
@@ -48,12 +51,12 @@ class OptimizerStates:
                 raise InvalidRequest(f"optimizer.load_state_dict: state for parameter {n}, the optimizer has "
                                      f"{len(numbered)}")
             i = numbered[n]
-            if not engine.bank.is_trainable(i):
-                engine.bank.make_trainable(i)
+            if not bank.is_trainable(i):
+                bank.make_trainable(i)
             for kind in ("exp_avg", "exp_avg_sq"):
                 v = s.get(kind)
-                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(engine.bank.params[i][1].shape):
-                    raise InvalidRequest(f"optimizer.load_state_dict: parameter {engine.bank.params[i][0]!r} has no "
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(bank.params[i][1].shape):
+                    raise InvalidRequest(f"optimizer.load_state_dict: parameter {bank.params[i][0]!r} has no "
                                          f"{kind} of its shape")
-                engine.bank.set_state(i, kind, v.detach().float().cpu())
-            engine.bank.set_step_count(i, int(float(s.get("step", 0))))
+                bank.set_state(i, kind, v.detach().float().cpu())
+            bank.set_step_count(i, int(float(s.get("step", 0))))
