@@ -119,12 +119,14 @@ class GradLedger:
             return self._move(i, new)
 
     def move_all(self, old: GradState | Iterable[GradState], new: GradState, unit: int | None = None) -> list[int]:
-        """Move every parameter in ``old`` (a state or several; ``unit``: of that unit only) to
-        ``new``; returns them, in order."""
+        """Move every parameter in ``old`` (a state or several, not ``NONE``; ``unit``: of that
+        unit only) to ``new``; returns them, in order. Each move is checked before any is made."""
         olds = (old,) if isinstance(old, GradState) else tuple(old)
+        assert _S.NONE not in olds, "move_all: parameters without a gradient are not listed"
         with self._lock:
-            moved = sorted(i for s in olds if s is not _S.NONE for i in self._by_state[s]
-                           if unit is None or self.unit_of[i] == unit)
+            moved = sorted(i for s in olds for i in self._by_state[s] if unit is None or self.unit_of[i] == unit)
+            for i in moved:
+                self._check(i, self._state[i], new)
             for i in moved:
                 self._move(i, new)
             return moved
@@ -149,8 +151,7 @@ class GradLedger:
 
     def _move(self, i: int, new: GradState) -> GradState:
         old = self._state.get(i, _S.NONE)
-        if new not in _LEGAL[old]:
-            raise AssertionError(f"gradient of parameter {self.name(i)}: {old.value} -> {new.value} is not a legal move")
+        self._check(i, old, new)
         u = self.unit_of[i] if i < len(self.unit_of) else -1
         if old is not _S.NONE:
             self._by_state[old].discard(i)
@@ -162,6 +163,10 @@ class GradLedger:
             self._by_state[new].add(i)
             self._by_unit[new][u] += 1
         return old
+
+    def _check(self, i: int, old: GradState, new: GradState) -> None:
+        if new not in _LEGAL[old]:
+            raise AssertionError(f"gradient of parameter {self.name(i)}: {old.value} -> {new.value} is not a legal move")
 
     # ------------------------------------------------------------------ copies in flight
 
