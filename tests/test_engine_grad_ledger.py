@@ -9,6 +9,7 @@ rules, and the weights against plain PyTorch where the sequence is one it does t
 from __future__ import annotations
 
 import re
+import threading
 import shutil
 import tempfile
 import warnings
@@ -482,3 +483,55 @@ TestSyncMachine = SyncMachine.TestCase
 TestSyncMachine.settings = ENGINE_SETTINGS
 TestOverlapMachine = OverlapMachine.TestCase
 TestOverlapMachine.settings = ENGINE_SETTINGS
+
+
+# ---------------------------------------------------------------------------- lock-free
+
+
+def test_lock_free_gradients_are_summed_handed_off_and_taken(tmp_path, monkeypatch):
+    """With ``lock_free`` a backward's gradients are the iteration's (``SUMMED``), ``step()`` hands
+    them off, a backward before the updating thread took them adds to the same sums (the next
+    iteration's), and the thread's taking them leaves none: two steps each."""
+    from pagemem.engine import lockfree
+
+    gate = threading.Event()
+    monkeypatch.setattr(lockfree, "SEAM", lambda where: gate.wait(30) if where == "take" else None)
+    model = make()
+    with pagemem.Engine(model, engine_config(make(), loss_of, tmp_path, lock_free=True)) as engine:
+        states = lambda: {engine.ledger.state(i) for i in range(len(engine.bank.params))}  # noqa: E731
+        engine.backward(loss_of(engine, model, 0))
+        assert states() == {SUMMED} and engine.gradients_pending
+        engine.step()
+        assert states() == {HANDED}  # the updating thread waits before taking any
+        engine.backward(loss_of(engine, model, 1))
+        assert states() == {SUMMED}
+        with pytest.raises(pagemem.InvalidRequest, match="lock_free"):
+            engine.zero_grad()
+        engine.step()
+        gate.set()
+        engine.state_dict()  # drains
+        assert states() == {NONE} and not engine.gradients_pending
+        assert {int(s["step"]) for s in engine.optimizer.state_dict()["state"].values()} == {2}
+
+
+def test_lock_free_step_from_inside_a_backward_is_refused(tmp_path):
+    """``engine.step()`` from a hook in the middle of a backward, while a unit's sums are being
+    added to, cannot hand them to the updating thread, which takes whole iterations only (as
+    ``optimizer.step()`` during backward, it is refused)."""
+    def one_unit():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+
+    def loss(run, model, s):
+        return run(X[s][:, :16]).pow(2).mean()
+
+    model = one_unit()
+    with pagemem.Engine(model, engine_config(one_unit(), loss, tmp_path, lock_free=True)) as engine:
+        assert len(set(engine.bank.layer_of)) == 1
+        engine.backward(loss(engine, model, 0))  # whole: the unit is final once all its gradients came
+        def step_in_backward(module, args, out):  # between the last layer's gradients and the first's
+            args[0].register_hook(lambda g: engine.step())
+
+        model[2].register_forward_hook(step_in_backward)
+        with pytest.raises(pagemem.InvalidRequest, match="called during backward"):
+            engine.backward(loss(engine, model, 1))

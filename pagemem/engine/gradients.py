@@ -5,7 +5,7 @@ handles, norms and clipping (see [Note: the gradient hand-off], [Note: gradient 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
@@ -82,7 +82,7 @@ class LockFreeDestination:
         self.end_backward = lockfree.end_backward
 
     def abort_backward(self) -> tuple[int, bool]:
-        self.lockfree.end_backward()  # the failed backward's gradients stay: they share sums (see the Note)
+        self.lockfree.end_backward()  # its gradients stay: they share sums ([Note: the lock-free updater])
         return 0, False
 
     def discard(self, params: list[int]) -> None:
@@ -105,7 +105,7 @@ class LockFreeDestination:
         _refuse()
 
 
-def _refuse() -> Any:
+def _refuse() -> NoReturn:
     raise InvalidRequest("p.grad: with lock_free the gradients belong to the updating thread; reading, "
                          "clipping or assigning them is refused (EngineConfig.lock_free)")
 
