@@ -85,10 +85,6 @@ FRESH = (_S.ACCUMULATING, _S.SUMMED)
 """Lock-free: the gradients of the iteration not yet submitted (they share sums with submitted ones)."""
 
 
-def legal(old: GradState, new: GradState) -> bool:
-    return new in _LEGAL[old]
-
-
 class GradLedger:
     """Every parameter's gradient state (see [Note: gradient states]). Safe to use from several
     threads (the compute thread, the Adam workers landing copies, the lock-free updating thread)."""
