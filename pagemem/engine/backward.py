@@ -102,10 +102,7 @@ class BackwardMixin:
         try:
             self.bank.grads_landed()  # no copy still lands in pages once this returns
         finally:
-            applied, held = self.updater.abort_backward()
-            self.gradients.abort_backward()
-            if self.lockfree is not None:
-                self.lockfree.end_backward()
+            applied, held = self.gradients.abort_backward()
         if self.lockfree is not None and self.lockfree.has_fresh():
             self._broken = ("a backward failed after adding gradients to sums the lock-free updater shares with "
                             "earlier iterations: they cannot be taken back; load the last checkpoint")
@@ -132,8 +129,6 @@ class BackwardMixin:
     def _end_backward(self) -> None:
         self.bank.grads_landed()  # every sum whole once backward returns ([Note: gradient copies])
         self.gradients.end_backward()
-        if self.lockfree is not None:
-            self.lockfree.end_backward()
         self.pager.end_backward()
         self.updater.end_backward()
         self._micro += 1

@@ -32,7 +32,8 @@ from pagemem.engine.ckpt_state import engine_dtype
 from pagemem.engine.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.groups import checked_groups
-from pagemem.engine.gradients import Gradients
+from pagemem.engine.grad_ledger import GradLedger
+from pagemem.engine.gradients import Gradients, LockFreeDestination, SyncDestination
 from pagemem.engine.guard import Guard
 from pagemem.engine.interrupts import install as hold_interrupts, shield, shielded
 from pagemem.engine.interrupts import uninstall as release_interrupts
@@ -124,8 +125,11 @@ class Engine(BackwardMixin):
         for g, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 self.group_of[index[id(p)]] = g
+        self.ledger = GradLedger([n for n, _ in self.bank.params], self.bank.layer_of)
+        """Each parameter's gradient state ([Note: gradient states] in ``grad_ledger.py``)."""
+        self.bank.copies.record_in(self.ledger)
         self.updater = Updater(self.bank, self.store, config, lambda g: check_no_amsgrad(self.optimizer.hyper(g)),
-                               [g if g is not None else 0 for g in self.group_of])
+                               [g if g is not None else 0 for g in self.group_of], self.ledger)
         self._micro = 0
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
@@ -141,15 +145,15 @@ class Engine(BackwardMixin):
         self._consume = False
         self._per_step: int | None = None
         """Backwards per step, as the last update saw them (None before any)."""
-        self.gradients = Gradients(self.bank, self.updater)
         self.lockfree: LockFreeUpdater | None = None
         """The updating thread, with ``config.lock_free`` ([Note: the lock-free updater])."""
         if config.lock_free:
             self.lockfree = LockFreeUpdater(self.bank, self.store, self.updater.chunks, self.updater.take_sum,
                                             [g if g is not None else 0 for g in self.group_of], config.max_staleness,
-                                            predict=config.staleness_correction == "predict")
-            self.gradients.hand_to_lock_free(self.lockfree.accumulate, self.lockfree.fresh_params)
-            self.gradients.handoff.subscribe(self.lockfree.unit_final)
+                                            predict=config.staleness_correction == "predict", ledger=self.ledger)
+        # where handed-off gradients go, for the engine's life: the updater's sums, or the lock-free buffers
+        destination = LockFreeDestination(self.lockfree) if self.lockfree is not None else SyncDestination(self.updater)
+        self.gradients = Gradients(self.bank, self.updater, self.ledger, destination)
         """Gradients between autograd and the update (``gradients.py``)."""
         self._trainable = [r.trainable for r in self.bank.records]
         self._hooks = self.gradients.hooks(self._trainable, self.group_of, self._before_accumulate)

@@ -16,6 +16,9 @@ and the end of each backward waits for all, so after ``backward()`` returns ever
 whole. A subscriber to the gradient hand-off (``handoff.py``) is told of a final unit before
 its copies landed, and calls ``landed`` for the unit's parameters from its own thread.
 
+While a copy is in flight its parameter is marked *copying* in the engine's gradient ledger
+([Note: a gradient copy in flight] in ``grad_ledger.py``); its record stays here.
+
 Without CUDA (gradients already on the host) the sum is added at once and nothing is queued.
 ``DEFER_ON_HOST`` makes host copies land only when ``landed`` is called, so the tests on a
 machine without a GPU check that every reader waits.
@@ -28,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+from pagemem.engine.grad_ledger import GradLedger
 
 DEFER_ON_HOST = False
 """Tests only: on the host, hold each copy until ``landed`` (see the Note)."""
@@ -43,10 +48,19 @@ class _InFlight:
 
 
 class GradCopies:
-    def __init__(self) -> None:
+    def __init__(self, ledger: GradLedger | None = None) -> None:
+        """``ledger``: where copies in flight are marked (default: a ledger of its own)."""
+        self.ledger = ledger if ledger is not None else GradLedger()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._pending: dict[int, _InFlight] = {}
+        self._records: dict[int, _InFlight] = {}
+        """Each copy in flight, by parameter (the ledger marks which are in flight)."""
         self._lock = threading.Lock()
+
+    def record_in(self, ledger: GradLedger) -> None:
+        """Mark copies in ``ledger`` from now on: the engine's, made after the bank made this
+        (before any gradient, so nothing is in flight)."""
+        assert not self.ledger.copies_in_flight(), "gradient copies in flight while changing ledgers"
+        self.ledger = ledger
 
     def put(self, i: int, dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
         """Copy (``first``) or add parameter ``i``'s gradient ``grad`` into ``dst``, an fp32
@@ -66,33 +80,37 @@ class GradCopies:
                 grad.record_stream(side)
                 event = torch.cuda.Event()
                 event.record(side)
-            with self._lock:
-                self._pending[i] = _InFlight(dst, staged, not first, event)
+            self._queued(i, _InFlight(dst, staged, not first, event))
         elif DEFER_ON_HOST and grad.device.type == "cpu":
-            with self._lock:
-                self._pending[i] = _InFlight(dst, grad.detach().clone(), not first, None)
+            self._queued(i, _InFlight(dst, grad.detach().clone(), not first, None))
         else:
             _add_or_copy(dst, grad, add=not first)
 
     def landed(self, params: Iterable[int] | None = None) -> None:
         """Wait until the gradients of ``params`` (None: all) have landed in their pages."""
-        if not self._pending:  # an entry leaves only once landed, so empty means nothing in flight
+        if not self.ledger.copies_in_flight():  # a mark goes only once landed: none means nothing in flight
             return
         with self._lock:  # held while landing: another reader of the same sum waits for it whole
-            keys = list(self._pending) if params is None else params
+            keys = self.ledger.copying() if params is None else params
             for i in keys:
-                c = self._pending.get(i)
-                if c is None:
+                if not self.ledger.is_copying(i):
                     continue
+                c = self._records[i]
                 if c.event is not None:
                     c.event.synchronize()
                 if c.add or c.event is None:
                     _add_or_copy(c.dst, c.src, add=c.add)
-                del self._pending[i]
+                del self._records[i]
+                self.ledger.copy_landed(i)
 
     def in_flight(self) -> int:
         """Copies queued and not yet waited for."""
-        return len(self._pending)
+        return self.ledger.copies_in_flight()
+
+    def _queued(self, i: int, record: _InFlight) -> None:
+        with self._lock:
+            self._records[i] = record
+            self.ledger.copy_started(i)
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:

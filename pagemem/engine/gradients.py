@@ -1,39 +1,128 @@
-"""Gradients between autograd and the update: the hand-off hook, ``p.grad`` handles, norms and
-clipping (see [Note: the gradient hand-off] and [Note: gradient handles])."""
+"""Gradients between autograd and the update: the hand-off hook, where gradients go, ``p.grad``
+handles, norms and clipping (see [Note: the gradient hand-off], [Note: gradient handles] and
+[Note: gradient states])."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
 
 from pagemem.checks import check_rate
 from pagemem.engine.bank import ParamBank
+from pagemem.engine.grad_ledger import GradLedger
 from pagemem.engine.grads import GradHandles
 from pagemem.engine.handoff import GradHandoff
-from pagemem.engine.lockfree import SHARED_SUMS
+from pagemem.engine.lockfree import SHARED_SUMS, LockFreeUpdater
 from pagemem.engine.update import Updater
 from pagemem.errors import InvalidRequest
 
 
+class GradDestination(Protocol):
+    """Where handed-off gradients go, chosen once when the engine is made (``Engine._build``):
+    :class:`SyncDestination` (the updater's sums, updated by ``step()``) or
+    :class:`LockFreeDestination` (the lock-free updater's buffers, ``lock_free=True``)."""
+
+    def accept(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient of this backward (autograd's, from the hand-off hook)."""
+
+    def unit_final(self, u: int) -> None:
+        """Unit ``u`` has all its gradients of this backward (the hand-off's count)."""
+
+    def end_backward(self) -> None:
+        """The backward ended: what it handed off is summed."""
+
+    def abort_backward(self) -> tuple[int, bool]:
+        """The backward failed part-way; returns how many parameters were updated from it during
+        backward and whether gradients from before it were discarded too."""
+
+    def discard(self, params: list[int]) -> None:
+        """Forget the gradients of ``params`` (their ``p.grad`` was set to None)."""
+
+    def assign(self, i: int, grad: torch.Tensor) -> None:
+        """``grad`` was assigned to ``p.grad`` by hand: it becomes the gradient."""
+
+    # what the gradient handles do (see [Note: gradient handles])
+    def grad_norm(self, i: int) -> torch.Tensor: ...
+
+    def scale_grad(self, i: int, coef: float, divide: bool = False) -> None: ...
+
+    def zero_grad(self, i: int) -> None: ...
+
+    def read_grad(self, i: int) -> torch.Tensor: ...
+
+
+class SyncDestination:
+    """Gradients are summed into pages by the :class:`Updater`, which ``step()`` updates from."""
+
+    def __init__(self, updater: Updater) -> None:
+        self.updater = updater
+        self.accept = updater.grad_ready
+        self.unit_final = updater.unit_final
+        self.end_backward = updater.summed
+        self.abort_backward = updater.abort_backward
+        self.discard = updater.discard
+        self.assign = updater.set_grad
+        self.grad_norm = updater.grad_norm
+        self.scale_grad = updater.scale_grad
+        self.zero_grad = updater.zero_grad
+        self.read_grad = updater.take_sum
+
+
+class LockFreeDestination:
+    """Gradients go to the :class:`LockFreeUpdater`'s buffers (``lock_free=True``); their handles
+    show the iteration's gradients and refuse every op: the sums are the updating thread's."""
+
+    def __init__(self, lockfree: LockFreeUpdater) -> None:
+        self.lockfree = lockfree
+        self.accept = lockfree.accumulate
+        self.unit_final = lockfree.unit_final
+        self.end_backward = lockfree.end_backward
+
+    def abort_backward(self) -> tuple[int, bool]:
+        self.lockfree.end_backward()  # its gradients stay: they share sums ([Note: the lock-free updater])
+        return 0, False
+
+    def discard(self, params: list[int]) -> None:
+        if params and self.lockfree.has_fresh():
+            raise InvalidRequest(SHARED_SUMS)
+
+    def assign(self, i: int, grad: torch.Tensor) -> None:
+        _refuse()
+
+    def grad_norm(self, i: int) -> torch.Tensor:
+        _refuse()
+
+    def scale_grad(self, i: int, coef: float, divide: bool = False) -> None:
+        _refuse()
+
+    def zero_grad(self, i: int) -> None:
+        _refuse()
+
+    def read_grad(self, i: int) -> torch.Tensor:
+        _refuse()
+
+
+def _refuse() -> NoReturn:
+    raise InvalidRequest("p.grad: with lock_free the gradients belong to the updating thread; reading, "
+                         "clipping or assigning them is refused (EngineConfig.lock_free)")
+
+
 class Gradients:
-    def __init__(self, bank: ParamBank, updater: Updater) -> None:
+    def __init__(self, bank: ParamBank, updater: Updater, ledger: GradLedger, destination: GradDestination) -> None:
+        """``destination``: where handed-off gradients go (fixed for the engine's life);
+        ``ledger``: each parameter's gradient state, which says what ``p.grad`` shows."""
         self.bank = bank
         self.updater = updater
-        self.handles = GradHandles(bank.params, updater.grad_norm, updater.scale_grad, updater.zero_grad,
-                                   updater.take_sum, updater.set_grad)
+        self.ledger = ledger
+        self.destination = destination
+        self.handles = GradHandles(bank.params, destination.grad_norm, destination.scale_grad, destination.zero_grad,
+                                   destination.read_grad, destination.assign)
         self.handoff = GradHandoff(bank.layer_of)
         """Units whose gradients are final, as backward hands them off."""
-        self.sink = updater.grad_ready
-        """Where each handed-off gradient goes: the updater, or the lock-free updater's buffers."""
-        self.pending = updater.pending
-        """The parameters with a gradient ``p.grad`` shows a handle for."""
-        self.assign = updater.set_grad
-        """Takes a gradient assigned to ``p.grad`` by hand."""
-        self.discard = updater.discard
-        """Forgets the gradients of parameters whose ``p.grad`` was set to None."""
+        self.handoff.subscribe(destination.unit_final)
         self._to_drop: list[nn.Parameter] = []
         self.last_norm = 0.0
         """The global norm last computed (``global_norm``, ``clip``)."""
@@ -44,7 +133,7 @@ class Gradients:
         it until the end of the backward)."""
         if p.grad is None:
             return
-        self.sink(i, p.grad)
+        self.destination.accept(i, p.grad)
         self.handoff.handed(i)
         hooks = p._post_accumulate_grad_hooks
         if hooks is not None and len(hooks) > 2 and any(not _engine_hook(h) for h in hooks.values()):
@@ -61,40 +150,33 @@ class Gradients:
             p.grad = None
         self._to_drop.clear()
         self.handoff.end()
+        self.destination.end_backward()
 
-    def hand_to_lock_free(self, sink: Any, pending: Any) -> None:
-        """Gradients go to the lock-free updater's buffers (``sink``); their handles show
-        ``pending()`` and refuse every op: the sums are the updating thread's."""
-        def refuse(*_args: Any) -> None:
-            raise InvalidRequest("p.grad: with lock_free the gradients belong to the updating thread; reading, "
-                                 "clipping or assigning them is refused (EngineConfig.lock_free)")
-        def discard(params: list[int]) -> None:
-            if params and pending():
-                raise InvalidRequest(SHARED_SUMS)
-        self.sink, self.pending, self.discard = sink, pending, discard
-        self.handles = GradHandles(self.bank.params, refuse, refuse, refuse, refuse, refuse)
-        self.assign = refuse
-
-    def abort_backward(self) -> None:
-        """A backward failed part-way: ``p.grad`` kept for the user's hooks goes, and the
-        hand-off forgets it (its counts are not a backward's)."""
+    def abort_backward(self) -> tuple[int, bool]:
+        """A backward failed part-way: the destination drops or keeps what it handed off ([Note:
+        a step is a transaction]), ``p.grad`` kept for the user's hooks goes, and the hand-off
+        forgets it (its counts are not a backward's). Returns the destination's
+        ``abort_backward``."""
+        result = self.destination.abort_backward()
         for p in self._to_drop:
             p.grad = None
         self._to_drop.clear()
         self.handoff.abort()
+        return result
 
     def take_back(self) -> None:
         """Take the handles down; what code did with ``p.grad`` meanwhile (set it to None,
         assigned a tensor) takes effect on the gradient sums."""
         dropped, assigned = self.handles.take_down()
         if dropped:
-            self.discard(dropped)
+            self.destination.discard(dropped)
         for i, g in assigned.items():
-            self.assign(i, g)
+            self.destination.assign(i, g)
 
     def show(self) -> list[int]:
-        """Put the handles up for every parameter with a gradient; returns those."""
-        pending = self.pending()
+        """Put the handles up for every parameter with a gradient (the ledger's ``pending``);
+        returns those."""
+        pending = self.ledger.pending()
         self.handles.show(pending)
         return pending
 

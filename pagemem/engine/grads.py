@@ -26,7 +26,9 @@ gradients, on the sums in pages:
   PyTorch's arithmetic on the same values, bit for bit; a bf16/fp16 parameter's sum is fp32, so
   an op on it sees the sum rounded to the parameter's dtype, as plain PyTorch's ``p.grad`` is.
 Before a backward adds to the sums the handles come down (the engine first reads which were
-set to None), so autograd never accumulates into one.
+set to None), so autograd never accumulates into one. Which parameters have a gradient to show
+is their gradient state's ([Note: gradient states] in ``grad_ledger.py``: ``GradLedger.pending``);
+this module keeps only the handle tensors it put up.
 """
 
 from __future__ import annotations
@@ -75,20 +77,22 @@ class GradHandles:
         self._read, self._write = read, write
         self.materialised = 0
         """Gradients materialised for an op the handles do not do over pages (see the Note)."""
-        self._shown: dict[int, torch.Tensor] = {}
+        self._up: dict[int, torch.Tensor] = {}
+        """The handle put up as each parameter's ``p.grad`` since the last ``take_down`` (to tell
+        a handle set to None or replaced; which gradients exist is the ledger's)."""
         self._of: dict[int, int] = {}
         """id(handle) -> parameter index."""
 
     def show(self, indices: Sequence[int]) -> None:
-        """Put up a handle as ``p.grad`` of each parameter in ``indices`` that has none (again,
-        where code set it to None since)."""
+        """Put up a handle as ``p.grad`` of each parameter in ``indices`` (those with a gradient,
+        ``GradLedger.pending``) that has none (again, where code set it to None since)."""
         zeros: dict[tuple, torch.Tensor] = {}
         with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads and sets below
             for i in indices:
                 p = self.params[i]
-                if i in self._shown:
+                if i in self._up:
                     if p.grad is None:  # set to None by a zero_grad that was refused: back up
-                        p.grad = self._shown[i]
+                        p.grad = self._up[i]
                     continue
                 key = (p.dtype, p.device)
                 one = zeros.get(key)
@@ -96,7 +100,7 @@ class GradHandles:
                     one = zeros[key] = torch.zeros((), dtype=p.dtype, device=p.device)
                 h = one.expand(p.shape).as_subclass(self.cls)
                 p.grad = h
-                self._shown[i] = h
+                self._up[i] = h
                 self._of[id(h)] = i
 
     def take_down(self) -> tuple[list[int], dict[int, torch.Tensor]]:
@@ -108,7 +112,7 @@ class GradHandles:
         with torch._C.DisableTorchFunctionSubclass():
             for i, p in enumerate(self.params):
                 g = p.grad
-                h = self._shown.get(i)
+                h = self._up.get(i)
                 if g is None:
                     if h is not None:
                         dropped.append(i)
@@ -119,7 +123,7 @@ class GradHandles:
                                              "another parameter or step")
                     assigned[i] = g.detach()
                 p.grad = None
-        self._shown.clear()
+        self._up.clear()
         self._of.clear()
         return dropped, assigned
 

@@ -2,8 +2,10 @@
 
 [Note: the gradient hand-off]
 Each trainable parameter has one post-accumulate hook (``Gradients.hand_off``): autograd's
-gradient is added into the parameter's fp32 sum (``Updater.grad_ready``: on the gradients'
-tier, or stepped at once where that is exact) and autograd's tensor is dropped. The hand-off
+gradient goes to the destination chosen when the engine was made (``gradients.py``:
+``SyncDestination``, the fp32 sum on the gradients' tier, ``Updater.grad_ready``, or stepped at
+once where that is exact; ``LockFreeDestination``, the lock-free updater's buffers) and
+autograd's tensor is dropped; its state moves in the gradient ledger ([Note: gradient states]). The hand-off
 counts them per unit: a unit is *final* in this backward once it has handed off as many
 gradients as in the last complete backward (its structure repeats), or at the end of the
 backward for the rest (the first backward, a unit some routing reached differently). Final

@@ -14,7 +14,11 @@ The two buffers of Algorithm 2 are the engine's own pages, each with one writer 
   *takes* a unit's sums (copies them out, and the next gradient replaces instead of adding)
   only while no backward is adding to that unit: a unit is *open* from its first gradient of a
   backward until it is final (the hand-off's queue) or the backward ends. So every gradient is
-  applied exactly once, and a unit's update covers whole iterations;
+  applied exactly once, and a unit's update covers whole iterations. Each parameter's part is
+  its gradient state in the engine's ledger ([Note: gradient states] in ``grad_ledger.py``):
+  ``ACCUMULATING`` while its unit is open, ``SUMMED`` once it is final (the iteration's
+  gradients, not yet submitted), ``HANDED_OFF`` once ``step()`` submitted them, ``NONE`` once
+  taken;
 - **buffered parameters** are the compute pages. A published update is written into them on
   the compute thread at the start of the next iteration (``before_iteration``), when no op reads
   them and every copy of them to the gpu is ordered behind the write by the store: a unit's
@@ -67,6 +71,7 @@ import torch
 from pagemem.engine.adam import AdamW, fused_steps
 from pagemem.engine.adam_threads import Workers
 from pagemem.engine.bank import ParamBank
+from pagemem.engine.grad_ledger import FRESH, GradLedger, GradState
 from pagemem.engine.state_pieces import with_grad
 from pagemem.errors import InvalidRequest, StepFailed
 from pagemem.store import PageStore
@@ -98,22 +103,20 @@ class LockFreeUpdater:
 
     def __init__(self, bank: ParamBank, store: PageStore, chunks: Callable[[list[int]], Any],
                  take_sum: Callable[[int], torch.Tensor], group_of: list[int], max_staleness: int | None,
-                 predict: bool = False) -> None:
+                 predict: bool = False, ledger: GradLedger | None = None) -> None:
         """``chunks(params)``: the updater's state pieces and leases (``Updater.chunks``);
-        ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat. The seams of both sides
+        ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat; ``ledger``: each
+        parameter's gradient state (moved under this updater's lock). The seams of both sides
         (``"take"``, ``"update"``, ``"publish"``, ``"accumulate"``, ``"drain"``) call ``SEAM``."""
         self.bank, self.store = bank, store
+        self.ledger = ledger if ledger is not None else GradLedger([n for n, _ in bank.params], bank.layer_of)
         self._chunks, self._take_sum = chunks, take_sum
         self.group_of = group_of
         self.max_staleness = max_staleness
         self.predict = predict
         n = len(bank.layers)
         self._cond = threading.Condition()
-        self._open: set[int] = set()
-        self._has_sum = [False] * len(bank.params)
-        self._fresh: set[int] = set()
-        self._fresh_params: set[int] = set()
-        """Units with gradients in the current (unsubmitted) iteration."""
+        """Held while a gradient state moves here, and by the updating thread while it takes a unit's sums."""
         self._pending = [0] * n
         """Submitted iterations whose gradients sit in each unit's sums, not yet taken."""
         self._owed = [0] * n
@@ -135,47 +138,45 @@ class LockFreeUpdater:
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
         """Parameter ``i``'s gradient of this backward (the hand-off): into its sum."""
-        u = self.bank.layer_of[i]
-        with self._cond:
-            self._open.add(u)  # waits while the updating thread takes this unit's sums
-            first = not self._has_sum[i]
-            self._has_sum[i] = True
-            self._fresh.add(u)
-            self._fresh_params.add(i)
+        with self._cond:  # opens its unit; waits while the updating thread takes the unit's sums
+            first = self.ledger.move(i, GradState.ACCUMULATING) is GradState.NONE
         _seam("accumulate")
         self.bank.accumulate_grad(i, grad, first=first)
 
     def unit_final(self, u: int) -> None:
-        """Unit ``u`` has all its gradients of this backward."""
+        """Unit ``u`` has all its gradients of this backward: it closes."""
         with self._cond:
-            self._open.discard(u)
+            self.ledger.move_all(GradState.ACCUMULATING, GradState.SUMMED, unit=u)
             self._cond.notify_all()
 
     def end_backward(self) -> None:
+        """The backward ended (or failed): every unit closes."""
         with self._cond:
-            self._open.clear()
+            self.ledger.move_all(GradState.ACCUMULATING, GradState.SUMMED)
             self._cond.notify_all()
-
-    def fresh_params(self) -> list[int]:
-        """Parameters with gradients since the last ``submit``."""
-        return sorted(self._fresh_params)
 
     def has_fresh(self) -> bool:
         """Gradients since the last ``submit`` (they share sums with submitted ones)."""
-        return bool(self._fresh)
+        return self.ledger.count(*FRESH) > 0
+
+    def _fresh(self, u: int) -> bool:
+        """Unit ``u`` holds gradients of the iteration not yet submitted (open, or summed)."""
+        return self.ledger.unit_holds(u, *FRESH)
 
     def submit(self, hps: list[AdamW]) -> bool:
         """``step()``: this iteration's gradients go to the updating thread, with the
         hyperparameters to update them with. False when there were none."""
         self.check()
         with self._cond:
-            if not self._fresh:
+            if self.ledger.count(GradState.ACCUMULATING):
+                raise InvalidRequest("step(): called during backward; with lock_free the sums of a unit a backward "
+                                     "adds to cannot be handed to the updating thread")
+            submitted = self.ledger.move_all(GradState.SUMMED, GradState.HANDED_OFF)
+            if not submitted:
                 return False
-            for u in self._fresh:
+            for u in {self.bank.layer_of[i] for i in submitted}:
                 self._pending[u] += 1
                 self._owed[u] += 1
-            self._fresh.clear()
-            self._fresh_params.clear()
             self._hps = list(hps)
             self.iterations += 1
             self._cond.notify_all()
@@ -215,7 +216,7 @@ class LockFreeUpdater:
     def _lag(self) -> int:
         """The most submitted iterations a unit lacks, over units the updating thread can take
         (one holding gradients of the unsubmitted iteration waits for its ``step()``)."""
-        return max((o for u, o in enumerate(self._owed) if u not in self._fresh), default=0)
+        return max((o for u, o in enumerate(self._owed) if not self._fresh(u)), default=0)
 
     def quiesce(self) -> None:
         """Wait until every submitted iteration is applied and in the buffered parameters;
@@ -250,7 +251,7 @@ class LockFreeUpdater:
         try:
             if not self._running.done() and self._error is None:
                 self.drain(limit=0)  # units holding unsubmitted gradients keep what was applied
-                lagging = [u for u in self._fresh if self._owed[u]]
+                lagging = [u for u, owed in enumerate(self._owed) if owed and self._fresh(u)]
                 if lagging:
                     warnings.warn(f"pagemem: closed with gradients of an iteration without step(): {len(lagging)} "
                                   "unit(s) keep their last applied weights (their sums mixed submitted and "
@@ -289,8 +290,7 @@ class LockFreeUpdater:
         """Units whose sums hold submitted iterations and nothing else, in reverse: none open in
         a backward, none holding gradients of the iteration not yet submitted (taking those
         would apply them before their ``step()``, counted as no iteration). Under the lock."""
-        return [u for u in reversed(range(len(self._pending)))
-                if self._pending[u] and u not in self._open and u not in self._fresh]
+        return [u for u in reversed(range(len(self._pending))) if self._pending[u] and not self._fresh(u)]
 
     def _fetch(self, u: int) -> Any:
         """Start reading unit ``u``'s states from nvme into cpu memory (None where they are there)."""
@@ -306,17 +306,15 @@ class LockFreeUpdater:
         _seam("take")
         params = [i for i in layer.params if self.bank.is_trainable(i)]
         with self._cond:
-            while u in self._open:
-                self._cond.wait()
-            if u in self._fresh:  # see _ready: it waits for the next pass (its states stay fetched)
-                return None
+            if self._fresh(u):  # open, or holding gradients not yet submitted (see _ready): it waits for the
+                return None     # next pass (its states stay fetched)
             self.bank.grads_landed(params)  # copies of its last gradients may still be in flight (CUDA)
             k, self._pending[u] = self._pending[u], 0
             hps = self._hps
-            taken = [i for i in params if self._has_sum[i]]
+            taken = [i for i in params if self.ledger.state(i) is GradState.HANDED_OFF]
             grads = {i: self._take_sum(i) for i in taken}
             for i in taken:
-                self._has_sum[i] = False
+                self.ledger.move(i, GradState.NONE)
         if fetched is not None:  # the nvme copies go stale with the update: dropped first
             self.store.release(layer.states(), "nvme").wait()
         _seam("update")

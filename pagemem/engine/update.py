@@ -19,6 +19,7 @@ import torch
 
 from pagemem.engine.adam import AdamW, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
 from pagemem.engine.bank import ParamBank
+from pagemem.engine.grad_ledger import GradLedger, GradState
 from pagemem.engine.loss_scale import LossScaler
 from pagemem.engine.state_pieces import StatePiece, lend, norm_of_pieces, with_grad
 from pagemem.engine.config import EngineConfig
@@ -28,6 +29,8 @@ from pagemem.store import PageStore
 
 _DONE: Future = Future()
 _DONE.set_result(None)
+_NONE, _ACCUMULATING, _SUMMED = GradState.NONE, GradState.ACCUMULATING, GradState.SUMMED
+_UPDATING, _APPLIED = GradState.UPDATING, GradState.APPLIED
 
 @dataclasses.dataclass
 class UnfinishedUpdate:
@@ -51,8 +54,12 @@ class UnfinishedUpdate:
 
 class Updater:
     def __init__(self, bank: ParamBank, store: PageStore, config: EngineConfig,
-                 hyper: Callable[[int], AdamW], group_of: list[int] | None = None) -> None:
+                 hyper: Callable[[int], AdamW], group_of: list[int] | None = None,
+                 ledger: GradLedger | None = None) -> None:
+        """``ledger``: each parameter's gradient state ([Note: gradient states]), which this
+        moves as gradients arrive, are updated, assigned and discarded."""
         self.bank = bank
+        self.ledger = ledger if ledger is not None else GradLedger([n for n, _ in bank.params], bank.layer_of)
         self.store = store
         self.config = config
         self.hyper = hyper
@@ -64,13 +71,10 @@ class Updater:
         self.scaler = LossScaler(config.effective_loss_scale)
         self.skipped_steps = 0
         self.overlapped_updates = 0
-        self._has_grad: set[int] = set()
-        self._gone: set[int] = set()
-        """Parameters updated during backward whose gradients a non-consuming update could not
-        keep (they never were in pages): the next backward must not add to them."""
         self._fires_prev: dict[int, int] = {}
         self._fires_now: dict[int, int] = {}
         self._early: dict[int, Any] = {}
+        """The future of each update started during backward (``UPDATING``) that no step joined yet."""
         self._early_hp: dict[int, AdamW] = {}
         self._early_stepped: set[int] = set()
         """Parameters whose update during backward counted its step (before refreshing)."""
@@ -87,8 +91,9 @@ class Updater:
 
     def begin_backward(self, final: bool) -> None:
         """A backward starts; ``final``: the last of this step's accumulation."""
-        if self._gone:
-            raise InvalidRequest(f"{len(self._gone)} parameters were updated during the last backward "
+        gone = self.ledger.count(_APPLIED)
+        if gone:
+            raise InvalidRequest(f"{gone} parameters were updated during the last backward "
                                  "(overlap_update) and their gradients are gone, so this backward cannot add to "
                                  "them as torch would: call optimizer.zero_grad() after optimizer.step(), or "
                                  "pass overlap_update=False")
@@ -96,7 +101,7 @@ class Updater:
         self._final = final
         self._fires_now = {}
         self._early_hp = {}
-        self._held_at_begin = len(self._has_grad)
+        self._held_at_begin = self.ledger.count(_ACCUMULATING, _SUMMED)
 
     def refuse_if_unfinished(self, what: str) -> None:
         """Raise ``StepFailed`` while a step that failed part-way is not finished."""
@@ -115,8 +120,7 @@ class Updater:
         join_all(list(early.values()))  # none still writes pages once this returns
         applied = sum(1 for f in early.values() if f.exception() is None)
         held = self._held_at_begin > 0
-        self._has_grad.clear()
-        self._gone.clear()
+        self.ledger.move_all((_ACCUMULATING, _SUMMED, _UPDATING, _APPLIED), _NONE)
         self._fires_now = {}
         self._early_stepped.clear()
         return applied, held
@@ -128,13 +132,12 @@ class Updater:
     def grad_ready(self, i: int, grad: torch.Tensor) -> None:
         """Parameter ``i``'s gradient for this backward is complete (autograd's hook)."""
         fires = self._fires_now[i] = self._fires_now.get(i, 0) + 1
-        if i in self._early:
+        if self.ledger.state(i) is _UPDATING:
             raise RuntimeError(
                 f"parameter {self.bank.params[i][0]!r} got a second gradient in this backward after it was "
                 "updated (in the previous iteration it got one): the gradient structure changed between "
                 "iterations; pass overlap_update=False to update only in step()")
-        first = i not in self._has_grad
-        self._has_grad.add(i)
+        first = self.ledger.move(i, _ACCUMULATING) is _NONE
         early = self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap
         if early and first and self.bank.state_tiers[self.bank.layer_of[i]] == "gpu" and grad.dtype == torch.float32:
             # [Note: updates in the hook] fp32 states on the gpu are stepped right here, on the
@@ -144,10 +147,20 @@ class Updater:
             # through the fp32 pages: casting it here would allocate what the trace never saw.)
             self._update_one(i, self._hyper_now(i), grad)
             self._early[i] = _DONE
+            self.ledger.move(i, _UPDATING)
             return
         self.bank.accumulate_grad(i, grad, first=first)
         if early:
             self._early[i] = self.adam.submit(self._update_one, i, self._hyper_now(i))
+            self.ledger.move(i, _UPDATING)
+
+    def unit_final(self, u: int) -> None:
+        """Unit ``u`` has all its gradients of this backward (the hand-off): summed."""
+        self.ledger.move_all(_ACCUMULATING, _SUMMED, unit=u)
+
+    def summed(self) -> None:
+        """The backward ended: every gradient it handed off is summed."""
+        self.ledger.move_all(_ACCUMULATING, _SUMMED)
 
     def _hyper_now(self, i: int) -> AdamW:
         """The hyperparameters of parameter ``i``'s group for this backward's early updates, read
@@ -216,39 +229,35 @@ class Updater:
         already updated during backward). False when an fp16 overflow skipped it. ``consume``:
         the next backward starts new sums; else they are kept (a torch optimizer's ``step()``
         leaves ``p.grad`` for ``zero_grad()``)."""
-        early = set(self._early) if self.unfinished is None else set()
         taken = self._step()  # raises with the gradients kept (see the Note)
         if consume:
-            self._has_grad.clear()
-        else:
-            self._has_grad -= early
-            self._gone = early
+            self.ledger.move_all((_ACCUMULATING, _SUMMED, _UPDATING), _NONE)
+        else:  # applied during backward: shown until zero_grad, but no sum is left (those of an earlier step go)
+            self.ledger.move_all(_APPLIED, _NONE)
+            self.ledger.move_all(_UPDATING, _APPLIED)
         return taken
 
     # ------------------------------------------------------------------ gradients by habit
 
     def updated_during_backward(self) -> bool:
-        """Updates ran during a backward that no ``step()`` has followed yet."""
-        return bool(self._early)
-
-    def pending(self) -> list[int]:
-        """Parameters with a gradient (a sum, an update under way from one, or one a
-        non-consuming update applied during backward) that no ``zero_grad`` discarded."""
-        return sorted(self._has_grad | set(self._early) | self._gone)
+        """Updates ran during a backward that no ``step()`` has taken yet (one that failed
+        part-way took them: ``refuse_if_unfinished`` says so)."""
+        return self.unfinished is None and self.ledger.count(_UPDATING) > 0
 
     def discard(self, params: list[int]) -> None:
         """Forget the gradient sums of ``params`` (``zero_grad``); refused for one already applied
-        during backward."""
-        applied = [self.bank.params[i][0] for i in params if i in self._early]
+        during backward. Once no sum is left, gradients applied by a step that kept them go too."""
+        self.refuse_if_unfinished("zero_grad")
+        applied = [self.bank.params[i][0] for i in params if self.ledger.state(i) is _UPDATING]
         if applied:
             raise InvalidRequest(f"zero_grad: the gradients of {applied[:3]}{'...' if len(applied) > 3 else ''} were "
                                  "already applied during backward (overlap_update); call step() first, or pass "
                                  "overlap_update=False")
-        self.refuse_if_unfinished("zero_grad")
-        self._has_grad.difference_update(params)
-        self._gone.difference_update(params)
-        if not self._has_grad:
-            self._gone.clear()
+        for i in params:
+            if self.ledger.state(i) is not _NONE:
+                self.ledger.move(i, _NONE)
+        if not self.ledger.count(_ACCUMULATING, _SUMMED):
+            self.ledger.move_all(_APPLIED, _NONE)
 
     def take_sum(self, i: int) -> torch.Tensor:
         """A flat copy of parameter ``i``'s gradient sum (the lock-free updater takes it)."""
@@ -261,7 +270,7 @@ class Updater:
     def _grad_view(self, i: int, fn: Callable[[list[torch.Tensor]], Any]) -> Any:
         """``fn`` of parameter ``i``'s gradient sum as flat fp32 views of its pages, in order (one,
         or one per run of adjacent pages)."""
-        if i in self._early or i in self._gone:
+        if self.ledger.state(i) in (_UPDATING, _APPLIED):
             raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
                                  "(overlap_update); pass overlap_update=False to read or clip gradients")
         self.bank.grads_landed([i])
@@ -287,7 +296,7 @@ class Updater:
     def set_grad(self, i: int, grad: torch.Tensor) -> None:
         """Parameter ``i``'s gradient sum becomes ``grad`` (a gradient assigned to ``p.grad``)."""
         name = self.bank.params[i][0]
-        if i in self._early:
+        if self.ledger.state(i) is _UPDATING:
             raise InvalidRequest(f"parameter {name!r}: p.grad was assigned after its gradient was applied during "
                                  "backward (overlap_update); pass overlap_update=False")
         if not self.bank.is_trainable(i):
@@ -296,7 +305,7 @@ class Updater:
         if tuple(grad.shape) != tuple(self.bank.params[i][1].shape):
             raise InvalidRequest(f"parameter {name!r}: p.grad was assigned a tensor of shape {tuple(grad.shape)}")
         self.bank.accumulate_grad(i, grad, first=True)
-        self._has_grad.add(i)
+        self.ledger.move(i, _SUMMED)
 
     def zero_grad(self, i: int) -> None:
         """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated."""
@@ -305,7 +314,7 @@ class Updater:
                 for v in views:
                     v.zero_()
         self._grad_view(i, zero)
-        self._has_grad.add(i)
+        self.ledger.move(i, _SUMMED)
 
     def _step(self) -> bool:
         """[Note: a step is a transaction] An update lands whole or the engine says what did
@@ -385,17 +394,18 @@ class Updater:
         """A new step: wait for the updates made during backward (those that failed join this
         update), and what the rest is updated with; None when nothing is left to update."""
         hps = [self.hyper(g) for g in range(max(self.group_of, default=0) + 1)]
-        early, self._early = self._early, {}
+        early = self._early
         if early and any(hps[g] != hp for g, hp in self._early_hp.items()):
             warnings.warn("pagemem: param_groups changed between backward and step(); the updates made during "
                           "backward used the values before the change (pass overlap_update=False to read them "
                           "in step())", RuntimeWarning, stacklevel=5)
         self._early_error = join_all(list(early.values()))
+        self._early = {}  # joined (a Ctrl-C while joining leaves them for the next step() to join)
         failed = {i for i, f in early.items() if f.exception() is not None}
         self.overlapped_updates += len(early) - len(failed)
         stepped = failed & self._early_stepped
         self._early_stepped.clear()
-        touched = sorted((self._has_grad - set(early)) | failed)
+        touched = sorted(set(self.ledger.holding(_ACCUMULATING, _SUMMED)) | failed)
         self._early_taken = bool(early)
         if not touched:
             return None
