@@ -120,7 +120,7 @@ class Gradients:
         self.destination = destination
         self.handles = GradHandles(bank.params, destination.grad_norm, destination.scale_grad, destination.zero_grad,
                                    destination.read_grad, destination.assign)
-        self.handoff = GradHandoff(bank.layer_of)
+        self.handoff = GradHandoff(bank.layers, bank.layer_of)
         """Units whose gradients are final, as backward hands them off."""
         self.handoff.subscribe(destination.unit_final)
         self._to_drop: list[nn.Parameter] = []

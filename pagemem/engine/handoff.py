@@ -28,21 +28,26 @@ through the one hand-off.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from typing import Callable
+from collections import deque
+from typing import Callable, Sequence
+
+from pagemem.engine.unit import Unit
 
 
 class GradHandoff:
-    def __init__(self, layer_of: list[int]) -> None:
-        self.layer_of = layer_of
-        self._expected: dict[int, int] = {}
-        self._got: Counter = Counter()
-        self._final: set[int] = set()
+    """Counts each unit's gradients of a backward on the unit (``grads_handed``, ``final``) and
+    queues and announces the units as they become final (see the Note)."""
+
+    def __init__(self, units: Sequence[Unit], unit_of: Sequence[int]) -> None:
+        self.units = units
+        self.unit_of = unit_of
         self.queue: deque[int] = deque()
         """Units final in the current (or last) backward, in the order they became final."""
         self.early = 0
         """Units that became final before their backward ended (over all backwards)."""
         self._listeners: list[Callable[[int], None]] = []
+        self._order: list[Unit] = []
+        """Units in the order they handed off their first gradient of this backward."""
 
     def subscribe(self, listener: Callable[[int], None]) -> Callable[[], None]:
         """Call ``listener(unit)`` when a unit becomes final; returns the unsubscribe function."""
@@ -51,15 +56,18 @@ class GradHandoff:
 
     def begin(self) -> None:
         """A backward starts."""
-        self._got = Counter()
-        self._final = set()
+        for u in self.units:
+            u.grads_handed, u.final = 0, False
         self.queue.clear()
+        self._order.clear()
 
     def handed(self, i: int) -> None:
         """Parameter ``i``'s gradient for this backward was handed off."""
-        u = self.layer_of[i]
-        self._got[u] += 1
-        if u not in self._final and self._expected.get(u) == self._got[u]:
+        u = self.units[self.unit_of[i]]
+        if not u.grads_handed:
+            self._order.append(u)
+        u.grads_handed += 1
+        if not u.final and u.grads_expected == u.grads_handed:
             self.early += 1
             self._finish(u)
 
@@ -69,13 +77,14 @@ class GradHandoff:
 
     def end(self) -> None:
         """The backward ended: every unit that handed off a gradient is final now."""
-        for u in self._got:
-            if u not in self._final:
+        for u in self._order:
+            if not u.final:
                 self._finish(u)
-        self._expected = dict(self._got)
+        for u in self.units:
+            u.grads_expected = u.grads_handed or None
 
-    def _finish(self, u: int) -> None:
-        self._final.add(u)
-        self.queue.append(u)
+    def _finish(self, u: Unit) -> None:
+        u.final = True
+        self.queue.append(u.index)
         for listener in tuple(self._listeners):
-            listener(u)
+            listener(u.index)

@@ -115,12 +115,11 @@ class LockFreeUpdater:
         self.max_staleness = max_staleness
         self.predict = predict
         n = len(bank.layers)
+        self._units = bank.layers
+        """Each unit's ``untaken`` and ``lag`` are counted here, under ``_cond``."""
         self._cond = threading.Condition()
-        """Held while a gradient state moves here, and by the updating thread while it takes a unit's sums."""
-        self._pending = [0] * n
-        """Submitted iterations whose gradients sit in each unit's sums, not yet taken."""
-        self._owed = [0] * n
-        """Submitted iterations each unit's buffered parameters lack (taken or not)."""
+        """Held while a gradient state moves here or a unit's counts change, and by the updating
+        thread while it takes a unit's sums."""
         self._hps: list[AdamW] = []
         self._published: deque[_Published] = deque()
         self._locks = [threading.Lock() for _ in range(n)]
@@ -175,8 +174,8 @@ class LockFreeUpdater:
             if not submitted:
                 return False
             for u in {self.bank.layer_of[i] for i in submitted}:
-                self._pending[u] += 1
-                self._owed[u] += 1
+                self._units[u].untaken += 1
+                self._units[u].lag += 1
             self._hps = list(hps)
             self.iterations += 1
             self._cond.notify_all()
@@ -188,9 +187,9 @@ class LockFreeUpdater:
         """An iteration starts: write what was published into the buffered parameters, wait
         while a unit lags more than ``max_staleness``, record each unit's staleness."""
         self.drain(limit=self.max_staleness)
-        for u, owed in enumerate(self._owed):
-            if any(self.bank.is_trainable(i) for i in self.bank.layers[u].params):
-                self.staleness[owed] += 1
+        for unit in self._units:
+            if any(self.bank.is_trainable(i) for i in unit.params):
+                self.staleness[unit.lag] += 1
 
     def drain(self, limit: int | None = None) -> None:
         """Write every published update into the compute pages; with ``limit``, wait (writing
@@ -208,15 +207,15 @@ class LockFreeUpdater:
             for p in ready:
                 _seam("drain")
                 with self._cond:
-                    ahead = self._owed[p.unit] - p.iterations  # submitted iterations this update lacks
+                    ahead = self._units[p.unit].lag - p.iterations  # submitted iterations this update lacks
                 self.bank.refresh_unit(_predicted(p, ahead))
                 with self._cond:
-                    self._owed[p.unit] -= p.iterations
+                    self._units[p.unit].lag -= p.iterations
 
     def _lag(self) -> int:
         """The most submitted iterations a unit lacks, over units the updating thread can take
         (one holding gradients of the unsubmitted iteration waits for its ``step()``)."""
-        return max((o for u, o in enumerate(self._owed) if not self._fresh(u)), default=0)
+        return max((u.lag for u in self._units if not self._fresh(u.index)), default=0)
 
     def quiesce(self) -> None:
         """Wait until every submitted iteration is applied and in the buffered parameters;
@@ -251,7 +250,7 @@ class LockFreeUpdater:
         try:
             if not self._running.done() and self._error is None:
                 self.drain(limit=0)  # units holding unsubmitted gradients keep what was applied
-                lagging = [u for u, owed in enumerate(self._owed) if owed and self._fresh(u)]
+                lagging = [u.index for u in self._units if u.lag and self._fresh(u.index)]
                 if lagging:
                     warnings.warn(f"pagemem: closed with gradients of an iteration without step(): {len(lagging)} "
                                   "unit(s) keep their last applied weights (their sums mixed submitted and "
@@ -290,7 +289,7 @@ class LockFreeUpdater:
         """Units whose sums hold submitted iterations and nothing else, in reverse: none open in
         a backward, none holding gradients of the iteration not yet submitted (taking those
         would apply them before their ``step()``, counted as no iteration). Under the lock."""
-        return [u for u in reversed(range(len(self._pending))) if self._pending[u] and not self._fresh(u)]
+        return [u.index for u in reversed(self._units) if u.untaken and not self._fresh(u.index)]
 
     def _fetch(self, u: int) -> Any:
         """Start reading unit ``u``'s states from nvme into cpu memory (None where they are there)."""
@@ -309,7 +308,7 @@ class LockFreeUpdater:
             if self._fresh(u):  # open, or holding gradients not yet submitted (see _ready): it waits for the
                 return None     # next pass (its states stay fetched)
             self.bank.grads_landed(params)  # copies of its last gradients may still be in flight (CUDA)
-            k, self._pending[u] = self._pending[u], 0
+            k, self._units[u].untaken = self._units[u].untaken, 0
             hps = self._hps
             taken = [i for i in params if self.ledger.state(i) is GradState.HANDED_OFF]
             grads = {i: self._take_sum(i) for i in taken}

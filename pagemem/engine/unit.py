@@ -6,9 +6,12 @@ A paging unit is a run of consecutive modules owning parameters, merged up to a 
 pages by kind (compute copy, fp32 master, moments, gradient sums), where its optimizer states
 are (``state_tier``), its residency (``state``, with what that state holds: copies staged,
 leases, the storages its parameters view, their version counters, when it was last used), how
-many module scopes hold it (``holds``, ``soft_holds``). The bank makes the units; the residency
-is the only one that moves ``state``; the scopes count holds; the bank moves the states. Others
-read them through the unit (``bound``, ``settled``, ``held``); no parallel list repeats them.
+many module scopes hold it (``holds``, ``soft_holds``), whether its gradients of a backward are
+final (``grads_handed``, ``grads_expected``, ``final``) and how far the lock-free updater is
+behind on it (``untaken``, ``lag``). The bank makes the units; the residency is the only one that
+moves ``state``; the scopes count holds; the hand-off counts gradients; the lock-free updater
+counts iterations (under its lock); the bank moves the states. Others read them through the unit
+(``bound``, ``settled``, ``held``); no parallel list repeats them.
 """
 
 from __future__ import annotations
@@ -104,6 +107,17 @@ class Unit:
     """Open forward scopes holding it: never evicted ([Note: the residency rule], ``scopes.py``)."""
     soft_holds: int = 0
     """Open backward scopes holding it: evicted only when nothing else can go."""
+    grads_handed: int = 0
+    """Gradients it handed off in the running (or last) backward ([Note: the gradient hand-off])."""
+    grads_expected: int | None = None
+    """Gradients it handed off in the last complete backward (None: it handed off none)."""
+    final: bool = False
+    """All its gradients of the running (or last) backward are handed off."""
+    untaken: int = 0
+    """Submitted iterations whose gradients sit in its sums, not yet taken by the lock-free
+    updater's thread ([Note: the lock-free updater])."""
+    lag: int = 0
+    """Submitted iterations its buffered parameters (the compute pages) lack: its staleness."""
 
     def to(self, new: UnitState) -> None:
         if new not in _LEGAL[self.state]:
