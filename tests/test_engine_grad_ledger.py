@@ -303,6 +303,7 @@ class EngineMachine(RuleBasedStateMachine):
             raise Refused(pagemem.InvalidRequest, clean=True)
         self.take_back()
         if self.holds(APPLIED):  # applied by optimizer.step(), not in pages: zero_grad() first
+            self.show()  # refused, nothing began: the handles go back up
             raise Refused(pagemem.InvalidRequest)
         per_step = self.per_step if self.per_step is not None else (None if habit else self.acc)
         final = per_step is not None and self.micro + 1 == per_step
@@ -416,7 +417,11 @@ class EngineMachine(RuleBasedStateMachine):
             if how == "model":  # no engine call: the engine sees it at its next one
                 return
             self.usable()
-            self.take_back()
+            try:
+                self.take_back()
+            except Refused:  # nothing was discarded: the handles go back up
+                self.show()
+                raise
             if not self.show():
                 self.micro = 0
 

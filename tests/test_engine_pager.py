@@ -374,7 +374,9 @@ def test_units_whose_gradients_are_final_are_queued_during_backward():
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget_for(model), cpu_bytes=64 << 20)
     with pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP))) as engine:
         seen: list[tuple[int, int, bool]] = []
-        engine.gradients.handoff.subscribe(lambda u: seen.append((engine.global_step, u, engine._in_backward)))
+        # inside: in autograd's run (a node runs), not in the engine's bookkeeping at its end
+        engine.gradients.handoff.subscribe(
+            lambda u: seen.append((engine.global_step, u, torch._C._current_autograd_node() is not None)))
         for s in range(3):
             engine.backward(loss_of(engine, batch(32, s)))
             engine.step()

@@ -41,10 +41,11 @@ from pagemem.engine.lockfree import SHARED_SUMS, LockFreeUpdater
 from pagemem.engine.model_checks import check_no_meta_buffers, check_parameters
 from pagemem.engine.optimizer_states import OptimizerStates
 from pagemem.engine.pager import Pager
+from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.update import Updater
 from pagemem.checks import check_int
-from pagemem.errors import ConfigError, FirstError, InvalidRequest, StepFailed
+from pagemem.errors import ConfigError, FirstError, InvalidRequest
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
 
@@ -130,21 +131,13 @@ class Engine(BackwardMixin):
         self.bank.copies.record_in(self.ledger)
         self.updater = Updater(self.bank, self.store, config, lambda g: check_no_amsgrad(self.optimizer.hyper(g)),
                                [g if g is not None else 0 for g in self.group_of], self.ledger)
-        self._micro = 0
+        self.phase = PhaseMachine()
+        """Where the engine stands between backward and the update, with the backwards since the
+        last update ([Note: engine phases], ``phase.py``)."""
         self.global_step = 0
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
-        self._last_taken = False
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._in_backward = False
-        self._implicit_open = False
-        """A backward by habit began and its end-of-backward callback has not run yet."""
-        self._closed = False
-        self._broken: str | None = None
-        """Why training cannot go on (a backward failed after updates ran during it)."""
         self.failed_backwards = 0
-        self._consume = False
-        self._per_step: int | None = None
-        """Backwards per step, as the last update saw them (None before any)."""
         self.lockfree: LockFreeUpdater | None = None
         """The updating thread, with ``config.lock_free`` ([Note: the lock-free updater])."""
         if config.lock_free:
@@ -220,21 +213,18 @@ class Engine(BackwardMixin):
     def _usable(self, what: str) -> None:
         """Refuse use after ``close()`` or after a torn step; finish off a backward by habit
         that raised (autograd never ran its end callback): see [Note: a step is a transaction]."""
-        if self._closed:
-            raise InvalidRequest(f"{what}: this engine is closed")
-        if self._implicit_open and torch._C._current_autograd_node() is None:
+        if self.phase.now is EnginePhase.BACKWARD_BY_HABIT and torch._C._current_autograd_node() is None:
             self._abort_backward(None)
-        if self._broken is not None:
-            raise StepFailed(f"{what}: {self._broken}")
+        self.phase.require_usable(what)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model's forward."""
         self._usable("forward")
         t0 = time.perf_counter()
         with shield():  # [Note: Ctrl-C inside the engine]
-            if self.lockfree is not None and not self._in_backward:
+            if self.lockfree is not None and not self.phase.in_backward:
                 self.lockfree.before_iteration()
-            if not self._in_backward:
+            if not self.phase.in_backward:
                 self._follow_requires_grad()
             self.pager.begin(args, kwargs)
             self.guard.enter()
@@ -249,20 +239,25 @@ class Engine(BackwardMixin):
         """Autograd saves parameters as references the engine fetches again in backward."""
         return torch.autograd.graph.saved_tensors_hooks(self.pager.saved.pack, self.pager.saved.unpack)
 
+    @shielded
     def step(self) -> bool:
         """Update after every ``accumulation_steps``-th ``backward()``; True if it updated (False
         between accumulation boundaries, or when an fp16 overflow skipped the update). The
         gradients are consumed: the next backward starts new sums (``engine.optimizer.step()``
         keeps them until ``zero_grad()``, as a torch optimizer does)."""
         self._usable("step")
-        if self._micro < self.config.accumulation_steps:
+        if self.phase.micro < self.config.accumulation_steps:
             return False
-        self._consume = True
+        if self.phase.in_backward:
+            raise InvalidRequest("step(): called during backward")
+        # through optimizer.step(), which an lr scheduler wraps and whose step hooks run; the
+        # whole of it shielded, so that the phase never stays STEPPING ([Note: engine phases])
         try:
+            self.phase.begin_step(consume=True)
             self.optimizer.step()
         finally:
-            self._consume = False
-        return self._last_taken
+            self.phase.leave_step(consume=True)
+        return self.phase.taken
 
     @property
     def update_unfinished(self) -> bool:
@@ -273,7 +268,7 @@ class Engine(BackwardMixin):
     @property
     def gradients_pending(self) -> bool:
         """Gradients of a backward that no ``step()`` has taken yet (``save`` refuses them)."""
-        return bool(self._micro) or (self.lockfree is not None and self.lockfree.has_fresh())
+        return bool(self.phase.micro) or (self.lockfree is not None and self.lockfree.has_fresh())
 
     # ------------------------------------------------------------------ gradients
 
@@ -292,9 +287,13 @@ class Engine(BackwardMixin):
         if self.lockfree is not None and self.lockfree.has_fresh():
             self.gradients.show()  # the handles it set to None go back up: nothing was discarded
             raise InvalidRequest(SHARED_SUMS)
-        self.gradients.take_back()
+        try:
+            self.gradients.take_back()
+        except InvalidRequest:  # refused (applied during backward): the handles go back up, as nothing was discarded
+            self.gradients.show()
+            raise
         if not self.gradients.show():
-            self._micro = 0
+            self.phase.discard()
 
     def get_global_grad_norm(self) -> float:
         """The 2-norm of all gradient sums now (as ``clip_grad_norm_`` computes it), or of the
@@ -320,25 +319,32 @@ class Engine(BackwardMixin):
 
     @shielded
     def _update(self) -> None:
+        """``engine.optimizer.step()``'s work, called by itself (the gradients kept) or inside
+        ``step()`` (the phase is ``STEPPING`` then: they are consumed)."""
         self._usable("step")
         t0 = time.perf_counter()
+        consume = self.phase.consuming
         try:
-            if not self._consume and self._in_backward:
+            if not consume and self.phase.in_backward:
                 raise InvalidRequest("optimizer.step(): called during backward")
-            self.gradients.take_back()
-            self.pager.residency.keep_writes()  # [Note: writes to parameters]
-            # a failure leaves the counters: step() again finishes this update ([Note: a step is a transaction])
-            if self.lockfree is not None:
-                hps = [check_no_amsgrad(self.optimizer.hyper(g)) for g in range(len(self.optimizer.param_groups))]
-                self._last_taken = self.lockfree.submit(hps)
-            else:
-                self._last_taken = self.updater.step(consume=self._consume)
-            if not self._consume:  # a torch optimizer's step leaves p.grad until zero_grad()
-                self.gradients.show()
-            if self._micro:
-                self._per_step = self._micro  # the backwards one step took: the next takes as many
-            self._micro = 0
-            self.global_step += 1
+            if not consume:
+                self.phase.begin_step(consume=False)
+            try:
+                self.gradients.take_back()
+                self.pager.residency.keep_writes()  # [Note: writes to parameters]
+                # a failure leaves the counters: step() again finishes this update ([Note: a step is a transaction])
+                if self.lockfree is not None:
+                    hps = [check_no_amsgrad(self.optimizer.hyper(g)) for g in range(len(self.optimizer.param_groups))]
+                    taken = self.lockfree.submit(hps)
+                else:
+                    taken = self.updater.step(consume=consume)
+                if not consume:  # a torch optimizer's step leaves p.grad until zero_grad()
+                    self.gradients.show()
+                self.phase.end_step(taken)
+                self.global_step += 1
+            finally:
+                if not consume:
+                    self.phase.leave_step(consume=False)
         finally:
             self._phase_seconds["step"] += time.perf_counter() - t0
 
@@ -375,7 +381,7 @@ class Engine(BackwardMixin):
             if self.lockfree.has_fresh():
                 raise InvalidRequest("save: call step() first (gradients of this iteration are not saved)")
             self.lockfree.quiesce()  # a checkpoint of a drained updater is a synchronous one
-        if self._micro:
+        if self.phase.micro:
             raise InvalidRequest("save: gradients of an unfinished accumulation are not saved; "
                                  "call save() after step() has updated")
         self.updater.flush()
@@ -460,11 +466,16 @@ class Engine(BackwardMixin):
         every read (load a checkpoint instead). Each step runs even if an earlier one raises (a
         failed nvme write-back), so the store's files and threads are always released; then the
         first error is raised ([Note: closing releases everything], errors.py)."""
-        if self._closed:
+        if self.phase.now is EnginePhase.CLOSED:
             return
-        self._closed = True
+        if self.phase.in_backward and torch._C._current_autograd_node() is not None:  # from a hook of it
+            raise InvalidRequest("close: called during backward; close the engine once backward has returned")
+        unfound = self.phase.in_backward  # a backward that raised and was not found (by habit) goes with it
+        self.phase.close()
         with FirstError() as step:
             if self.lockfree is not None:
+                if unfound:
+                    step(self.lockfree.end_backward)  # its units open no more: the updating thread may take them
                 step(self.lockfree.close)  # what was submitted lands, then the thread stops
             for h in self._hooks + self._state_dict_hooks:
                 step(h.remove)
