@@ -35,7 +35,7 @@ from common import table, write_json
 import torch
 
 from pagemem.engine import AdamW, Chunk, CpuAdam, fused_step
-from pagemem.engine.adam import wait_all
+from pagemem.engine.updates.adam import wait_all
 
 ADAM_BYTES = 28  # read p, g, m, v; write p, m, v (fp32)
 

@@ -137,7 +137,7 @@ def run_pagemem(spec: dict, cfg, n_params: int) -> dict:
 
     cuda = torch.cuda.is_available()
     # [Note: the warm-up's headroom] the first iteration runs with the arena at the whole budget
-    # (pagemem/engine/pager.py, the Note on the gpu budget): on CUDA its activations need room
+    # (pagemem/engine/paging/pager.py, the Note on the gpu budget): on CUDA its activations need room
     # beside it, so the budget is a share of the free memory, not all of it
     gpu_bytes = spec["gpu_bytes"] or (int(torch.cuda.mem_get_info()[0] * spec["gpu_fraction"]) if cuda else 0)
     if not gpu_bytes:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagemem
-from pagemem.engine import manifest as mf
+from pagemem.engine.checkpoints import manifest as mf
 from pagemem.models.gpt import GPT, GPTConfig
 from pagemem.store import export
 from conftest import engine_gpu_budget

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import pagemem
-from pagemem.engine import update as update_mod
-from pagemem.engine.adam_threads import WorkerDied
+from pagemem.engine.updates import update as update_mod
+from pagemem.engine.updates.adam_threads import WorkerDied
 from pagemem.errors import TierIOError
 from pagemem.tiers.io import FaultyEngine
 from pagemem.tiers.io.threads import ThreadEngine

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pagemem.engine import (AdamW, Chunk, CpuAdam, PagedOptimizer, WorkerDied, clip_coefficient, sumsq,
                             total_sumsq)
-from pagemem.engine import adam as adam_mod
+from pagemem.engine.updates import adam as adam_mod
 from pagemem.errors import ConfigError, InvalidRequest
 
 EPS32 = torch.finfo(torch.float32).eps

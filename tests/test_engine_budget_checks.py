@@ -1,6 +1,6 @@
 """A gpu budget that cannot hold the largest paging unit (or the optimizer states kept on the
 gpu beside it) is refused at construction, naming the least that works, with the model
-untouched ([Note: gpu budgets refused early], ``pagemem/engine/budget_checks.py``). The refusal
+untouched ([Note: gpu budgets refused early], ``pagemem/engine/units/budget_checks.py``). The refusal
 after a traced iteration is tested in ``test_engine_pager.py``."""
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def test_the_gpu_tier_is_device_memory_the_plan_resizes():
 def test_work_given_to_the_adam_workers_runs_on_the_callers_stream():
     """Updates of states kept on the gpu run on CPU workers: their kernels must queue behind the
     caller's (the gradient accumulated into the pages), on the caller's stream, not the worker's."""
-    from pagemem.engine.adam import CpuAdam
+    from pagemem.engine.updates.adam import CpuAdam
 
     side = torch.cuda.Stream()
     with CpuAdam(2) as adam, torch.cuda.stream(side):
@@ -153,7 +153,7 @@ def test_work_given_to_the_adam_workers_runs_on_the_callers_stream():
 def test_gradient_copies_to_host_pages_land_whole_behind_backward():
     """[Note: gradient copies]: the copy waits for the kernel that made the gradient, keeps the
     gradient's memory from reuse until it has read it, and an added one lands on the host."""
-    from pagemem.engine.grad_copies import GradCopies
+    from pagemem.engine.gradients.grad_copies import GradCopies
 
     copies = GradCopies()
     dst = torch.zeros(1 << 20, pin_memory=True)

@@ -156,7 +156,7 @@ def test_an_evicted_parameter_is_fetched_when_read_and_never_computes_with_its_p
             assert torch.equal((p * 1).cpu(), want[name]), name
         assert engine.stats()["unforeseen_reads"] > reads
         # the placeholder itself is NaN, not a plausible value
-        from pagemem.engine.records import placeholder
+        from pagemem.engine.units.records import placeholder
         assert placeholder(torch.Size([2, 2]), torch.float32, torch.device("cpu")).isnan().all()
 
 
@@ -508,7 +508,7 @@ def test_requires_grad_changed_after_the_engine_is_made_takes_effect_at_the_next
 
 
 def test_close_says_so_when_the_weights_do_not_fit_in_host_memory(tmp_path, monkeypatch):
-    from pagemem.engine import readback
+    from pagemem.engine.units import readback
     make, loss = CASES["parameter read after a child"]
     model = make()
     engine = pagemem.Engine(model, engine_config(make(), loss, tmp_path))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import pagemem
-from pagemem.engine import update as update_module
+from pagemem.engine.updates import update as update_module
 from pagemem.tiers.io.faults import FaultyEngine
 from exactness import HP, engine_config
 from test_engine_transaction import X, Boom, loss_of, make

@@ -11,7 +11,7 @@ import torch
 
 import pagemem
 from conftest import engine_gpu_budget
-from pagemem.engine.bank import ParamBank
+from pagemem.engine.units.bank import ParamBank
 from pagemem.models.gpt import GPT, GPTConfig
 
 PAGE = 64 * 1024

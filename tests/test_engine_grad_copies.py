@@ -19,8 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from test_engine_exactness import CASES, mse, seeded
 
 import pagemem
-from pagemem.engine import grad_copies
-from pagemem.engine.grad_copies import GradCopies
+from pagemem.engine.gradients import grad_copies
+from pagemem.engine.gradients.grad_copies import GradCopies
 
 
 @pytest.fixture

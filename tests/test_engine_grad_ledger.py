@@ -1,4 +1,4 @@
-"""Each parameter's gradient state ([Note: gradient states] in ``engine/grad_ledger.py``).
+"""Each parameter's gradient state ([Note: gradient states] in ``engine/gradients/grad_ledger.py``).
 
 The ledger alone takes random moves, legal and illegal, against the table written here again
 (the spec); a real small engine takes random sequences of what training loops do to gradients,
@@ -23,9 +23,9 @@ from torch import nn
 
 import pagemem
 from exactness import HP, assert_same, engine_config
-from pagemem.engine import grad_copies
-from pagemem.engine.grad_ledger import GradLedger, GradState
-from pagemem.engine.grads import GradHandle
+from pagemem.engine.gradients import grad_copies
+from pagemem.engine.gradients.grad_ledger import GradLedger, GradState
+from pagemem.engine.gradients.grads import GradHandle
 
 S = GradState
 NONE, ACC, SUMMED, UPDATING, APPLIED, HANDED = (S.NONE, S.ACCUMULATING, S.SUMMED, S.UPDATING, S.APPLIED,
@@ -497,7 +497,7 @@ def test_lock_free_gradients_are_summed_handed_off_and_taken(tmp_path, monkeypat
     """With ``lock_free`` a backward's gradients are the iteration's (``SUMMED``), ``step()`` hands
     them off, a backward before the updating thread took them adds to the same sums (the next
     iteration's), and the thread's taking them leaves none: two steps each."""
-    from pagemem.engine import lockfree
+    from pagemem.engine.updates import lockfree
 
     gate = threading.Event()
     monkeypatch.setattr(lockfree, "SEAM", lambda where: gate.wait(30) if where == "take" else None)

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import pagemem
-from pagemem.engine import grads as grads_module
-from pagemem.engine import residency as residency_module
+from pagemem.engine.gradients import grads as grads_module
+from pagemem.engine.units import residency as residency_module
 from pagemem.tiers import memory as memory_module
 
 D = 256

@@ -1,4 +1,4 @@
-"""The lock-free updater ([Note: the lock-free updater] in ``engine/lockfree.py``)."""
+"""The lock-free updater ([Note: the lock-free updater] in ``engine/updates/lockfree.py``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pagemem
-from pagemem.engine import lockfree
-from pagemem.engine import update as update_module
+from pagemem.engine.updates import lockfree
+from pagemem.engine.updates import update as update_module
 from exactness import HP, assert_same, engine_config, reference, train_both
 from test_engine_exactness import CASES, hf_model, lm_loss, mse, seeded
 from exactness_models import ParamAfterChild

@@ -92,10 +92,10 @@ def test_mixture_of_experts_with_changing_routing():
         ref, got, stats = run_both(model, step_loss, 12)
     engine_choices = model.choices  # plain PyTorch and the budget trace ran on copies
     assert len(set(engine_choices)) > 1, engine_choices  # routing really changed between iterations
-    # the rule (pagemem/engine/pager.py): an iteration routed otherwise than the traced one leaves
+    # the rule (pagemem/engine/paging/pager.py): an iteration routed otherwise than the traced one leaves
     # its plan at the first other expert and finishes on demand; the next one is traced again;
     # after MAX_DIVERGENCES such iterations the inputs are paged on demand for good
-    from pagemem.engine.pager import MAX_DIVERGENCES
+    from pagemem.engine.paging.pager import MAX_DIVERGENCES
     want = {"traced": 0, "planned": 0, "left_plan": 0, "demand": 0}
     traced_choice = None
     for c in engine_choices:

@@ -1,4 +1,4 @@
-"""How parameters reach the gpu per iteration (``pagemem/engine/pager.py``): the traced warm-up,
+"""How parameters reach the gpu per iteration (``pagemem/engine/paging/pager.py``): the traced warm-up,
 following the plan, leaving it, evaluation calls, and no plan at all. Every run is compared with
 plain PyTorch doing the same arithmetic."""
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagemem
-from pagemem.engine.executor import PlanMismatch, Schedule
+from pagemem.engine.paging.executor import PlanMismatch, Schedule
 from pagemem.models.gpt import GPT, GPTConfig
 
 from conftest import engine_gpu_budget
@@ -336,7 +336,7 @@ def test_planned_iterations_run_in_a_gpu_arena_sized_from_the_plan(optimizer_tie
 
 def test_the_executor_host_time_per_window_is_measured_on_planned_iterations():
     """``pagemem profile``'s ``window_host_seconds`` (the host stand-in): copies excluded."""
-    from pagemem.engine.measure import window_host_seconds
+    from pagemem.engine.paging.measure import window_host_seconds
 
     seconds, how = window_host_seconds(iterations=2, repeats=1)
     assert 0 < seconds < 1 and how["samples_s"] == [seconds]
@@ -348,7 +348,7 @@ def test_every_row_of_the_task_table_has_a_handler_at_world_size_1():
     of data parallelism are the ones left, and a plan holding one is refused when compiled."""
     import dataclasses
 
-    from pagemem.engine.executor import HANDLERS, unhandled_rows
+    from pagemem.engine.paging.executor import HANDLERS, unhandled_rows
     from pagemem.sched.tasks import EFFECTS, Target, Task
 
     assert unhandled_rows(1) == []

@@ -32,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from torch import nn
 
 import pagemem
-from pagemem.engine.lockfree import SHARED_SUMS
+from pagemem.engine.updates.lockfree import SHARED_SUMS
 from pagemem.engine.phase import BACKWARDS, LEGAL, STEPS, EnginePhase, PhaseMachine
 from pagemem.errors import InvalidRequest, StepFailed
 from exactness import engine_config

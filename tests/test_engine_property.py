@@ -5,7 +5,7 @@ tensor, buffers included) to plain PyTorch with ``torch.optim.AdamW(fused=True)`
 
 A budget the engine cannot work with is allowed only as a refusal: ``OutOfMemory`` naming
 ``least_bytes`` above the budget it refused ([Note: gpu budgets refused early] in
-``pagemem/engine/budget_checks.py``). The case then runs again at the least named; that run may
+``pagemem/engine/units/budget_checks.py``). The case then runs again at the least named; that run may
 be refused again only where the Note allows it (see ``run_case``), and the run at the least
 named last must be exact. Any other exception fails the example.
 

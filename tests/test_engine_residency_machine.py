@@ -13,11 +13,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from torch import nn
 
 import pagemem
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.guard import Guard, GuardedParameter
-from pagemem.engine.residency import Residency
-from pagemem.engine.unit import UnitState
-from pagemem.engine.scopes import Scopes
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.guard import Guard, GuardedParameter
+from pagemem.engine.units.residency import Residency
+from pagemem.engine.units.unit import UnitState
+from pagemem.engine.units.scopes import Scopes
 from pagemem.errors import OutOfMemory
 
 PAGE = 16 * 1024

@@ -1,4 +1,4 @@
-"""A step is a transaction ([Note: a step is a transaction] in ``engine/update.py``).
+"""A step is a transaction ([Note: a step is a transaction] in ``engine/updates/update.py``).
 
 A forward, backward or update that fails part-way leaves the engine where plain PyTorch
 training that skipped the failed batch would be, or lets ``step()`` finish the update exactly;
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pagemem
-from pagemem.engine import update as update_module
+from pagemem.engine.updates import update as update_module
 from exactness import HP, assert_same, engine_config
 
 _g = torch.Generator().manual_seed(3)
@@ -197,7 +197,7 @@ def test_a_step_that_fails_part_way_is_finished_exactly_by_the_next_step(optimiz
 def test_ctrl_c_while_step_waits_for_its_workers(tmp_path, monkeypatch):
     """Ctrl-C reaches the waiting thread: every task is joined before it propagates, and
     ``step()`` again completes the update (here: all had landed) exactly."""
-    from pagemem.engine import adam
+    from pagemem.engine.updates import adam
 
     model, engine = engine_for(tmp_path)
     real_wait, waited = adam.wait, []

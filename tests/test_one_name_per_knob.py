@@ -23,7 +23,7 @@ from pagemem.commands.io_sweep import sweep_disk
 from pagemem.commands.measure import measure
 from pagemem.commands.train_config import ModelSettings, TrainSettings
 from pagemem.config import StoreConfig
-from pagemem.engine.adam import AdamW
+from pagemem.engine.updates.adam import AdamW
 from pagemem.engine.config import EngineConfig
 from pagemem.models.gpt import GPTConfig
 from pagemem.models.tasks import BranchingTask

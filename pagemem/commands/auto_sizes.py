@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pagemem.engine.records import compute_dtype_of
+from pagemem.engine.units.records import compute_dtype_of
 from pagemem.engine.config import EngineConfig
 from pagemem.sched import least_gpu_bytes
 from pagemem.tracer import trace

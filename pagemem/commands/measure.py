@@ -20,7 +20,7 @@ which was written before timing:
 - ``flops`` / ``hbm``: a square matmul (bf16 8192 on CUDA, fp32 2048 on CPU) and a device copy
   (bytes read + written per second), for synthetic traces built with the profile's cost model.
 - ``window_host_seconds``: without CUDA, what ``window_host`` measures (the engine's executor, a
-  layer above this one: ``pagemem profile`` passes ``pagemem.engine.measure.window_host_seconds``);
+  layer above this one: ``pagemem profile`` passes ``pagemem.engine.paging.measure.window_host_seconds``);
   0 with CUDA, or when none is given.
 
 Without CUDA the machine counts as one rank per server (``ranks_per_server = 1``), and the

@@ -1,6 +1,6 @@
 """``pagemem profile``: measure this machine's bandwidths and rates into a hardware profile JSON
 (see :mod:`pagemem.commands.measure`), or print a built-in profile. It lives above the layers: the
-executor's host time per window is measured by the engine (:mod:`pagemem.engine.measure`)."""
+executor's host time per window is measured by the engine (:mod:`pagemem.engine.paging.measure`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pagemem.commands.measure import measure
-    from pagemem.engine.measure import window_host_seconds
+    from pagemem.engine.paging.measure import window_host_seconds
     from pagemem.errors import PageMemError, one_line
     from pagemem.sched.hardware import HardwareProfile
 

@@ -22,7 +22,7 @@ import tomllib
 
 from pagemem.checks import check_bool, check_int
 from pagemem.config import StoreConfig
-from pagemem.engine.adam import AdamW
+from pagemem.engine.updates.adam import AdamW
 from pagemem.engine.config import EngineConfig
 from pagemem.errors import ConfigError
 from pagemem.models.gpt import GPTConfig

@@ -16,13 +16,13 @@ from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from pagemem.engine.bank import ParamBank
+    from pagemem.engine.units.bank import ParamBank
     from pagemem.engine.config import EngineConfig
-    from pagemem.engine.gradients import Gradients
-    from pagemem.engine.guard import Guard
-    from pagemem.engine.lockfree import LockFreeUpdater
-    from pagemem.engine.pager import Pager
-    from pagemem.engine.update import Updater
+    from pagemem.engine.gradients.gradients import Gradients
+    from pagemem.engine.units.guard import Guard
+    from pagemem.engine.updates.lockfree import LockFreeUpdater
+    from pagemem.engine.paging.pager import Pager
+    from pagemem.engine.updates.update import Updater
 
 
 class BackwardMixin:

@@ -9,7 +9,7 @@ import torch
 
 from pagemem.checks import check_bool, check_choice, check_int, check_rate
 from pagemem.config import StoreConfig
-from pagemem.engine.adam import AdamW
+from pagemem.engine.updates.adam import AdamW
 from pagemem.errors import ConfigError
 from pagemem.plain import from_plain, to_plain
 

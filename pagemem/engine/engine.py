@@ -23,27 +23,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagemem.engine import checkpoint
-from pagemem.engine.adam import PagedOptimizer
+from pagemem.engine.checkpoints import checkpoint
+from pagemem.engine.updates.adam import PagedOptimizer
 from pagemem.engine.backward import BackwardMixin
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.budget_checks import check_units_fit, unit_cap
-from pagemem.engine.ckpt_state import engine_dtype
-from pagemem.engine.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.budget_checks import check_units_fit, unit_cap
+from pagemem.engine.checkpoints.ckpt_state import engine_dtype
+from pagemem.engine.units.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
-from pagemem.engine.groups import checked_groups
-from pagemem.engine.grad_ledger import GradLedger
-from pagemem.engine.gradients import Gradients, LockFreeDestination, SyncDestination
-from pagemem.engine.guard import Guard
+from pagemem.engine.updates.groups import checked_groups
+from pagemem.engine.gradients.grad_ledger import GradLedger
+from pagemem.engine.gradients.gradients import Gradients, LockFreeDestination, SyncDestination
+from pagemem.engine.units.guard import Guard
 from pagemem.engine.interrupts import install as hold_interrupts, shield, shielded
 from pagemem.engine.interrupts import uninstall as release_interrupts
-from pagemem.engine.lockfree import SHARED_SUMS, LockFreeUpdater
-from pagemem.engine.model_checks import check_no_meta_buffers, check_parameters
-from pagemem.engine.optimizer_states import OptimizerStates
-from pagemem.engine.pager import Pager
+from pagemem.engine.updates.lockfree import SHARED_SUMS, LockFreeUpdater
+from pagemem.engine.units.model_checks import check_no_meta_buffers, check_parameters
+from pagemem.engine.updates.optimizer_states import OptimizerStates
+from pagemem.engine.paging.pager import Pager
 from pagemem.engine.phase import EnginePhase, PhaseMachine
-from pagemem.engine.readback import give_weights_back, hook_state_dicts
-from pagemem.engine.update import Updater
+from pagemem.engine.units.readback import give_weights_back, hook_state_dicts
+from pagemem.engine.updates.update import Updater
 from pagemem.checks import check_int
 from pagemem.errors import ConfigError, FirstError, InvalidRequest
 from pagemem.store import PageStore
@@ -55,7 +55,7 @@ class Engine(BackwardMixin):
                  init: ModuleInit | None = None, values: Any = None, _values: bool = True) -> None:
         """Take over ``model``'s parameters: from here on they live in the store's pages.
 
-        ``param_groups``: as ``torch.optim`` takes them (see ``pagemem/engine/groups.py`` and
+        ``param_groups``: as ``torch.optim`` takes them (see ``pagemem/engine/updates/groups.py`` and
         :func:`pagemem.decay_groups`); default one group of every parameter, with
         ``config.optimizer``'s hyperparameters. Parameters that do not require a gradient keep
         only their compute copy ([Note: frozen parameters]).
@@ -372,7 +372,7 @@ class Engine(BackwardMixin):
     @shielded
     def save(self, directory: str, keep: int | None = None) -> str:
         """Write the whole training state as a new checkpoint under ``directory`` and point
-        ``directory/latest`` at it once it is durable (see ``engine/checkpoint.py``). Call it
+        ``directory/latest`` at it once it is durable (see ``engine/checkpoints/checkpoint.py``). Call it
         between updates (not in the middle of gradient accumulation). Returns its path. ``keep``:
         then remove all but the newest ``keep`` checkpoints (never the one ``latest`` names)."""
         self._usable("save")
@@ -409,7 +409,7 @@ class Engine(BackwardMixin):
         after this resets the learning rates, as torch's does when made after an optimizer state
         is loaded: load its state, then set each group's ``lr`` from ``get_last_lr()``. A damaged
         checkpoint raises a PageMemError naming the file, and a refused load leaves ``model`` as it
-        was; compute dtype and loss scaling are ``config``'s (``engine/checkpoint.py``)."""
+        was; compute dtype and loss scaling are ``config``'s (``engine/checkpoints/checkpoint.py``)."""
         return checkpoint.load(cls, directory, model, config, param_groups)
 
     def training_state(self) -> dict[str, Any]:

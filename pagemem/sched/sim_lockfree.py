@@ -12,7 +12,7 @@ two parts, each from the same task table and cost functions the synchronous simu
 - the *updating thread*: one pass over every unit costs, per stream, the sum of those tasks'
   seconds; the streams pipeline across units, so a pass takes the busiest stream's total. The
   thread takes one AdamW step per iteration a unit's sums hold ([Note: one step per iteration]
-  in ``engine/lockfree.py``), so its ``cpu`` work is every iteration's, while its transfers
+  in ``engine/updates/lockfree.py``), so its ``cpu`` work is every iteration's, while its transfers
   (``nvme``, and their ``io`` share) are one pass's, however many iterations that pass spans.
 
 Where the profile's ``shared_processor`` puts a stream of the updating thread on the processor

@@ -36,11 +36,11 @@ from typing import Iterable
 import torch
 
 from pagemem.engine.interrupts import shielded
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.records import placeholder
-from pagemem.engine.unit import Unit, UnitState
-from pagemem.engine.guard import Guard, Unguarded
-from pagemem.engine.scopes import Scopes
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.records import placeholder
+from pagemem.engine.units.unit import Unit, UnitState
+from pagemem.engine.units.guard import Guard, Unguarded
+from pagemem.engine.units.scopes import Scopes
 from pagemem.errors import InvalidRequest, OutOfMemory
 
 

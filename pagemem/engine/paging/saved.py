@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.residency import Residency
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.residency import Residency
 from pagemem.tracer import Recording, SavedTensor
 
 

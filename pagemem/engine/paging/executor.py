@@ -37,8 +37,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.residency import Residency
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.residency import Residency
 from pagemem.errors import OutOfMemory
 from pagemem.sched import Layout, Plan
 from pagemem.sched.tasks import EFFECTS

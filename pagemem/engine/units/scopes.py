@@ -13,7 +13,7 @@ traced, planned and demand iterations alike. The tracer records the same scopes 
 parameters of every open scope at every op: ``pagemem.tracer.recorder``), so a plan holds them
 too and counts their memory. A read outside every scope (a parameter used outside its module, a
 loss term over ``model.parameters()``, user code between steps) is not foreseen by any plan:
-``pagemem.engine.guard`` fetches it on demand, counted, and an evicted parameter never holds
+``pagemem.engine.units.guard`` fetches it on demand, counted, and an evicted parameter never holds
 values (see [Note: evicted parameters]).
 
 ``Scopes`` follows the op clock's events the way the tracer's recorder does, so both agree on
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from pagemem.engine.unit import Unit
+from pagemem.engine.units.unit import Unit
 from pagemem.tracer import Op
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagemem.engine.guard import GuardedParameter
+from pagemem.engine.units.guard import GuardedParameter
 from pagemem.errors import ConfigError, InvalidRequest
 
 

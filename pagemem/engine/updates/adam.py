@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from pagemem.checks import check_bool, check_int, check_rate
-from pagemem.engine.adam_threads import Workers, WorkerDied, usable_cores
+from pagemem.engine.updates.adam_threads import Workers, WorkerDied, usable_cores
 from pagemem.errors import ConfigError, InvalidRequest
 
 ALIGN = 16

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagemem.engine.adam import Chunk
+from pagemem.engine.updates.adam import Chunk
 
 if TYPE_CHECKING:
-    from pagemem.engine.bank import ParamBank
+    from pagemem.engine.units.bank import ParamBank
     from pagemem.store import PageStore
 
 KINDS = ("master", "grad", "exp_avg", "exp_avg_sq")
@@ -25,7 +25,7 @@ def aligned(master: list, grad: list, exp_avg: list, exp_avg_sq: list) -> list[S
     """The four states' pieces (``(first element, flat view)`` each, as ``Lease.pieces``) cut at
     every piece boundary of any of them, so that each run is one view of each state. Boundaries
     fall on page boundaries of 256-byte-aligned tensors: multiples of 64 elements, which keeps
-    the fused kernel bit-identical to one call (see ``pagemem.engine.adam``)."""
+    the fused kernel bit-identical to one call (see ``pagemem.engine.updates.adam``)."""
     parts = (master, grad, exp_avg, exp_avg_sq)
     if all(len(p) == 1 for p in parts):
         return [(0, Chunk(*(p[0][1] for p in parts)))]

@@ -68,11 +68,11 @@ from typing import Any, Callable
 
 import torch
 
-from pagemem.engine.adam import AdamW, fused_steps
-from pagemem.engine.adam_threads import Workers
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.grad_ledger import FRESH, GradLedger, GradState
-from pagemem.engine.state_pieces import with_grad
+from pagemem.engine.updates.adam import AdamW, fused_steps
+from pagemem.engine.updates.adam_threads import Workers
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.gradients.grad_ledger import FRESH, GradLedger, GradState
+from pagemem.engine.updates.state_pieces import with_grad
 from pagemem.errors import InvalidRequest, StepFailed
 from pagemem.store import PageStore
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from pagemem.config import StoreConfig
 from pagemem.engine.config import EngineConfig
-from pagemem.engine.records import compute_dtype_of, compute_is_master, owning_layers, paging_units
+from pagemem.engine.units.records import compute_dtype_of, compute_is_master, owning_layers, paging_units
 from pagemem.errors import OutOfMemory
 from pagemem.sched import InfeasiblePlan
 from pagemem.store.layout import pack

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagemem.engine.grad_ledger import GradLedger
+from pagemem.engine.gradients.grad_ledger import GradLedger
 
 DEFER_ON_HOST = False
 """Tests only: on the host, hold each copy until ``landed`` (see the Note)."""

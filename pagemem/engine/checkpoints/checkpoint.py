@@ -58,15 +58,15 @@ import torch
 import xxhash
 from torch import nn
 
-from pagemem.engine import manifest as mf
-from pagemem.engine.ckpt_io import (fsync_dir, file_size, io_errors, read_file, remove, remove_leftovers,
+from pagemem.engine.checkpoints import manifest as mf
+from pagemem.engine.checkpoints.ckpt_io import (fsync_dir, file_size, io_errors, read_file, remove, remove_leftovers,
                                     write_durable)
-from pagemem.engine.ckpt_state import (buffer_bytes, load_buffers, model_snapshot, restore_model,
+from pagemem.engine.checkpoints.ckpt_state import (buffer_bytes, load_buffers, model_snapshot, restore_model,
                                        persistent_buffers)
 from pagemem.errors import ConfigError, CorruptCheckpoint, CorruptPage, InvalidRequest
 
 if TYPE_CHECKING:
-    from pagemem.engine.bank import ParamBank
+    from pagemem.engine.units.bank import ParamBank
     from pagemem.engine.config import EngineConfig
     from pagemem.store import PageStore
 
@@ -293,7 +293,7 @@ def saved_groups(manifest: dict[str, Any], model: torch.nn.Module) -> list[dict[
     group_of = state.get("group_of")
     if group_of is None or (len(state["param_groups"]) == 1 and None not in group_of):
         return None
-    from pagemem.engine.records import owning_layers
+    from pagemem.engine.units.records import owning_layers
 
     params = [p for _, p in owning_layers(model)[0]]
     if len(params) != len(group_of):
@@ -307,7 +307,7 @@ def load(make: Callable[..., Any], directory: str, model: torch.nn.Module, confi
     ``model``, its states from the checkpoint ``directory`` names (through the engine's
     ``checkpointed()`` handle); a refused load leaves ``model`` as it was ([Note: a refused load
     changes nothing])."""
-    from pagemem.engine.model_checks import check_no_meta_buffers
+    from pagemem.engine.units.model_checks import check_no_meta_buffers
 
     ckpt = resolve(directory)
     manifest = read_manifest(ckpt)

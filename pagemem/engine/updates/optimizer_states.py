@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pagemem.engine.bank import ParamBank
+from pagemem.engine.units.bank import ParamBank
 from pagemem.errors import InvalidRequest
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from pagemem.engine.guard import intercept
+from pagemem.engine.units.guard import intercept
 from pagemem.errors import InvalidRequest
 
 _T = torch.Tensor

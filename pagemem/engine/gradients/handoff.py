@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Sequence
 
-from pagemem.engine.unit import Unit
+from pagemem.engine.units.unit import Unit
 
 
 class GradHandoff:

@@ -16,8 +16,8 @@ from typing import Callable
 
 from torch import nn
 
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.guard import Guard
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.guard import Guard
 from pagemem.machine import host_memory_available
 
 

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from pagemem.checks import check_rate
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.grad_ledger import GradLedger
-from pagemem.engine.grads import GradHandles
-from pagemem.engine.handoff import GradHandoff
-from pagemem.engine.lockfree import SHARED_SUMS, LockFreeUpdater
-from pagemem.engine.update import Updater
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.gradients.grad_ledger import GradLedger
+from pagemem.engine.gradients.grads import GradHandles
+from pagemem.engine.gradients.handoff import GradHandoff
+from pagemem.engine.updates.lockfree import SHARED_SUMS, LockFreeUpdater
+from pagemem.engine.updates.update import Updater
 from pagemem.errors import InvalidRequest
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import xxhash
 
-from pagemem.engine.adam import AdamW
+from pagemem.engine.updates.adam import AdamW
 from pagemem.errors import CorruptCheckpoint, InvalidRequest, PageMemError
 
 VERSION = 2

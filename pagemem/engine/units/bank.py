@@ -31,11 +31,11 @@ from torch import nn
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store import PagedTensor, PageStore
 from pagemem.store.layout import pack
-from pagemem.engine.grad_copies import GradCopies
-from pagemem.engine.records import (ParamRecord, compute_dtype_of, compute_is_master, grad_tier_beside,
+from pagemem.engine.gradients.grad_copies import GradCopies
+from pagemem.engine.units.records import (ParamRecord, compute_dtype_of, compute_is_master, grad_tier_beside,
                                     owning_layers, paging_units, placeholder)
-from pagemem.engine.unit import Unit
-from pagemem.engine.values import FromModule, ValueSource, check_source, materialize_meta
+from pagemem.engine.units.unit import Unit
+from pagemem.engine.units.values import FromModule, ValueSource, check_source, materialize_meta
 
 
 

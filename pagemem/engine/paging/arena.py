@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.residency import Residency
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.residency import Residency
 from pagemem.errors import InvalidRequest, OutOfMemory
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from pagemem.engine.adam import AdamW
+from pagemem.engine.updates.adam import AdamW
 from pagemem.engine.config import check_no_amsgrad
 from pagemem.errors import ConfigError
 

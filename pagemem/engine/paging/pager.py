@@ -51,15 +51,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagemem.engine.arena import ArenaSizer
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.budget_checks import refusal
-from pagemem.engine.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, unit_layout
-from pagemem.engine.guard import Guard
-from pagemem.engine.residency import Residency
-from pagemem.engine.peaks import PeakMeter
-from pagemem.engine.saved import SavedTensorHooks
-from pagemem.engine.scopes import Scopes
+from pagemem.engine.paging.arena import ArenaSizer
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.budget_checks import refusal
+from pagemem.engine.paging.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, unit_layout
+from pagemem.engine.units.guard import Guard
+from pagemem.engine.units.residency import Residency
+from pagemem.engine.paging.peaks import PeakMeter
+from pagemem.engine.paging.saved import SavedTensorHooks
+from pagemem.engine.units.scopes import Scopes
 from pagemem.errors import OutOfMemory
 from pagemem.sched import InfeasiblePlan, Plan, plan, validate
 from pagemem.tracer import Op, OpClock, Recording, Trace, TraceError, TraceOptions

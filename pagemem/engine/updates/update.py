@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 import torch
 
-from pagemem.engine.adam import AdamW, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
-from pagemem.engine.bank import ParamBank
-from pagemem.engine.grad_ledger import GradLedger, GradState
-from pagemem.engine.loss_scale import LossScaler
-from pagemem.engine.state_pieces import StatePiece, lend, norm_of_pieces, with_grad
+from pagemem.engine.updates.adam import AdamW, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.gradients.grad_ledger import GradLedger, GradState
+from pagemem.engine.updates.loss_scale import LossScaler
+from pagemem.engine.updates.state_pieces import StatePiece, lend, norm_of_pieces, with_grad
 from pagemem.engine.config import EngineConfig
 from pagemem.errors import InvalidRequest, StepFailed
 from pagemem.store import PageStore
