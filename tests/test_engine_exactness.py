@@ -8,6 +8,8 @@ with units moving every iteration, and compares every tensor bit for bit with
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 
 import pytest
@@ -1085,3 +1087,33 @@ def test_mixed_dtypes_resume_from_a_checkpoint_bit_for_bit(tmp_path):
         engine.step()
         got = engine.state_dict()
     assert_same(train_with_fp32_masters(make, mse, 3), got)
+
+
+# ---------------------------------------------------------------------------- .data read while updates overlap backward
+
+def test_data_read_before_a_backward_whose_updates_overlap_it_keeps_every_update(tmp_path, monkeypatch):
+    """Code that reads ``p.data`` (logging a weight, say) makes the engine compare that parameter
+    with its master weights before it is evicted or updated ([Note: writes to parameters]). With
+    updates running behind backward, the comparison caught an update between its master weights
+    and its compute copy, took the old copy for a write by hand, and wrote it back: the update was
+    lost (about one learning rate off; seen once in a few hundred runs, here made certain by
+    slowing the refresh of the compute copy)."""
+    from pagemem.engine.units import bank as bank_module
+
+    real_refresh = bank_module.ParamBank.refresh_compute
+
+    def slow_refresh(self, i, master, start=0):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)  # master and moments updated, the compute copy not yet
+        return real_refresh(self, i, master, start)
+
+    def loop(run, model, opt, s, loss):
+        _ = model.out.weight.data.norm()  # a habit: logging a weight by its .data
+        loss(run, model, s).backward()
+        opt.step()
+        opt.zero_grad()
+
+    monkeypatch.setattr(bank_module.ParamBank, "refresh_compute", slow_refresh)
+    stats = same_loop(seeded(ParamAfterChild), mse, loop, 4, tmp_path, overlap_update=True, fraction=30.0,
+                      executor="demand")  # units stay bound, their states on the cpu (updated by workers)
+    assert stats["overlapped_updates"] > 0

@@ -155,7 +155,8 @@ class Engine(BackwardMixin):
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
                            self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i),
                            resident=lambda i: units[unit_of[i]].bound)
-        self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard)
+        self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard,
+                           self.updater.wait_for_updates)
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights)
 

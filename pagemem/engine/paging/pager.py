@@ -46,7 +46,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -100,12 +100,15 @@ class SignatureRecord:
 
 class Pager:
     def __init__(self, model: nn.Module, bank: ParamBank, clock: OpClock, optimizer_tier: str,
-                 executor: str, guard: Guard | None = None) -> None:
+                 executor: str, guard: Guard | None = None,
+                 wait_for_updates: Callable[[Iterable[int]], None] | None = None) -> None:
+        """``wait_for_updates(params)``: updates of ``params`` running behind backward have
+        landed once it returns (see ``Residency``)."""
         self.model = model
         self.bank = bank
         self.clock = clock
         self.scopes = Scopes(bank.layers)
-        self.residency = Residency(bank, self.scopes, guard)
+        self.residency = Residency(bank, self.scopes, guard, wait_for_updates)
         self.store = bank.store
         self._gpu = self.store.tier("gpu")
         self._page_bytes = self.store.page_bytes

@@ -31,7 +31,7 @@ objects themselves never change, so optimizer and autograd references stay valid
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -45,8 +45,13 @@ from pagemem.errors import InvalidRequest, OutOfMemory
 
 
 class Residency:
-    def __init__(self, bank: ParamBank, scopes: Scopes | None = None, guard: Guard | None = None) -> None:
+    def __init__(self, bank: ParamBank, scopes: Scopes | None = None, guard: Guard | None = None,
+                 wait_for_updates: Callable[[Iterable[int]], None] | None = None) -> None:
+        """``wait_for_updates(params)``: the updates of ``params`` running behind backward
+        (``overlap_update``) have landed once it returns: their master weights and compute copy
+        agree again, which ``keep_writes`` compares (see [Note: writes to parameters])."""
         self.bank = bank
+        self._wait_for_updates = wait_for_updates if wait_for_updates is not None else (lambda params: None)
         self.guard = guard if guard is not None else Unguarded()
         """Told of every bind and eviction (see [Note: evicted parameters])."""
         self.scopes = scopes if scopes is not None else Scopes(bank.layers)
@@ -404,6 +409,7 @@ class Residency:
                 moved = p._version != u.versions[k]
                 elsewhere = p.numel() > 0 and _storage_ptr(p) != u.bound_ptrs.get(i)
                 if not moved and not elsewhere and i in self._data_taken:
+                    self._wait_for_updates([i])  # an update behind backward changes master, then copy
                     moved = not torch.equal(p.data, self.bank.host_value(i, p.dtype).to(p.device))
                 self._data_taken.discard(i)
                 if moved or elsewhere:

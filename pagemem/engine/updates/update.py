@@ -13,7 +13,7 @@ import dataclasses
 import math
 import warnings
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -161,6 +161,13 @@ class Updater:
     def summed(self) -> None:
         """The backward ended: every gradient it handed off is summed."""
         self.ledger.move_all(_ACCUMULATING, _SUMMED)
+
+    def wait_for_updates(self, params: Iterable[int]) -> None:
+        """Wait until the updates of ``params`` started during backward have landed (master,
+        moments and compute copy written); their errors stay for ``step()`` to raise."""
+        futures = [f for i in params if (f := self._early.get(i)) is not None]
+        if futures:
+            join_all(futures)
 
     def _hyper_now(self, i: int) -> AdamW:
         """The hyperparameters of parameter ``i``'s group for this backward's early updates, read
