@@ -121,16 +121,14 @@ class Engine(BackwardMixin):
                                         states=OptimizerStates(self.bank, lambda: self.optimizer.param_groups,
                                                                lambda: self.updater.flush()))
         index = {id(p): i for i, p in enumerate(params)}
-        self.group_of: list[int | None] = [None] * len(params)
-        """Each parameter's group in ``optimizer.param_groups`` (None: in none, never updated)."""
         for g, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
-                self.group_of[index[id(p)]] = g
+                self.bank.records[index[id(p)]].group = g
         self.ledger = GradLedger([n for n, _ in self.bank.params], self.bank.layer_of)
         """Each parameter's gradient state ([Note: gradient states] in ``grad_ledger.py``)."""
         self.bank.copies.record_in(self.ledger)
         self.updater = Updater(self.bank, self.store, config, lambda g: check_no_amsgrad(self.optimizer.hyper(g)),
-                               [g if g is not None else 0 for g in self.group_of], self.ledger)
+                               self.ledger)
         self.phase = PhaseMachine()
         """Where the engine stands between backward and the update, with the backwards since the
         last update ([Note: engine phases], ``phase.py``)."""
@@ -142,14 +140,15 @@ class Engine(BackwardMixin):
         """The updating thread, with ``config.lock_free`` ([Note: the lock-free updater])."""
         if config.lock_free:
             self.lockfree = LockFreeUpdater(self.bank, self.store, self.updater.chunks, self.updater.take_sum,
-                                            [g if g is not None else 0 for g in self.group_of], config.max_staleness,
+                                            config.max_staleness,
                                             predict=config.staleness_correction == "predict", ledger=self.ledger)
         # where handed-off gradients go, for the engine's life: the updater's sums, or the lock-free buffers
         destination = LockFreeDestination(self.lockfree) if self.lockfree is not None else SyncDestination(self.updater)
         self.gradients = Gradients(self.bank, self.updater, self.ledger, destination)
         """Gradients between autograd and the update (``gradients.py``)."""
-        self._trainable = [r.trainable for r in self.bank.records]
-        self._hooks = self.gradients.hooks(self._trainable, self.group_of, self._before_accumulate)
+        for r in self.bank.records:
+            r.requires_grad = r.trainable
+        self._hooks = self.gradients.hooks(self._before_accumulate)
         self.clock = OpClock(model, self.bank.params)
         units, unit_of = self.bank.layers, self.bank.layer_of
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
@@ -159,6 +158,12 @@ class Engine(BackwardMixin):
                            self.updater.wait_for_updates)
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights)
+
+    @property
+    def group_of(self) -> list[int | None]:
+        """Each parameter's group in ``optimizer.param_groups`` (None: in none, never updated): a
+        view of the records."""
+        return [r.group for r in self.bank.records]
 
     def _before_reading_weights(self) -> None:
         """A state dict is read: updates submitted land first, writes to parameters are kept."""
@@ -191,20 +196,22 @@ class Engine(BackwardMixin):
         """``requires_grad`` changed since the last iteration: a parameter unfrozen gets what
         training needs, the hooks follow, and iterations are traced and planned anew (their
         ops differ)."""
+        records = self.bank.records
         with torch._C.DisableTorchFunctionSubclass():  # a plain read of each flag
-            now = [p.requires_grad for _, p in self.bank.params]
-        if now == self._trainable:
+            now = [r.param.requires_grad for r in records]
+        if all(want == r.requires_grad for want, r in zip(now, records)):
             return
-        for i, (name, _) in enumerate(self.bank.params):
-            if now[i] and not self._trainable[i]:
-                if self.group_of[i] is None:
-                    raise InvalidRequest(f"parameter {name!r} was unfrozen but is in no param group, so it would "
-                                         "never be updated: put it in param_groups when making the engine")
-                self.bank.make_trainable(i)
-        self._trainable = now
+        for want, r in zip(now, records):
+            if want and not r.requires_grad and r.group is None:
+                raise InvalidRequest(f"parameter {r.name!r} was unfrozen but is in no param group, so it would "
+                                     "never be updated: put it in param_groups when making the engine")
+        for want, r in zip(now, records):
+            if want and not r.requires_grad:
+                self.bank.make_trainable(r.index)
+            r.requires_grad = want
         for h in self._hooks:
             h.remove()
-        self._hooks = self.gradients.hooks(self._trainable, self.group_of, self._before_accumulate)
+        self._hooks = self.gradients.hooks(self._before_accumulate)
         self.clock.remove(quiet=True)
         self.clock.install()
         self.pager.forget_plans()
@@ -418,7 +425,7 @@ class Engine(BackwardMixin):
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                   for g in self.optimizer.param_groups]
         return {"global_step": self.global_step, **self.updater.state(), "param_groups": groups,
-                "group_of": list(self.group_of)}
+                "group_of": self.group_of}
 
     def restore_training_state(self, state: dict[str, Any]) -> None:
         if len(state["param_groups"]) != len(self.optimizer.param_groups):

@@ -205,10 +205,11 @@ class Gradients:
         self.last_norm = float(total)
         return total
 
-    def hooks(self, trainable: list[bool], group_of: list[int | None], before: Any) -> list:
-        """For each trainable parameter in a group: ``before`` ahead of autograd's accumulation
+    def hooks(self, before: Any) -> list:
+        """For each parameter hooked (``ParamRecord.hooked``: it requires a gradient and is in a
+        group): ``before`` ahead of autograd's accumulation
         (a backward by habit starts there) and the hand-off after it. Returns the handles."""
-        return [h for i, (_, p) in enumerate(self.bank.params) if trainable[i] and group_of[i] is not None
+        return [h for i, (_, p) in enumerate(self.bank.params) if self.bank.records[i].hooked
                 for h in (p.register_hook(before), p.register_post_accumulate_grad_hook(partial(self.hand_off, i)))]
 
 

@@ -214,6 +214,16 @@ class ParamBank:
     def original_dtype_of(self, i: int) -> torch.dtype:
         return self.records[i].original_dtype
 
+    def group_of(self, i: int) -> int:
+        """Parameter ``i``'s group in the optimizer's ``param_groups`` (0 for one in none: it is
+        never handed a gradient, so never updated)."""
+        g = self.records[i].group
+        return g if g is not None else 0
+
+    def group_count(self) -> int:
+        """How many groups the parameters are in (at least one)."""
+        return max((r.group for r in self.records if r.group is not None), default=0) + 1
+
     def compute_dtype_of(self, i: int) -> torch.dtype:
         """The dtype parameter ``i`` computes in ([Note: compute dtypes])."""
         return self.records[i].compute_dtype

@@ -56,6 +56,15 @@ class ParamRecord:
     the master)."""
     steps: int = 0
     """AdamW's update count (torch's ``state['step']``)."""
+    group: int | None = None
+    """Its group in ``engine.optimizer.param_groups`` (None: in none, never updated)."""
+    requires_grad: bool = False
+    """``requires_grad`` as the engine last saw it (at construction, then at each iteration's
+    start): its hand-off hooks are installed when this is set and it is in a group."""
+
+    @property
+    def hooked(self) -> bool:
+        return self.requires_grad and self.group is not None
 
 
 def owning_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, list[int]]]]:

@@ -102,7 +102,7 @@ class LockFreeUpdater:
     """The updating thread and both buffers' bookkeeping (see the Note)."""
 
     def __init__(self, bank: ParamBank, store: PageStore, chunks: Callable[[list[int]], Any],
-                 take_sum: Callable[[int], torch.Tensor], group_of: list[int], max_staleness: int | None,
+                 take_sum: Callable[[int], torch.Tensor], max_staleness: int | None,
                  predict: bool = False, ledger: GradLedger | None = None) -> None:
         """``chunks(params)``: the updater's state pieces and leases (``Updater.chunks``);
         ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat; ``ledger``: each
@@ -111,7 +111,6 @@ class LockFreeUpdater:
         self.bank, self.store = bank, store
         self.ledger = ledger if ledger is not None else GradLedger([n for n, _ in bank.params], bank.layer_of)
         self._chunks, self._take_sum = chunks, take_sum
-        self.group_of = group_of
         self.max_staleness = max_staleness
         self.predict = predict
         n = len(bank.layers)
@@ -327,7 +326,7 @@ class LockFreeUpdater:
                     pieces = with_grad(pieces, g)
                     before = _master(pieces).clone() if drift is not None else None
                     for _ in range(k):  # [Note: one step per iteration]
-                        fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.group_of[i]],
+                        fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.bank.group_of(i)],
                                     None)
                         self.bank.count_step(i)
                     shape = self.bank.params[i][1].shape

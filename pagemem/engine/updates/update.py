@@ -54,8 +54,7 @@ class UnfinishedUpdate:
 
 class Updater:
     def __init__(self, bank: ParamBank, store: PageStore, config: EngineConfig,
-                 hyper: Callable[[int], AdamW], group_of: list[int] | None = None,
-                 ledger: GradLedger | None = None) -> None:
+                 hyper: Callable[[int], AdamW], ledger: GradLedger | None = None) -> None:
         """``ledger``: each parameter's gradient state ([Note: gradient states]), which this
         moves as gradients arrive, are updated, assigned and discarded."""
         self.bank = bank
@@ -64,8 +63,6 @@ class Updater:
         self.config = config
         self.hyper = hyper
         """``hyper(g)``: parameter group ``g``'s hyperparameters now (after any lr scheduler)."""
-        self.group_of = group_of if group_of is not None else [0] * len(bank.params)
-        """Each parameter's group."""
         self._writeback = None
         self.adam = CpuAdam(config.adam_threads)
         self.scaler = LossScaler(config.effective_loss_scale)
@@ -172,7 +169,7 @@ class Updater:
     def _hyper_now(self, i: int) -> AdamW:
         """The hyperparameters of parameter ``i``'s group for this backward's early updates, read
         once per group at the first of them."""
-        g = self.group_of[i]
+        g = self.bank.group_of(i)
         hp = self._early_hp.get(g)
         if hp is None:
             hp = self._early_hp[g] = self.hyper(g)
@@ -221,7 +218,7 @@ class Updater:
         ``u``, so a retry does the rest only."""
         for i, pieces in group:
             if i not in u.stepped:
-                fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, u.hps[self.group_of[i]], u.scale,
+                fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, u.hps[self.bank.group_of(i)], u.scale,
                             clip_coef=u.coef)
                 self.bank.count_step(i)
                 u.stepped.add(i)
@@ -400,7 +397,7 @@ class Updater:
     def _begin_update(self) -> UnfinishedUpdate | None:
         """A new step: wait for the updates made during backward (those that failed join this
         update), and what the rest is updated with; None when nothing is left to update."""
-        hps = [self.hyper(g) for g in range(max(self.group_of, default=0) + 1)]
+        hps = [self.hyper(g) for g in range(self.bank.group_count())]
         early = self._early
         if early and any(hps[g] != hp for g, hp in self._early_hp.items()):
             warnings.warn("pagemem: param_groups changed between backward and step(); the updates made during "
