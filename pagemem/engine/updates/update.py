@@ -20,6 +20,7 @@ import torch
 from pagemem.engine.updates.adam import AdamW, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import GradLedger, GradState
+from pagemem.engine.updates.grad_sums import GradSums
 from pagemem.engine.updates.loss_scale import LossScaler
 from pagemem.engine.updates.state_pieces import StatePiece, lend, norm_of_pieces, with_grad
 from pagemem.engine.config import EngineConfig
@@ -64,6 +65,8 @@ class Updater:
         self.hyper = hyper
         """``hyper(g)``: parameter group ``g``'s hyperparameters now (after any lr scheduler)."""
         self._writeback = None
+        self.sums = GradSums(bank, store, self.ledger)
+        """Each parameter's gradient sum read, scaled, zeroed or set in place (``grad_sums.py``)."""
         self.adam = CpuAdam(config.adam_threads)
         self.scaler = LossScaler(config.effective_loss_scale)
         self.skipped_steps = 0
@@ -263,62 +266,26 @@ class Updater:
         if not self.ledger.count(_ACCUMULATING, _SUMMED):
             self.ledger.move_all(_APPLIED, _NONE)
 
-    def take_sum(self, i: int) -> torch.Tensor:
-        """A flat copy of parameter ``i``'s gradient sum (the lock-free updater takes it)."""
-        return self._grad_view(i, lambda views: torch.cat(views) if len(views) > 1 else views[0].clone())
-
     def chunks(self, params: list[int]) -> tuple[list[tuple[int, list[StatePiece]]], list]:
         """``params``' states as pieces of page memory, and the leases to release after."""
         return self._chunks(params)
 
-    def _grad_view(self, i: int, fn: Callable[[list[torch.Tensor]], Any]) -> Any:
-        """``fn`` of parameter ``i``'s gradient sum as flat fp32 views of its pages, in order (one,
-        or one per run of adjacent pages)."""
-        if self.ledger.state(i) in (_UPDATING, _APPLIED):
-            raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
-                                 "(overlap_update); pass overlap_update=False to read or clip gradients")
-        self.bank.grads_landed([i])
-        x = self.bank.lasting_view("grad", i)
-        if x is not None:
-            return fn([x])
-        layer, k = self.bank.where(i)
-        with self.store.lease_many([layer.grad[k]], self.bank.grad_tier_of(layer.index), split=True)[0] as lease:
-            return fn([v for _, v in lease.pieces])
+    # what p.grad handles and clipping do to the sums ([Note: gradient handles]): GradSums does it
+    def take_sum(self, i: int) -> torch.Tensor:
+        """A flat copy of parameter ``i``'s gradient sum (the lock-free updater takes it)."""
+        return self.sums.take(i)
 
     def grad_norm(self, i: int) -> torch.Tensor:
-        """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""
-        return self._grad_view(i, norm_of_pieces)
+        return self.sums.norm(i)
 
     def scale_grad(self, i: int, coef: float, divide: bool = False) -> None:
-        """Multiply (``divide``: divide) parameter ``i``'s gradient sum by ``coef`` in place."""
-        def scale(views: list[torch.Tensor]) -> None:
-            with torch.no_grad():
-                for v in views:
-                    v.div_(coef) if divide else v.mul_(coef)
-        self._grad_view(i, scale)
+        self.sums.scale(i, coef, divide)
 
     def set_grad(self, i: int, grad: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient sum becomes ``grad`` (a gradient assigned to ``p.grad``)."""
-        name = self.bank.params[i][0]
-        if self.ledger.state(i) is _UPDATING:
-            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned after its gradient was applied during "
-                                 "backward (overlap_update); pass overlap_update=False")
-        if not self.bank.is_trainable(i):
-            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned to a parameter that does not require a "
-                                 "gradient")
-        if tuple(grad.shape) != tuple(self.bank.params[i][1].shape):
-            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned a tensor of shape {tuple(grad.shape)}")
-        self.bank.accumulate_grad(i, grad, first=True)
-        self.ledger.move(i, _SUMMED)
+        self.sums.set(i, grad)
 
     def zero_grad(self, i: int) -> None:
-        """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated."""
-        def zero(views: list[torch.Tensor]) -> None:
-            with torch.no_grad():
-                for v in views:
-                    v.zero_()
-        self._grad_view(i, zero)
-        self.ledger.move(i, _SUMMED)
+        self.sums.zero(i)
 
     def _step(self) -> bool:
         """[Note: a step is a transaction] An update lands whole or the engine says what did

@@ -1,0 +1,132 @@
+"""What the engine gives back: the trained weights as a state dict, checkpoints (save, load, and
+the narrow handle they see, ``checkpoints.checkpoint.Checkpointed``), and its counters as
+JSON-ready values. A mixin of ``Engine``, as ``backward.py`` is: these methods share its state."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch import nn
+
+from pagemem.checks import check_int
+from pagemem.engine.checkpoints import checkpoint
+from pagemem.engine.config import EngineConfig
+from pagemem.engine.interrupts import shielded
+from pagemem.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from pagemem.engine.paging.pager import Pager
+    from pagemem.engine.phase import PhaseMachine
+    from pagemem.engine.units.bank import ParamBank
+    from pagemem.engine.updates.adam import PagedOptimizer
+    from pagemem.engine.updates.lockfree import LockFreeUpdater
+    from pagemem.engine.updates.update import Updater
+    from pagemem.store import PageStore
+
+
+_E = TypeVar("_E", bound="ResultsMixin")
+
+
+class ResultsMixin:
+    module: nn.Module
+    config: EngineConfig
+    bank: "ParamBank"
+    store: "PageStore"
+    device: torch.device
+    optimizer: "PagedOptimizer"
+    updater: "Updater"
+    lockfree: "LockFreeUpdater | None"
+    pager: "Pager"
+    phase: "PhaseMachine"
+    global_step: int
+
+    if TYPE_CHECKING:  # Engine's
+        def _usable(self, what: str) -> None: ...
+
+        def _before_reading_weights(self) -> None: ...
+
+        @property
+        def group_of(self) -> list[int | None]: ...
+
+    @shielded
+    def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
+        """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
+        master weights on the host (wherever their pages are; a frozen parameter's compute copy
+        in its original dtype), buffers as they are."""
+        self._usable("state_dict")
+        self._before_reading_weights()
+        index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            i = index.get(id(value))
+            if i is None:
+                out[key] = value.detach().clone()
+            else:
+                # on the host, wherever the pages are; a frozen parameter's compute copy as it was given
+                out[key] = self.bank.host_value(i, torch.float32 if self.bank.is_trainable(i) else
+                                                self.bank.original_dtype_of(i))
+        return out
+
+    @shielded
+    def save(self, directory: str, keep: int | None = None) -> str:
+        """Write the whole training state as a new checkpoint under ``directory`` and point
+        ``directory/latest`` at it once it is durable (see ``engine/checkpoints/checkpoint.py``). Call it
+        between updates (not in the middle of gradient accumulation). Returns its path. ``keep``:
+        then remove all but the newest ``keep`` checkpoints (never the one ``latest`` names)."""
+        self._usable("save")
+        self.updater.refuse_if_unfinished("save")
+        if self.lockfree is not None:
+            if self.lockfree.has_fresh():
+                raise InvalidRequest("save: call step() first (gradients of this iteration are not saved)")
+            self.lockfree.quiesce()  # a checkpoint of a drained updater is a synchronous one
+        if self.phase.micro:
+            raise InvalidRequest("save: gradients of an unfinished accumulation are not saved; "
+                                 "call save() after step() has updated")
+        self.updater.flush()
+        self.pager.residency.keep_writes()
+        if keep is not None:
+            check_int("keep", keep, 1)
+        return checkpoint.save(self.checkpointed(), directory, keep)
+
+    def checkpointed(self) -> checkpoint.Checkpointed:
+        """What a checkpoint reads and writes of this engine (``checkpoint.Checkpointed``)."""
+        return checkpoint.Checkpointed(self.module, self.config, self.bank, self.store, self.device,
+                                       self.training_state, self.restore_training_state,
+                                       lambda: self.updater.scaler.scale)
+
+    @classmethod
+    def load(cls: type[_E], directory: str, model: nn.Module, config: EngineConfig | None = None, *,
+             param_groups: Any = None) -> _E:
+        """An engine over ``model`` resumed from the checkpoint ``directory`` names (or its
+        ``latest``): weights, buffers, optimizer states, counters, loss scale, optimizer groups
+        (which parameters each holds, and their hyperparameters), RNG. ``config`` defaults to the
+        one saved (its store paths must exist here); ``param_groups`` to the saved membership
+        (given, it must hold the same parameters in the same groups). The model may be built on
+        the ``meta`` device (``with torch.device("meta"): model = ...``): its values then come
+        only from the checkpoint and host memory never holds a second copy. A scheduler made
+        after this resets the learning rates, as torch's does when made after an optimizer state
+        is loaded: load its state, then set each group's ``lr`` from ``get_last_lr()``. A damaged
+        checkpoint raises a PageMemError naming the file, and a refused load leaves ``model`` as it
+        was; compute dtype and loss scaling are ``config``'s (``engine/checkpoints/checkpoint.py``)."""
+        return checkpoint.load(cls, directory, model, config, param_groups)
+
+    def training_state(self) -> dict[str, Any]:
+        """Counters, loss scale and optimizer groups as JSON-ready values (for checkpoints)."""
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        return {"global_step": self.global_step, **self.updater.state(), "param_groups": groups,
+                "group_of": self.group_of}
+
+    def restore_training_state(self, state: dict[str, Any]) -> None:
+        if len(state["param_groups"]) != len(self.optimizer.param_groups):
+            raise InvalidRequest(f"the checkpoint has {len(state['param_groups'])} parameter groups, this engine "
+                                 f"{len(self.optimizer.param_groups)}: pass the same param_groups")
+        if "group_of" in state and list(state["group_of"]) != list(self.group_of):
+            raise InvalidRequest("the checkpoint's parameter groups hold other parameters than this engine's: "
+                                 "pass the same param_groups (or none, to take the saved ones)")
+        self.updater.restore(state)
+        self.global_step = state["global_step"]
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})

@@ -1,0 +1,78 @@
+"""Each parameter's fp32 gradient sum, read and changed in place: its norm, scaled, zeroed, set
+from a tensor assigned to ``p.grad``, taken as a copy. What ``p.grad`` handles and clipping do
+([Note: gradient handles] in ``gradients/grads.py``); the ledger says which sums are readable
+([Note: gradient states]): one whose update ran during backward is not."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from pagemem.engine.gradients.grad_ledger import GradLedger, GradState
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.updates.state_pieces import norm_of_pieces
+from pagemem.errors import InvalidRequest
+from pagemem.store import PageStore
+
+_UPDATING, _APPLIED, _SUMMED = GradState.UPDATING, GradState.APPLIED, GradState.SUMMED
+
+
+class GradSums:
+    def __init__(self, bank: ParamBank, store: PageStore, ledger: GradLedger) -> None:
+        self.bank = bank
+        self.store = store
+        self.ledger = ledger
+
+    def take(self, i: int) -> torch.Tensor:
+        """A flat copy of parameter ``i``'s gradient sum (the lock-free updater takes it)."""
+        return self._grad_view(i, lambda views: torch.cat(views) if len(views) > 1 else views[0].clone())
+
+    def _grad_view(self, i: int, fn: Callable[[list[torch.Tensor]], Any]) -> Any:
+        """``fn`` of parameter ``i``'s gradient sum as flat fp32 views of its pages, in order (one,
+        or one per run of adjacent pages)."""
+        if self.ledger.state(i) in (_UPDATING, _APPLIED):
+            raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
+                                 "(overlap_update); pass overlap_update=False to read or clip gradients")
+        self.bank.grads_landed([i])
+        x = self.bank.lasting_view("grad", i)
+        if x is not None:
+            return fn([x])
+        layer, k = self.bank.where(i)
+        with self.store.lease_many([layer.grad[k]], self.bank.grad_tier_of(layer.index), split=True)[0] as lease:
+            return fn([v for _, v in lease.pieces])
+
+    def norm(self, i: int) -> torch.Tensor:
+        """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""
+        return self._grad_view(i, norm_of_pieces)
+
+    def scale(self, i: int, coef: float, divide: bool = False) -> None:
+        """Multiply (``divide``: divide) parameter ``i``'s gradient sum by ``coef`` in place."""
+        def scale_views(views: list[torch.Tensor]) -> None:
+            with torch.no_grad():
+                for v in views:
+                    v.div_(coef) if divide else v.mul_(coef)
+        self._grad_view(i, scale_views)
+
+    def set(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient sum becomes ``grad`` (a gradient assigned to ``p.grad``)."""
+        name = self.bank.params[i][0]
+        if self.ledger.state(i) is _UPDATING:
+            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned after its gradient was applied during "
+                                 "backward (overlap_update); pass overlap_update=False")
+        if not self.bank.is_trainable(i):
+            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned to a parameter that does not require a "
+                                 "gradient")
+        if tuple(grad.shape) != tuple(self.bank.params[i][1].shape):
+            raise InvalidRequest(f"parameter {name!r}: p.grad was assigned a tensor of shape {tuple(grad.shape)}")
+        self.bank.accumulate_grad(i, grad, first=True)
+        self.ledger.move(i, _SUMMED)
+
+    def zero(self, i: int) -> None:
+        """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated."""
+        def zero_views(views: list[torch.Tensor]) -> None:
+            with torch.no_grad():
+                for v in views:
+                    v.zero_()
+        self._grad_view(i, zero_views)
+        self.ledger.move(i, _SUMMED)
