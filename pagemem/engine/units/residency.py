@@ -41,10 +41,11 @@ from pagemem.engine.units.records import placeholder
 from pagemem.engine.units.unit import Unit, UnitState
 from pagemem.engine.units.guard import Guard, Unguarded
 from pagemem.engine.units.scopes import Scopes
+from pagemem.engine.units.writes import KeepsWrites, storage_ptr
 from pagemem.errors import InvalidRequest, OutOfMemory
 
 
-class Residency:
+class Residency(KeepsWrites):
     def __init__(self, bank: ParamBank, scopes: Scopes | None = None, guard: Guard | None = None,
                  wait_for_updates: Callable[[Iterable[int]], None] | None = None) -> None:
         """``wait_for_updates(params)``: the updates of ``params`` running behind backward
@@ -88,7 +89,7 @@ class Residency:
         with torch._C.DisableTorchFunctionSubclass():
             for i, (_, p) in enumerate(bank.params):
                 if p.numel():
-                    self._parked[i] = _storage_ptr(p)
+                    self._parked[i] = storage_ptr(p)
         """Parameters whose ``.data`` was handed out since they were last checked."""
         self.written = 0
         """Parameters written in place whose new values were kept (see ``keep_writes``)."""
@@ -298,14 +299,14 @@ class Residency:
                 u.leases.append(lease)
                 data = lease.tensor
             with torch._C.DisableTorchFunctionSubclass():  # the engine's own: not a user's assignment
-                if p.numel() and self._parked.get(i) not in (None, _storage_ptr(p)):
+                if p.numel() and self._parked.get(i) not in (None, storage_ptr(p)):
                     # given other memory while evicted (set_ moves no guard): keep its values
                     self.bank.write_parameter(i, p.data)
                     self.written += 1
                 p.data = data
             self.guard.bound(i)
             if data.numel():
-                ptr = _storage_ptr(data)
+                ptr = storage_ptr(data)
                 self._by_ptr[ptr] = i
                 u.bound_ptrs[i] = ptr
         with torch._C.DisableTorchFunctionSubclass():
@@ -351,7 +352,7 @@ class Residency:
             p = self.bank.params[i][1]
             with torch._C.DisableTorchFunctionSubclass():
                 p.data = placeholder(p.shape, p.dtype, p.device)
-                self._parked[i] = _storage_ptr(p)
+                self._parked[i] = storage_ptr(p)
             self.guard.evicted(i)
         for lease in u.leases:
             lease.release()
@@ -366,58 +367,6 @@ class Residency:
             u.to(UnitState.HOME if self._give_back(layer) else UnitState.PARKED)
         else:
             u.to(UnitState.HOME if self._give_back(layer) else UnitState.ZOMBIE)
-
-    @shielded
-    def keep_writes(self) -> None:
-        """[Note: writes to parameters] Code may write a bound parameter in place (``clamp_``
-        under ``no_grad``, ``copy_``, ``load_state_dict``, an initializer, an embedding's
-        ``max_norm`` renormalization in forward): that writes the gpu replica of its compute
-        copy, which the update would overwrite from the master weights and an eviction would
-        drop. So a write is kept: every parameter's version counter is read when it is bound,
-        and one that moved has its new value written into its master weights and every copy of
-        its compute copy before the unit is evicted, before an update, and before the weights
-        are read back. A write through ``p.data`` moves no version counter: a parameter whose
-        ``.data`` the guard handed out (outside the engine's calls) is compared with its master
-        weights instead. A parameter given other memory (``p.data = t``, ``set_``, a
-        parametrization's ``right_inverse``) is found by its storage: bound, it no longer views its
-        pages (its values are kept and the unit is bound again); evicted, it no longer holds its
-        placeholder (its values are kept when it is bound). Not seen: a write through ``.data``
-        inside a module's own forward (the parameter is a plain one there). Call this before
-        reading master weights."""
-        for layer, u in zip(self.bank.layers, self._units):
-            if u.bound and self._keep_writes(layer):
-                self.evict(layer)  # a parameter given other memory: a view of its pages again
-                self.bind(layer.index)
-
-    @shielded
-    def data_taken(self, i: int) -> None:
-        """Parameter ``i``'s ``.data`` was handed out: a write through it moves no version
-        counter, so its values are compared with its master weights when it is next checked."""
-        self._data_taken.add(i)
-
-    def _keep_writes(self, layer: Unit) -> bool:
-        """Keep what was written to the unit's bound parameters; True if one of them no longer
-        views its pages (``set_``, ``swap_tensors``: the caller rebinds the unit)."""
-        u = self._units[layer.index]
-        if self.bank.compute_is_master or not u.versions:
-            return False  # the parameters are the master pages: nothing to copy
-        params = self.bank.params
-        replaced = False
-        with torch._C.DisableTorchFunctionSubclass():
-            for k, i in enumerate(layer.params):
-                p = params[i][1]
-                moved = p._version != u.versions[k]
-                elsewhere = p.numel() > 0 and _storage_ptr(p) != u.bound_ptrs.get(i)
-                if not moved and not elsewhere and i in self._data_taken:
-                    self._wait_for_updates([i])  # an update behind backward changes master, then copy
-                    moved = not torch.equal(p.data, self.bank.host_value(i, p.dtype).to(p.device))
-                self._data_taken.discard(i)
-                if moved or elsewhere:
-                    self.bank.write_parameter(i, p.data)
-                    u.versions[k] = p._version
-                    self.written += 1
-                    replaced |= elsewhere
-        return replaced
 
     def _give_back(self, layer: Unit) -> bool:
         """Give back the unit's gpu pages: drop the replica, or move a settled unit's only copy
@@ -464,6 +413,3 @@ class Residency:
             if u.state is UnitState.ZOMBIE or (u.state is UnitState.PARKED and not self.home_on_gpu):
                 self._drop(u)
 
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
