@@ -292,7 +292,7 @@ class LockFreeUpdater:
 
     def _fetch(self, u: int) -> Any:
         """Start reading unit ``u``'s states from nvme into cpu memory (None where they are there)."""
-        if self.bank.state_tiers[u] != "nvme":
+        if self.bank.layers[u].state_tier != "nvme":
             return None
         return self.store.move(self.bank.layers[u].states(), "cpu")
 

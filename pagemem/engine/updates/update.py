@@ -139,7 +139,7 @@ class Updater:
                 "iterations; pass overlap_update=False to update only in step()")
         first = self.ledger.move(i, _ACCUMULATING) is _NONE
         early = self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap
-        if early and first and self.bank.state_tiers[self.bank.layer_of[i]] == "gpu" and grad.dtype == torch.float32:
+        if early and first and self.bank.layers[self.bank.layer_of[i]].state_tier == "gpu" and grad.dtype == torch.float32:
             # [Note: updates in the hook] fp32 states on the gpu are stepped right here, on the
             # stream autograd runs on, from the gradient autograd made: no copy into the gradient
             # pages (which it would only be read back from) and no worker thread; that gradient
@@ -310,7 +310,7 @@ class Updater:
             self.scaler.update(overflow=False)
             return True
         layers = sorted({self.bank.layer_of[i] for i in remaining})
-        states = [t for li in layers if self.bank.state_tiers[li] == "nvme" for t in self.bank.layers[li].states()]
+        states = [t for li in layers if self.bank.layers[li].state_tier == "nvme" for t in self.bank.layers[li].states()]
         fetched = bool(states)
         if fetched:  # whole pages in and out: each page read once and written once
             self.flush()
