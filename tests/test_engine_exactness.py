@@ -1117,3 +1117,32 @@ def test_data_read_before_a_backward_whose_updates_overlap_it_keeps_every_update
     stats = same_loop(seeded(ParamAfterChild), mse, loop, 4, tmp_path, overlap_update=True, fraction=30.0,
                       executor="demand")  # units stay bound, their states on the cpu (updated by workers)
     assert stats["overlapped_updates"] > 0
+
+
+def write_between_steps(run, model, opt, s, loss):
+    """A weight constraint by hand after each step (under no_grad)."""
+    loss(run, model, s).backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.out.bias.mul_(0.9)
+
+
+def zero_grads_kept_as_zeros(run, model, opt, s, loss):
+    loss(run, model, s).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("loop", [write_between_steps, zero_grads_kept_as_zeros])
+@pytest.mark.parametrize("executor", ["plan", "demand"])
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "gpu"])
+def test_loops_with_updates_overlapping_backward(loop, executor, optimizer_tier, tmp_path):
+    """With updates during backward (the default on CUDA): a write by hand between steps was
+    lost (the next backward's early update started from the master weights before the write:
+    every tensor off from step 3), and ``zero_grad(set_to_none=False)`` after ``step()`` was
+    refused as if the gradients were read."""
+    kw = {"fraction": 30.0} if optimizer_tier == "gpu" else {}
+    stats = same_loop(seeded(ParamAfterChild), mse, loop, 5, tmp_path, optimizer_tier=optimizer_tier,
+                      executor=executor, overlap_update=True, **kw)
+    assert stats["overlapped_updates"] > 0

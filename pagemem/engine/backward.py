@@ -81,6 +81,8 @@ class BackwardMixin:
                                  f"parameters during backward (overlap_update, {self.phase.per_step} backward(s) per "
                                  "step): call step() first, set accumulation_steps to the backwards of one step, or "
                                  "pass overlap_update=False")
+        if self.updater.overlap:  # updates may run during this backward: writes by hand reach the master first
+            self.pager.residency.keep_writes()  # ([Note: writes to parameters])
         self.gradients.begin_backward()
         # [Note: which backward is the last of a step] engine.backward counts accumulation_steps;
         # a backward by habit learns it from the steps it saw (none yet: no update runs early)

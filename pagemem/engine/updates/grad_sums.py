@@ -28,10 +28,12 @@ class GradSums:
         """A flat copy of parameter ``i``'s gradient sum (the lock-free updater takes it)."""
         return self._grad_view(i, lambda views: torch.cat(views) if len(views) > 1 else views[0].clone())
 
-    def _grad_view(self, i: int, fn: Callable[[list[torch.Tensor]], Any]) -> Any:
+    def _grad_view(self, i: int, fn: Callable[[list[torch.Tensor]], Any], applied_ok: bool = False) -> Any:
         """``fn`` of parameter ``i``'s gradient sum as flat fp32 views of its pages, in order (one,
-        or one per run of adjacent pages)."""
-        if self.ledger.state(i) in (_UPDATING, _APPLIED):
+        or one per run of adjacent pages). ``applied_ok``: also for a gradient a step already
+        applied (its pages are there, their values are not the gradient: ``fn`` overwrites them)."""
+        state = self.ledger.state(i)
+        if state is _UPDATING or (state is _APPLIED and not applied_ok):
             raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
                                  "(overlap_update); pass overlap_update=False to read or clip gradients")
         self.bank.grads_landed([i])
@@ -69,10 +71,12 @@ class GradSums:
         self.ledger.move(i, _SUMMED)
 
     def zero(self, i: int) -> None:
-        """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated."""
+        """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated. One
+        a step already applied (``zero_grad(set_to_none=False)`` after ``optimizer.step()``) is a
+        zero sum again, as torch's zeroed ``p.grad`` is."""
         def zero_views(views: list[torch.Tensor]) -> None:
             with torch.no_grad():
                 for v in views:
                     v.zero_()
-        self._grad_view(i, zero_views)
+        self._grad_view(i, zero_views, applied_ok=True)
         self.ledger.move(i, _SUMMED)
