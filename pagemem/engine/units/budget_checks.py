@@ -7,9 +7,11 @@ naming the smallest that works (``least_bytes``), not accepted to fail later or 
   budget must hold the optimizer states kept on the gpu (``optimizer_tier="gpu"``) plus the
   largest unit's compute pages, counted as the bank lays them out. The units themselves depend
   on the budget (merged up to ``unit_cap``), so the least is found by iterating the budget to a
-  fixed point: the smallest budget whose own units' need it covers. With the plan executor that
-  is a lower bound (``OutOfMemory.least_is_bound``: the message says "at least"), since the
-  activations beside the units are known only after the first iteration;
+  fixed point: the smallest budget whose own units' need it covers. That is a lower bound
+  (``OutOfMemory.least_is_bound``: the message says "at least"): with the plan executor the
+  activations beside the units are known only after the first iteration; on demand, an op may
+  read several units at once (a tied weight), and one that finds every other resident unit in use
+  is refused naming the least that holds them together (``Residency``), a bound again;
 - after a traced iteration whose plan finds the gpu too small (``InfeasiblePlan`` on the gpu:
   activations plus the units that must be resident together), iterations with those inputs
   are refused at their forward, where before they ran on demand over the budget. The traced
@@ -86,9 +88,9 @@ def check_units_fit(model: nn.Module, config: EngineConfig) -> None:
     kept = f" beside the optimizer states kept there ({static} pages)" if static else ""
     unit = f"the largest paging unit ({name!r}, {largest} pages)" if largest else "nothing more"
     later = (" (the first iteration's plan checks the activations beside it, and may ask for more)"
-             if config.executor == "plan" else "")
+             if config.executor == "plan" else " (an op that reads several units at once, a tied weight, may need more)")
     raise OutOfMemory("gpu", static + largest, have, pb, f"gpu_bytes: {unit}{kept}{later}", least_bytes=least,
-                      least_is_bound=config.executor == "plan")
+                      least_is_bound=True)
 
 
 def refusal(exc: InfeasiblePlan, model: nn.Module, units: list[tuple[str, list[int]]], dtype: torch.dtype | None,

@@ -271,9 +271,14 @@ class Residency(KeepsWrites):
                 break
             except OutOfMemory as exc:
                 if not self._evict_one(keep):
-                    raise OutOfMemory("gpu", exc.requested_pages, exc.free_pages, exc.page_bytes,
+                    # the units in use now and this one must fit together: a budget that holds them (and
+                    # the reserve) is the least this op needs; a later op may need more
+                    pb = exc.page_bytes
+                    least = -(-((self.used_pages + exc.requested_pages) * pb + reserve) // pb) * pb
+                    raise OutOfMemory("gpu", exc.requested_pages, exc.free_pages, pb,
                                       f"layer {layer.name!r}: every other resident layer is in use (a module "
-                                      "running holds it, or tensors derived from its parameters are alive)") from None
+                                      "running holds it, or tensors derived from its parameters are alive)",
+                                      least_bytes=max(least, self.budget_bytes + pb), least_is_bound=True) from None
         u.staged.clear()
         u.staged_pages = 0
         if bind:
