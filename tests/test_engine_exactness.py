@@ -659,21 +659,7 @@ def test_bf16_compute_casts_floating_buffers_as_model_to_does(tmp_path):
         return BatchNormNet().to(torch.bfloat16)
 
     # plain PyTorch with the engine's precision policy: the model in bf16, fp32 master weights
-    ref = seeded(BatchNormNet)()
-    params = list(ref.parameters())
-    master = [p.detach().float().clone().requires_grad_() for p in params]
-    ref.to(torch.bfloat16)
-    opt = torch.optim.AdamW(master, fused=True, **HP)
-    for s in range(3):
-        loss(ref, ref, s).backward()
-        for m, p in zip(master, params):
-            m.grad, p.grad = p.grad.float(), None
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(master, params):
-                p.copy_(m.to(torch.bfloat16))
-    names = [n for n, _ in ref.named_parameters()]
+    want = train_with_fp32_masters(seeded(BatchNormNet), loss, 3, cast=torch.bfloat16)
     model = seeded(BatchNormNet)()
     cfg = engine_config(make_bf16(), loss, tmp_path, compute_dtype=torch.bfloat16)
     with pagemem.Engine(model, cfg) as engine:
@@ -682,8 +668,7 @@ def test_bf16_compute_casts_floating_buffers_as_model_to_does(tmp_path):
             engine.step()
         got = engine.state_dict()
     assert model.bn.running_mean.dtype == torch.bfloat16
-    assert_same({**{n: m.detach() for n, m in zip(names, master)},
-                 **{n: b for n, b in ref.state_dict().items() if n not in names}}, got)
+    assert_same(want, got)
 
 
 def test_a_failed_construction_gives_the_model_its_values_back(tmp_path, monkeypatch):
@@ -1015,12 +1000,15 @@ class MixedPrecisionNet(nn.Module):
         return self.out((h.double() * self.scale).float())
 
 
-def train_with_fp32_masters(make, loss, steps):
+def train_with_fp32_masters(make, loss, steps, cast=None):
     """Plain PyTorch with the engine's precision policy ([Note: compute dtypes]): each parameter
-    computes in its own dtype, AdamW steps fp32 master weights, which are cast back."""
+    computes in its own dtype (``cast``: the model cast to it after the masters are taken, as a
+    compute dtype asked for casts it), AdamW steps fp32 master weights, which are cast back."""
     model = make()
     params = list(model.parameters())
     master = [p.detach().float().clone().requires_grad_() for p in params]
+    if cast is not None:
+        model.to(cast)
     opt = torch.optim.AdamW(master, fused=True, **HP)
     for s in range(steps):
         loss(model, model, s).backward()
