@@ -108,3 +108,23 @@ class LoRANet(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+class OnBackward(torch.autograd.Function):
+    """Identity whose backward first takes one item of ``pending``: an exception is raised, a
+    callable is called (to raise, or to call into the engine from inside a backward)."""
+
+    pending: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if OnBackward.pending:
+            item = OnBackward.pending.pop()
+            if isinstance(item, BaseException):
+                raise item
+            item()
+        return g

@@ -23,6 +23,7 @@ from torch import nn
 
 import pagemem
 from exactness import HP, assert_same, engine_config
+from exactness_models import OnBackward
 from pagemem.engine.gradients import grad_copies
 from pagemem.engine.gradients.grad_ledger import GradLedger, GradState
 from pagemem.engine.gradients.grads import GradHandle
@@ -121,23 +122,6 @@ TestLedgerMachine.settings = settings(max_examples=100, stateful_step_count=30, 
 # ---------------------------------------------------------------------------- a real engine
 
 
-class Boom(torch.autograd.Function):
-    """Identity whose backward raises while ``armed``."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if Boom.armed:
-            Boom.armed = False
-            raise RuntimeError("backward failed")
-        return g
-
-
 class Net(nn.Module):
     """Three paging units (each layer is larger than the unit cap); a backward that fails does so
     after the last layer handed its gradients off."""
@@ -149,7 +133,7 @@ class Net(nn.Module):
         self.c = nn.Linear(128, 128)
 
     def forward(self, x):
-        return self.c(Boom.apply(torch.tanh(self.b(torch.tanh(self.a(x))))))
+        return self.c(OnBackward.apply(torch.tanh(self.b(torch.tanh(self.a(x))))))
 
 
 _g = torch.Generator().manual_seed(5)
@@ -193,7 +177,7 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="pagemem-ledger-")
         grad_copies.DEFER_ON_HOST = True  # copies land only when waited for: every reader must wait
-        Boom.armed = False
+        OnBackward.pending.clear()
         self.engine: pagemem.Engine | None = None
 
     @initialize(acc=st.sampled_from([1, 2]), warm=st.booleans())
@@ -239,7 +223,7 @@ class EngineMachine(RuleBasedStateMachine):
                     self.engine.close()
         finally:
             grad_copies.DEFER_ON_HOST = False
-            Boom.armed = False
+            OnBackward.pending.clear()
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ the model
@@ -370,14 +354,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.failed = False
 
         def go():
-            Boom.armed = fail
+            OnBackward.pending[:] = [RuntimeError("backward failed")] if fail else []
             loss = loss_of(engine, model, s)
             loss.backward() if habit else engine.backward(loss)
 
         try:
             ok = self.run(lambda: self.model_backward(habit, fail), go, RuntimeError if fail else None)
         finally:
-            Boom.armed = False
+            OnBackward.pending.clear()
         if ok:
             loss_of(self.ref, self.ref, s).backward()
             assert self.engine.bank.copies.in_flight() == 0  # every sum whole once backward returns

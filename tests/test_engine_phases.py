@@ -36,6 +36,7 @@ from pagemem.engine.updates.lockfree import SHARED_SUMS
 from pagemem.engine.phase import BACKWARDS, LEGAL, STEPS, EnginePhase, PhaseMachine
 from pagemem.errors import InvalidRequest, StepFailed
 from exactness import engine_config
+from exactness_models import OnBackward
 
 P = EnginePhase
 
@@ -217,24 +218,8 @@ def test_a_ctrl_c_held_while_a_backward_begins_aborts_it(habit, tmp_path, monkey
 D = 16
 
 
-class Tap(torch.autograd.Function):
-    """Identity whose backward calls ``action`` once (raise, or call into the engine)."""
-
-    action: list[Callable[[], None]] = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if Tap.action:
-            Tap.action.pop()()
-        return g
-
-
 class Net(nn.Module):
-    """Three layers; backward reaches ``Tap`` after the last layer's gradients were handed off."""
+    """Three layers; backward reaches ``OnBackward`` after the last layer's gradients were handed off."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -243,7 +228,7 @@ class Net(nn.Module):
         self.c = nn.Linear(D, D)
 
     def forward(self, x):
-        return self.c(Tap.apply(torch.tanh(self.b(torch.tanh(self.a(x))))))
+        return self.c(OnBackward.apply(torch.tanh(self.b(torch.tanh(self.a(x))))))
 
 
 def make() -> Net:
@@ -404,14 +389,14 @@ class EnginePhases(RuleBasedStateMachine):
         def fail() -> None:
             raise exc
 
-        Tap.action[:] = [fail]
+        OnBackward.pending[:] = [fail]
         try:
             loss.backward() if habit else self.engine.backward(loss)
             raise AssertionError("the backward did not fail")
         except (RuntimeError, KeyboardInterrupt) as raised:
             assert raised is exc, raised
         finally:
-            Tap.action.clear()
+            OnBackward.pending.clear()
         # the failed backward handed off the last layer's gradients before it raised
         self.fresh = self.fresh or self.kind == "lock_free"
         self.early = self.kind == "overlap" and final and self.taught
@@ -444,11 +429,11 @@ class EnginePhases(RuleBasedStateMachine):
             except InvalidRequest as exc:
                 got.append(exc)
 
-        Tap.action[:] = [misuse]
+        OnBackward.pending[:] = [misuse]
         try:
             self.call(loss.backward if habit else lambda: self.engine.backward(loss), None)
         finally:
-            Tap.action.clear()
+            OnBackward.pending.clear()
         says = {"backward": "backward: called while another backward through this engine runs",
                 "optimizer.step": "optimizer.step(): called during backward",
                 "step": "step(): called during backward", "close": "close: called during backward"}[what]
@@ -555,7 +540,7 @@ class EnginePhases(RuleBasedStateMachine):
             assert e.updater.updated_during_backward() == self.early
 
     def teardown(self) -> None:
-        Tap.action.clear()
+        OnBackward.pending.clear()
         try:
             if self.engine is not None:
                 self.engine.close()

@@ -17,25 +17,10 @@ from torch import nn
 import pagemem
 from pagemem.engine.updates import update as update_module
 from exactness import HP, assert_same, engine_config
+from exactness_models import OnBackward
 
 _g = torch.Generator().manual_seed(3)
 X = [torch.randn(8, 32, generator=_g) for _ in range(8)]
-
-
-class Boom(torch.autograd.Function):
-    """Identity whose backward raises while ``armed`` holds an exception."""
-
-    armed: list[BaseException] = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if Boom.armed:
-            raise Boom.armed.pop()
-        return g
 
 
 class Net(nn.Module):
@@ -51,7 +36,7 @@ class Net(nn.Module):
         if getattr(self, "fail_forward", False):
             raise RuntimeError("forward failed")
         h = torch.tanh(self.b(torch.tanh(self.a(x))))
-        return self.c(Boom.apply(h))
+        return self.c(OnBackward.apply(h))
 
 
 def make() -> Net:
@@ -79,9 +64,9 @@ def reference(batches: list[list[int]], max_grad_norm=None) -> dict[str, torch.T
 
 @pytest.fixture(autouse=True)
 def disarm():
-    Boom.armed.clear()
+    OnBackward.pending.clear()
     yield
-    Boom.armed.clear()
+    OnBackward.pending.clear()
 
 
 def engine_for(tmp_path, optimizer_tier="cpu", **kw):
@@ -96,7 +81,7 @@ def test_a_failed_backward_is_as_if_its_batch_was_skipped(exc, habit, tmp_path):
     with engine:
         for s in range(4):
             if s == 2:
-                Boom.armed.append(exc)
+                OnBackward.pending.append(exc)
             try:
                 loss = loss_of(engine, model, s)
                 loss.backward() if habit else engine.backward(loss)
@@ -121,7 +106,7 @@ def test_a_failed_backward_in_an_accumulation_restarts_the_step(tmp_path):
         engine.backward(loss_of(engine, model, 1))
         engine.step()  # (0, 1): the first step
         engine.backward(loss_of(engine, model, 2))
-        Boom.armed.append(RuntimeError("backward failed"))
+        OnBackward.pending.append(RuntimeError("backward failed"))
         with pytest.raises(RuntimeError) as raised:
             engine.backward(loss_of(engine, model, 3))
         assert any("earlier backward" in n for n in raised.value.__notes__)
@@ -246,7 +231,7 @@ def test_a_backward_that_fails_after_updates_ran_during_it_refuses_to_go_on(tmp_
             engine.backward(loss_of(engine, model, s))
             engine.step()
         saved = engine.save(str(tmp_path / "ckpt"))
-        Boom.armed.append(RuntimeError("backward failed"))
+        OnBackward.pending.append(RuntimeError("backward failed"))
         with pytest.raises(RuntimeError) as raised:
             engine.backward(loss_of(engine, model, 2))  # layer c updates before the failure
         assert any("checkpoint" in n for n in raised.value.__notes__)
