@@ -39,7 +39,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.scopes = Scopes(self.bank.layers)
         self.guard = Guard(self.bank.params, self._fetch, threading.RLock(),
                            resident=lambda i: self.bank.layers[self.bank.layer_of[i]].bound)
-        self.res = Residency(self.bank, self.scopes, self.guard)
+        self.res = Residency(self.bank, self.guard)
         self.n = len(self.bank.layers)
         self.views: list[torch.Tensor] = []
         self.held: list[int] = []

@@ -108,7 +108,7 @@ class Pager:
         self.bank = bank
         self.clock = clock
         self.scopes = Scopes(bank.layers)
-        self.residency = Residency(bank, self.scopes, guard, wait_for_updates)
+        self.residency = Residency(bank, guard, wait_for_updates)
         self.store = bank.store
         self._gpu = self.store.tier("gpu")
         self._page_bytes = self.store.page_bytes

@@ -40,13 +40,12 @@ from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.records import placeholder
 from pagemem.engine.units.unit import Unit, UnitState
 from pagemem.engine.units.guard import Guard, Unguarded
-from pagemem.engine.units.scopes import Scopes
 from pagemem.engine.units.writes import KeepsWrites, storage_ptr
 from pagemem.errors import InvalidRequest, OutOfMemory
 
 
 class Residency(KeepsWrites):
-    def __init__(self, bank: ParamBank, scopes: Scopes | None = None, guard: Guard | None = None,
+    def __init__(self, bank: ParamBank, guard: Guard | None = None,
                  wait_for_updates: Callable[[Iterable[int]], None] | None = None) -> None:
         """``wait_for_updates(params)``: the updates of ``params`` running behind backward
         (``overlap_update``) have landed once it returns: their master weights and compute copy
@@ -55,8 +54,6 @@ class Residency(KeepsWrites):
         self._wait_for_updates = wait_for_updates if wait_for_updates is not None else (lambda params: None)
         self.guard = guard if guard is not None else Unguarded()
         """Told of every bind and eviction (see [Note: evicted parameters])."""
-        self.scopes = scopes if scopes is not None else Scopes(bank.layers)
-        """Units held by open module scopes: never evicted (see [Note: the residency rule])."""
         self.store = bank.store
         self._gpu = self.store.tier("gpu")
         self.page_bytes = self.store.page_bytes

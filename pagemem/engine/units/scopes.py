@@ -41,14 +41,6 @@ class Scopes:
         """(module key, units, opened during backward) of each open forward scope, outermost first."""
         self._backward: dict[int, tuple[int, ...]] = {}
 
-    def is_held(self, unit: int) -> bool:
-        """Held by an open forward scope: never evicted."""
-        return self.units[unit].holds > 0
-
-    def is_soft_held(self, unit: int) -> bool:
-        """Held by an open backward scope: evicted only when nothing else can go."""
-        return self.units[unit].soft_holds > 0
-
     def on_op(self, op: Op, units: Iterable[int]) -> None:
         """An op starts (``units``: those of ``op.params``): open or close the scope it marks."""
         ev = op.event
