@@ -23,7 +23,8 @@ import pagemem
 from pagemem.engine.updates import update as update_module
 from pagemem.tiers.io.faults import FaultyEngine
 from exactness import HP, engine_config
-from test_engine_transaction import X, Boom, loss_of, make
+from exactness_models import OnBackward
+from test_engine_transaction import X, loss_of, make
 
 
 def open_fds() -> set[str]:
@@ -96,14 +97,14 @@ class EngineUnderFailures(RuleBasedStateMachine):
     @precondition(lambda self: not self.unfinished)
     @rule(ctrl_c=st.booleans())
     def backward_fails(self, ctrl_c):
-        Boom.armed.append(KeyboardInterrupt() if ctrl_c else RuntimeError("backward failed"))
+        OnBackward.pending.append(KeyboardInterrupt() if ctrl_c else RuntimeError("backward failed"))
         try:
             self.engine.backward(loss_of(self.engine, self.model, self._next()))
             raise AssertionError("the backward did not fail")
         except (RuntimeError, KeyboardInterrupt):
             pass
         finally:
-            Boom.armed.clear()
+            OnBackward.pending.clear()
 
     @precondition(lambda self: not self.unfinished)
     @rule(after=st.integers(0, 5), where=st.sampled_from(["update", "refresh"]))
@@ -194,7 +195,7 @@ class EngineUnderFailures(RuleBasedStateMachine):
         assert not bad, bad
 
     def teardown(self) -> None:
-        Boom.armed.clear()
+        OnBackward.pending.clear()
         self.engine.close()
         import shutil
 
