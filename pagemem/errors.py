@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any, Callable
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class PageMemError(Exception):
@@ -140,3 +145,12 @@ class FirstError:
 def one_line(text: str) -> str:
     """A message on one line (a command's error is one line on stderr)."""
     return " ".join(text.split())
+
+
+def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside pagemem: the user's line that called
+    into it, however many of pagemem's frames (an engine call's wrapper, its mixins) lie between."""
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)

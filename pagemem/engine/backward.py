@@ -6,14 +6,14 @@ transaction] in ``update.py``). A mixin of ``Engine``: its phase moves through `
 from __future__ import annotations
 
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagemem.engine.calls import CallLock, engine_call
 from pagemem.engine.interrupts import shielded
 from pagemem.engine.phase import EnginePhase, PhaseMachine
-from pagemem.errors import InvalidRequest
+from pagemem.errors import InvalidRequest, warn
 
 if TYPE_CHECKING:
     from pagemem.engine.units.bank import ParamBank
@@ -34,14 +34,18 @@ class BackwardMixin:
     pager: "Pager"
     updater: "Updater"
     phase: PhaseMachine
+    calls: CallLock
     _phase_seconds: dict[str, float]
     failed_backwards: int
 
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
 
+        def _before_call(self, what: str) -> None: ...
+
         def _saved_tensor_hooks(self) -> Any: ...
 
+    @engine_call("backward", shielded=False)
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``; gradients of successive calls add up until ``step()`` updates."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -135,7 +139,7 @@ class BackwardMixin:
         if exc is not None:
             exc.add_note(note)
         else:
-            warnings.warn(note + " (the last loss.backward() raised)", RuntimeWarning, stacklevel=4)
+            warn(note + " (the last loss.backward() raised)")
 
     @shielded
     def _end_backward(self) -> None:
@@ -156,14 +160,19 @@ class BackwardMixin:
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """A parameter's gradient is about to be accumulated: start a backward the engine did
         not start (see [Note: backward by habit])."""
-        if self.phase.in_backward:
+        if self.phase.in_backward:  # a hook of the backward that runs (it holds the engine: calls.py)
             return
-        self._usable("loss.backward()")
-        if self.updater.scaler.scale is not None:
-            raise InvalidRequest("loss.backward(): this engine scales the loss (loss_scale); call "
-                                 "engine.backward(loss) instead")
-        self._begin_backward(implicit=True)
+        self._before_call("loss.backward()")
+        with self.calls.held("loss.backward()"):  # begun with no other call running
+            if self.phase.in_backward:
+                return
+            self._usable("loss.backward()")
+            if self.updater.scaler.scale is not None:
+                raise InvalidRequest("loss.backward(): this engine scales the loss (loss_scale); call "
+                                     "engine.backward(loss) instead")
+            self._begin_backward(implicit=True)
 
     def _end_implicit_backward(self) -> None:
         """Autograd's callback at the end of a backward by habit."""
-        self._end_backward()
+        with self.calls.held("loss.backward()"):
+            self._end_backward()

@@ -17,6 +17,7 @@ Autograd's saved parameters are kept as references and fetched again when backwa
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -35,7 +36,8 @@ from pagemem.engine.updates.groups import checked_groups
 from pagemem.engine.gradients.grad_ledger import GradLedger
 from pagemem.engine.gradients.gradients import Gradients, LockFreeDestination, SyncDestination
 from pagemem.engine.units.guard import Guard
-from pagemem.engine.interrupts import install as hold_interrupts, shield, shielded
+from pagemem.engine.calls import CallLock, engine_call
+from pagemem.engine.interrupts import install as hold_interrupts, shield
 from pagemem.engine.interrupts import uninstall as release_interrupts
 from pagemem.engine.updates.lockfree import SHARED_SUMS, LockFreeUpdater
 from pagemem.engine.units.model_checks import check_no_meta_buffers, check_parameters
@@ -80,6 +82,8 @@ class Engine(BackwardMixin, ResultsMixin):
             groups = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in groups]
         self.module = model
         self.config = config
+        self.calls = CallLock()
+        """One public call at a time, from any thread ([Note: calls from several threads], ``calls.py``)."""
         check_units_fit(model, config)  # [Note: gpu budgets refused early], before anything is made
         self.store = PageStore(config.store)
         try:
@@ -148,7 +152,7 @@ class Engine(BackwardMixin, ResultsMixin):
         for r in self.bank.records:
             r.requires_grad = r.trainable
         self._hooks = self.gradients.hooks(self._before_accumulate)
-        self.clock = OpClock(model, self.bank.params)
+        self.clock = OpClock(model, self.bank.params, lock=self.calls)  # hooks serialised with calls (calls.py)
         units, unit_of = self.bank.layers, self.bank.layer_of
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
                            self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i),
@@ -156,7 +160,8 @@ class Engine(BackwardMixin, ResultsMixin):
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard,
                            self.updater.wait_for_updates)
         self.clock.install()
-        self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights)
+        self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights,
+                                                  self.calls)
 
     @property
     def group_of(self) -> list[int | None]:
@@ -166,6 +171,7 @@ class Engine(BackwardMixin, ResultsMixin):
 
     def _before_reading_weights(self) -> None:
         """A state dict is read: updates submitted land first, writes to parameters are kept."""
+        self._refuse_beside_backward("state_dict")
         if self.lockfree is not None:
             self.lockfree.quiesce()
         self.pager.residency.keep_writes()
@@ -217,16 +223,33 @@ class Engine(BackwardMixin, ResultsMixin):
 
     # ------------------------------------------------------------------ the training loop
 
+    def _before_call(self, what: str) -> None:
+        """Before a public call takes the call lock: nothing here waits."""
+
     def _usable(self, what: str) -> None:
         """Refuse use after ``close()`` or after a torn step; finish off a backward by habit
         that raised (autograd never ran its end callback): see [Note: a step is a transaction]."""
-        if self.phase.now is EnginePhase.BACKWARD_BY_HABIT and torch._C._current_autograd_node() is None:
+        if self._refuse_beside_backward(what):
             self._abort_backward(None)
         self.phase.require_usable(what)
 
+    def _refuse_beside_backward(self, what: str) -> bool:
+        """A backward by habit is on and this call runs outside autograd: refused from a thread
+        other than the training loop's; from that thread, True: that backward raised, unfound
+        ([Note: calls from several threads], ``calls.py``)."""
+        if self.phase.now is not EnginePhase.BACKWARD_BY_HABIT or torch._C._current_autograd_node() is not None:
+            return False
+        loop = self.calls.loop_thread
+        if loop is not None and loop is not threading.current_thread() and loop.is_alive():
+            raise InvalidRequest(f"{what}: refused: a backward (loss.backward()) runs through this engine on "
+                                 f"thread {loop.name!r}; call it from that thread, or once that backward has returned")
+        return True
+
+    @engine_call("forward", shielded=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model's forward."""
         self._usable("forward")
+        self.calls.loop_thread = threading.current_thread()
         t0 = time.perf_counter()
         with shield():  # [Note: Ctrl-C inside the engine]
             if self.lockfree is not None and not self.phase.in_backward:
@@ -246,7 +269,7 @@ class Engine(BackwardMixin, ResultsMixin):
         """Autograd saves parameters as references the engine fetches again in backward."""
         return torch.autograd.graph.saved_tensors_hooks(self.pager.saved.pack, self.pager.saved.unpack)
 
-    @shielded
+    @engine_call("step")
     def step(self) -> bool:
         """Update after every ``accumulation_steps``-th ``backward()``; True if it updated (False
         between accumulation boundaries, or when an fp16 overflow skipped the update). The
@@ -279,6 +302,7 @@ class Engine(BackwardMixin, ResultsMixin):
 
     # ------------------------------------------------------------------ gradients
 
+    @engine_call("zero_grad")
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients summed so far (``set_to_none=False``: make them zero, still
         stepped), as ``engine.optimizer.zero_grad()`` and ``model.zero_grad()`` do."""
@@ -286,7 +310,7 @@ class Engine(BackwardMixin, ResultsMixin):
         self.updater.refuse_if_unfinished("zero_grad")
         self.optimizer.zero_grad(set_to_none)
 
-    @shielded
+    @engine_call("optimizer.zero_grad")
     def _zero_grad(self) -> None:
         """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
         discard what it discarded (see [Note: gradient handles])."""
@@ -302,11 +326,13 @@ class Engine(BackwardMixin, ResultsMixin):
         if not self.gradients.show():
             self.phase.discard()
 
+    @engine_call("get_global_grad_norm")
     def get_global_grad_norm(self) -> float:
         """The 2-norm of all gradient sums now (as ``clip_grad_norm_`` computes it), or of the
         last update's gradients once they are consumed; 0.0 before any."""
         return self.gradients.global_norm()
 
+    @engine_call("clip_grad_norm_")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient sums by their global ``norm_type``-norm, bit for bit as
         ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``; returns that norm (before
@@ -324,7 +350,7 @@ class Engine(BackwardMixin, ResultsMixin):
 
     # ------------------------------------------------------------------ the update
 
-    @shielded
+    @engine_call("optimizer.step")
     def _update(self) -> None:
         """``engine.optimizer.step()``'s work, called by itself (the gradients kept) or inside
         ``step()`` (the phase is ``STEPPING`` then: they are consumed)."""
@@ -357,6 +383,7 @@ class Engine(BackwardMixin, ResultsMixin):
 
     # ------------------------------------------------------------------ results
 
+    @engine_call("stats")
     def stats(self) -> dict[str, Any]:
         """Per-tier use against budget, bytes moved per direction, time per phase, paging counts."""
         s = self.store.stats()
@@ -384,7 +411,7 @@ class Engine(BackwardMixin, ResultsMixin):
             "loss_scale": self.updater.scaler.scale,
         }
 
-    @shielded
+    @engine_call("close")
     def close(self) -> None:
         """Remove the hooks, stop the workers and give the store's memory back. The module keeps
         its trained weights (the fp32 master weights, in each parameter's original dtype, in host
@@ -396,6 +423,7 @@ class Engine(BackwardMixin, ResultsMixin):
             return
         if self.phase.in_backward and torch._C._current_autograd_node() is not None:  # from a hook of it
             raise InvalidRequest("close: called during backward; close the engine once backward has returned")
+        self._refuse_beside_backward("close")
         unfound = self.phase.in_backward  # a backward that raised and was not found (by habit) goes with it
         self.phase.close()
         with FirstError() as step:
@@ -415,6 +443,7 @@ class Engine(BackwardMixin, ResultsMixin):
             step(self.updater.close)
             step(self.store.close)
             step(release_interrupts)
+            self.calls.closed = True
 
     def __enter__(self) -> "Engine":
         return self

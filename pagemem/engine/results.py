@@ -13,7 +13,7 @@ from torch import nn
 from pagemem.checks import check_int
 from pagemem.engine.checkpoints import checkpoint
 from pagemem.engine.config import EngineConfig
-from pagemem.engine.interrupts import shielded
+from pagemem.engine.calls import CallLock, engine_call
 from pagemem.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -39,18 +39,21 @@ class ResultsMixin:
     updater: "Updater"
     lockfree: "LockFreeUpdater | None"
     pager: "Pager"
+    calls: CallLock
     phase: "PhaseMachine"
     global_step: int
 
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
 
+        def _before_call(self, what: str) -> None: ...
+
         def _before_reading_weights(self) -> None: ...
 
         @property
         def group_of(self) -> list[int | None]: ...
 
-    @shielded
+    @engine_call("state_dict")
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
         master weights on the host (wherever their pages are; a frozen parameter's compute copy
@@ -69,7 +72,7 @@ class ResultsMixin:
                                                 self.bank.original_dtype_of(i))
         return out
 
-    @shielded
+    @engine_call("save")
     def save(self, directory: str, keep: int | None = None) -> str:
         """Write the whole training state as a new checkpoint under ``directory`` and point
         ``directory/latest`` at it once it is durable (see ``engine/checkpoints/checkpoint.py``). Call it

@@ -43,7 +43,6 @@ caching allocator's peak per op less the arena (which torch allocated); that pat
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -60,7 +59,7 @@ from pagemem.engine.units.residency import Residency
 from pagemem.engine.paging.peaks import PeakMeter
 from pagemem.engine.paging.saved import SavedTensorHooks
 from pagemem.engine.units.scopes import Scopes
-from pagemem.errors import OutOfMemory
+from pagemem.errors import OutOfMemory, warn
 from pagemem.sched import InfeasiblePlan, Plan, plan, validate
 from pagemem.tracer import Op, OpClock, Recording, Trace, TraceError, TraceOptions
 
@@ -133,7 +132,7 @@ class Pager:
         """Why the last trace has no plan, if it has none."""
         self.peaks = PeakMeter(self._gpu, self._page_bytes, self._budget_pages)
         """The measured gpu peak per mode (see the Note)."""
-        self.saved = SavedTensorHooks(bank, self.residency, lambda: self._recording, self._make_resident)
+        self.saved = SavedTensorHooks(bank, self.residency, lambda: self._recording, self._resident_for_backward)
         """Autograd's saved-tensor hooks while the engine runs (``saved.py``)."""
         self._sig: tuple | None = None
         self._recording: Recording | None = None
@@ -304,6 +303,11 @@ class Pager:
         """Parameter ``i`` is read where no scope holds it (see [Note: evicted parameters])."""
         self._make_resident(i, grads=False)
 
+    def _resident_for_backward(self, i: int, grads: bool) -> None:
+        """Autograd unpacks a saved parameter: resident, under the clock's lock as every hook."""
+        with self.clock.lock:
+            self._make_resident(i, grads)
+
     def _make_resident(self, i: int, grads: bool) -> None:
         u = self.bank.layer_of[i]
         if self.mode == "plan" and self._executor is not None and not self._executor.diverged:
@@ -319,7 +323,7 @@ class Pager:
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn(message)
 
     def _abandon(self) -> None:
         self.scopes.clear()

@@ -11,30 +11,43 @@ state-dict hooks on every module that holds parameters, so ``model.state_dict()`
 from __future__ import annotations
 
 import threading
-import warnings
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.guard import Guard
+from pagemem.errors import warn
 from pagemem.machine import host_memory_available
 
+if TYPE_CHECKING:
+    from pagemem.engine.calls import CallLock
 
-def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Callable[[], None]) -> list:
+
+def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Callable[[], None],
+                     calls: "CallLock | None" = None) -> list:
     """Hooks that make ``state_dict()`` of any module holding parameters give their current
     values on the host: the guard lets the state dict's ``detach`` of an evicted parameter
     through, and the post-hook puts the values in (one tensor per parameter, so tied parameters
     stay one tensor). ``before()`` runs once at the start of each state dict (writes to
-    parameters are kept then). Returns the hook handles."""
+    parameters are kept then). ``calls``: the engine's call lock, held from the outermost
+    pre-hook to its post-hook, so a state dict is one call ([Note: calls from several threads]).
+    Returns the hook handles."""
     index = {id(p): i for i, (_, p) in enumerate(bank.params)}
     local = threading.local()
 
     def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not hasattr(local, "quiet"):
-            local.quiet, local.values = [], {}
+            local.quiet, local.values, local.held = [], {}, False
         if not local.quiet:
-            before()
+            local.held = calls is not None and calls.acquire("state_dict")
+            try:
+                before()
+            except BaseException:
+                if local.held:
+                    local.held = False
+                    calls.release()
+                raise
         q = guard.passthrough()
         q.__enter__()
         local.quiet.append(q)
@@ -51,10 +64,13 @@ def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Ca
         local.quiet.pop().__exit__(None, None, None)
         if not local.quiet:
             local.values = {}
+            if local.held:
+                local.held = False
+                calls.release()
 
     handles = []
-    for module in model.modules():
-        if any(id(p) in index for p in module._parameters.values() if p is not None):
+    for module in model.modules():  # every module above a parameter: the outermost state dict holds the lock
+        if any(id(p) in index for p in module.parameters()):
             handles.append(module.register_state_dict_pre_hook(pre))
             handles.append(module.register_state_dict_post_hook(post))
     return handles
@@ -69,7 +85,7 @@ def give_weights_back(bank: ParamBank, guard: Guard) -> None:
     if free is not None and need > free * 0.9:
         why = (f"the engine is closed and the trained weights ({need} bytes) did not fit in host memory "
                f"({free} bytes available): save them with engine.save() before close() and load them from there")
-        warnings.warn(f"pagemem: {why}", RuntimeWarning, stacklevel=3)
+        warn(f"pagemem: {why}")
         guard.release(None, why)
         return
     guard.release(lambda i: bank.host_value(i, bank.original_dtype_of(i)), "the engine is closed")

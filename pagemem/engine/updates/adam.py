@@ -283,16 +283,16 @@ def _done(result: Any = None) -> Future:
 
 
 def join_all(futures: Sequence[Future]) -> BaseException | None:
-    """Wait for every future, even through Ctrl-C (a ``KeyboardInterrupt`` while waiting is
-    raised once all are done), so no task still writes the caller's tensors when it returns;
-    the first task's error, or None."""
+    """Wait for every future, even through a signal handler's exception (a ``KeyboardInterrupt``
+    or ``SystemExit`` while waiting is raised once all are done), so no task still writes the
+    caller's tensors when it returns; the first task's error, or None."""
     interrupted: BaseException | None = None
     while True:
         try:
             wait(futures)
             break
-        except KeyboardInterrupt as exc:
-            interrupted = exc
+        except BaseException as exc:  # the first is raised; a second while waiting still waits
+            interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted
     return next((f.exception() for f in futures if f.exception() is not None), None)

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import warnings
 from collections import Counter, deque
 from typing import Any, Callable
 
@@ -73,7 +72,7 @@ from pagemem.engine.updates.adam_threads import Workers
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import FRESH, GradLedger, GradState
 from pagemem.engine.updates.state_pieces import with_grad
-from pagemem.errors import InvalidRequest, StepFailed
+from pagemem.errors import InvalidRequest, StepFailed, warn
 from pagemem.store import PageStore
 
 SHARED_SUMS = ("zero_grad: with lock_free the gradients of this iteration share sums with those already handed "
@@ -251,9 +250,9 @@ class LockFreeUpdater:
                 self.drain(limit=0)  # units holding unsubmitted gradients keep what was applied
                 lagging = [u.index for u in self._units if u.lag and self._fresh(u.index)]
                 if lagging:
-                    warnings.warn(f"pagemem: closed with gradients of an iteration without step(): {len(lagging)} "
+                    warn(f"pagemem: closed with gradients of an iteration without step(): {len(lagging)} "
                                   "unit(s) keep their last applied weights (their sums mixed submitted and "
-                                  "unsubmitted gradients)", RuntimeWarning, stacklevel=3)
+                                  "unsubmitted gradients)")
         finally:
             with self._cond:
                 self._stop = True

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
@@ -24,7 +23,7 @@ from pagemem.engine.updates.grad_sums import GradSums
 from pagemem.engine.updates.loss_scale import LossScaler
 from pagemem.engine.updates.state_pieces import StatePiece, lend, norm_of_pieces, with_grad
 from pagemem.engine.config import EngineConfig
-from pagemem.errors import InvalidRequest, StepFailed
+from pagemem.errors import InvalidRequest, StepFailed, warn
 from pagemem.store import PageStore
 
 
@@ -367,9 +366,9 @@ class Updater:
         hps = [self.hyper(g) for g in range(self.bank.group_count())]
         early = self._early
         if early and any(hps[g] != hp for g, hp in self._early_hp.items()):
-            warnings.warn("pagemem: param_groups changed between backward and step(); the updates made during "
+            warn("pagemem: param_groups changed between backward and step(); the updates made during "
                           "backward used the values before the change (pass overlap_update=False to read them "
-                          "in step())", RuntimeWarning, stacklevel=5)
+                          "in step())")
         self._early_error = join_all(list(early.values()))
         self._early = {}  # joined (a Ctrl-C while joining leaves them for the next step() to join)
         failed = {i for i, f in early.items() if f.exception() is not None}
