@@ -116,6 +116,16 @@ class StepFailed(PageMemError):
     call ``step()`` again to finish the update exactly, or load a checkpoint."""
 
 
+class StepIOError(StepFailed, TierIOError):
+    """``step()`` could not read the optimizer states from nvme, or the write-back of the last
+    update's failed. Nothing of the update was lost: the message says what failed, and that the
+    gradients are kept and ``step()`` again retries. A ``TierIOError`` (an ``OSError``) and a
+    ``StepFailed``; the I/O error is chained as ``__cause__``."""
+
+    def __init__(self, message: str, errno_: int | None = None) -> None:
+        TierIOError.__init__(self, message, errno_)
+
+
 class CorruptCheckpoint(PageMemError):
     """A checkpoint cannot be read as written: a file is missing, short, unparsable or fails its
     checksum, a value in its manifest is out of range, or ``latest`` names nothing. ``path`` is
