@@ -3,6 +3,7 @@ and the allowed range."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from pagemem.errors import ConfigError
@@ -33,3 +34,22 @@ def check_bool(name: str, value: object) -> bool:
 def check_choice(name: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def as_set(config: object, name: str) -> str:
+    """``name=value`` of a config dataclass's field, with ``(the default)`` where the value is the
+    field's default, so a refusal that the user's other fields caused says the user never set it."""
+    value = getattr(config, name)
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        if f.name == name:
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+            if isinstance(default, str) and isinstance(value, int):  # a size given as text, kept as bytes
+                from pagemem.units import parse_size
+                try:
+                    default = parse_size(default)
+                except ValueError:
+                    pass
+            if default is not dataclasses.MISSING and type(default) is type(value) and default == value:
+                return f"{name}={value!r} (the default)"
+    return f"{name}={value!r}"

@@ -6,12 +6,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
-from pagemem.checks import check_bool, check_choice, check_int
+from pagemem.checks import as_set, check_bool, check_choice, check_int
 from pagemem.errors import ConfigError
-from pagemem.units import parse_size
+from pagemem.units import format_bytes, parse_size
 
 ALIGNMENT = 4096
 """Page sizes and arena offsets are multiples of this (O_DIRECT and CUDA both want it)."""
+
+MAX_PAGE_BYTES = 1 << 30
+"""The largest page (1 GiB): a page is one disk request and one staging buffer, and every tier
+holds whole pages, so a larger one would only make each budget coarser."""
 
 IOEngineName = Literal["auto", "aio", "threads"]
 GpuBackendName = Literal["auto", "cuda", "host"]
@@ -25,7 +29,7 @@ class StoreConfig:
     """
 
     page_bytes: int | str = "4MiB"
-    """Size of every page: a positive multiple of 4096 bytes."""
+    """Size of every page: a multiple of 4096 bytes, from 4 KiB to 1 GiB."""
     gpu_bytes: int | str = 0
     """Budget of the ``gpu`` tier (one device allocation, or a host stand-in without CUDA)."""
     cpu_bytes: int | str = 0
@@ -63,9 +67,11 @@ class StoreConfig:
     def __post_init__(self) -> None:
         page = self.page_bytes if isinstance(self.page_bytes, int) and not isinstance(self.page_bytes, bool) \
             else parse_size(self.page_bytes, "page_bytes")
-        if page <= 0 or page % ALIGNMENT:
+        if page <= 0 or page % ALIGNMENT or page > MAX_PAGE_BYTES:
             raise ConfigError(
-                f"page_bytes: must be a positive multiple of {ALIGNMENT} bytes, got {page}"
+                f"page_bytes: must be a positive multiple of {ALIGNMENT} bytes, at most {MAX_PAGE_BYTES} "
+                f"({format_bytes(MAX_PAGE_BYTES)}), got {self.page_bytes!r}"
+                + (f" ({format_bytes(page)})" if isinstance(self.page_bytes, str) or page > MAX_PAGE_BYTES else "")
             )
         object.__setattr__(self, "page_bytes", page)
         for name in ("gpu_bytes", "cpu_bytes", "nvme_bytes"):
@@ -83,7 +89,8 @@ class StoreConfig:
             check_bool(name, getattr(self, name))
         paths = _normalise_paths(self.nvme_path)
         if self.nvme_bytes and not paths:
-            raise ConfigError("nvme_path: required when nvme_bytes > 0 (a directory for the page files)")
+            raise ConfigError(f"nvme_path: required when nvme_bytes > 0 (a directory for the page files); "
+                              f"{as_set(self, 'nvme_path')}, nvme_bytes={self.nvme_bytes}")
         for p in paths:
             if not os.path.isdir(p):
                 raise ConfigError(f"nvme_path: {p!r} is not an existing directory")

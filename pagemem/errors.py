@@ -66,6 +66,35 @@ class CorruptPage(PageMemError):
         )
 
 
+class WeightsNotGivenBack(CorruptPage):
+    """``close()`` gave every parameter it could read its trained weights, but the master
+    weights of some could not be read back: a corrupt page (or bytes lost to a failed write).
+    ``lost`` maps each such parameter's name to its error; the first CorruptPage's tier, slot
+    and checksums are this error's own. Those parameters refuse every read rather than hold
+    wrong values; recover them from a checkpoint. The engine released everything else."""
+
+    def __init__(self, lost: "dict[str, BaseException]", kept: int) -> None:
+        self.lost = dict(lost)
+        self.kept = kept
+        first = next((e for e in self.lost.values() if isinstance(e, CorruptPage)), None)
+        self.tier = first.tier if first is not None else "nvme"
+        self.slot = first.slot if first is not None else -1
+        self.expected = first.expected if first is not None else 0
+        self.actual = first.actual if first is not None else 0
+        PageMemError.__init__(self, weights_lost_message(self.lost, kept))
+
+
+def weights_lost_message(lost: "dict[str, BaseException]", kept: int) -> str:
+    """What ``close()`` says of the parameters whose weights it could not give back."""
+    each = "; ".join(f"{name!r}: {one_line(str(e))}" for name, e in lost.items())
+    return (f"close: the trained weights of {len(lost)} parameter(s) could not be given back, their "
+            f"master weights could not be read ({each}). The module's other {kept} parameter(s) hold "
+            f"their trained weights; these {len(lost)} refuse every read and cannot be trained again. To "
+            f"recover, load a checkpoint into a fresh model (pagemem.Engine.load(directory, new_model, "
+            f"config), or new_model.load_state_dict of a state dict you saved); the engine is closed and "
+            f"released everything")
+
+
 class TierIOError(PageMemError, OSError):
     """A disk operation failed. The source copy of the data is still valid and readable."""
 
@@ -90,6 +119,16 @@ class TornPage(PageMemError):
 class StepFailed(PageMemError):
     """An update or a backward failed part-way. The message says what landed and what to do:
     call ``step()`` again to finish the update exactly, or load a checkpoint."""
+
+
+class StepIOError(StepFailed, TierIOError):
+    """``step()`` could not read the optimizer states from nvme, or the write-back of the last
+    update's failed. Nothing of the update was lost: the message says what failed, and that the
+    gradients are kept and ``step()`` again retries. A ``TierIOError`` (an ``OSError``) and a
+    ``StepFailed``; the I/O error is chained as ``__cause__``."""
+
+    def __init__(self, message: str, errno_: int | None = None) -> None:
+        TierIOError.__init__(self, message, errno_)
 
 
 class CorruptCheckpoint(PageMemError):

@@ -1,7 +1,7 @@
 import dataclasses
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagemem
@@ -95,3 +95,69 @@ def test_cuda_backend_without_cuda_is_a_config_error(tmp_path):
         pytest.skip("CUDA is present")
     with pytest.raises(pagemem.ConfigError, match="gpu_backend: 'cuda' needs a CUDA device"):
         pagemem.PageStore(pagemem.StoreConfig(gpu_backend="cuda", gpu_bytes="1MiB"))
+
+
+# ---------------------------------------------------------------- a refusal names what the user set
+
+@pytest.mark.parametrize("value", ["1PiB", 1 << 50, "2GiB", (1 << 30) + 4096])
+def test_an_absurd_page_size_is_refused_at_construction_naming_page_bytes(value):
+    with pytest.raises(pagemem.ConfigError, match=r"^page_bytes: must be a positive multiple of 4096 bytes, "
+                                                  r"at most 1073741824 \(1.0 GiB\), got "):
+        pagemem.StoreConfig(page_bytes=value)
+    assert pagemem.StoreConfig(page_bytes="1GiB").page_bytes == 1 << 30
+
+
+def test_staging_that_does_not_fit_names_both_fields_and_which_was_left_as_it_was(monkeypatch):
+    from pagemem.tiers import budgets
+
+    monkeypatch.setattr(budgets, "host_memory_available", lambda: 64 << 20)
+    with pytest.raises(pagemem.ConfigError, match=r"^staging_pages, page_bytes: staging_pages=8 \(the default\) "
+                                                  r"pages of page_bytes=1073741824 \(1.0 GiB\) take .* lower page_bytes "
+                                                  r"\(from 4096 to 1073741824\) or staging_pages \(from 1 to 4096\)"):
+        budgets.check_budgets(pagemem.StoreConfig(page_bytes="1GiB"), False)
+    with pytest.raises(pagemem.ConfigError, match=r"^staging_pages, page_bytes: staging_pages=4096 pages of "
+                                                  r"page_bytes=4194304 \(the default\)"):
+        budgets.check_budgets(pagemem.StoreConfig(staging_pages=4096), False)
+
+
+_UNITS = ["", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "KB", "GB"]
+_SIZES = st.one_of(st.integers(-(2 ** 62), 2 ** 62), st.integers(0, 1 << 40).map(lambda n: n * 4096),
+                   st.builds(lambda n, u: f"{n}{u}", st.integers(0, 4096), st.sampled_from(_UNITS)))
+_COUNTS = st.one_of(st.integers(-4, 16), st.integers(-(2 ** 40), 2 ** 40))
+_STORE = {"page_bytes": _SIZES, "gpu_bytes": _SIZES, "cpu_bytes": _SIZES, "nvme_bytes": _SIZES,
+          "nvme_bandwidth": _SIZES, "staging_pages": _COUNTS, "io_depth": _COUNTS, "copy_threads": _COUNTS,
+          "cuda_device": _COUNTS}
+_ENGINE = {"accumulation_steps": _COUNTS, "rank": _COUNTS, "world_size": _COUNTS, "adam_threads": _COUNTS,
+           "max_staleness": _COUNTS, "lock_free": st.booleans(),
+           "optimizer_tier": st.sampled_from(["gpu", "cpu", "nvme"])}
+
+
+def _some(fields: dict) -> st.SearchStrategy:
+    return st.fixed_dictionaries({}, optional=fields)
+
+
+def _names_what_was_set(err: Exception, passed: set[str]) -> None:
+    """The fields before the message's first colon: each one the user passed, or stated as left
+    at its default."""
+    import re
+
+    text = str(err)
+    lead = [n.removeprefix("store.") for n in re.split(r"[ ,+]+", text.split(":", 1)[0]) if n]
+    assert lead, text
+    for name in lead:
+        assert name in passed or re.search(rf"\b{name}=[^;]*?\(the default\)", text), (name, passed, text)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(store=_some(_STORE), engine=_some(_ENGINE), with_path=st.booleans())
+def test_every_refusal_of_random_sizes_names_a_field_the_user_set(tmp_path, store, engine, with_path):
+    from pagemem.tiers import budgets
+
+    store = dict(store, **({"nvme_path": str(tmp_path)} if with_path else {}))
+    passed = set(store) | set(engine)
+    try:
+        cfg = pagemem.StoreConfig(**store)
+        budgets.check_budgets(cfg, False)  # what PageStore checks first; it allocates nothing
+        pagemem.EngineConfig(store=cfg, **engine)
+    except pagemem.ConfigError as err:
+        _names_what_was_set(err, passed)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pagemem.checks import check_bool, check_choice, check_int, check_rate
+from pagemem.checks import as_set, check_bool, check_choice, check_int, check_rate
 from pagemem.config import StoreConfig
 from pagemem.engine.updates.adam import AdamW
 from pagemem.errors import ConfigError
@@ -100,10 +100,11 @@ class EngineConfig:
         self._check_lock_free()
         tier_bytes = {"gpu": self.store.gpu_bytes, "cpu": self.store.cpu_bytes, "nvme": self.store.nvme_bytes}
         if not tier_bytes[self.optimizer_tier]:
-            raise ConfigError(f"optimizer_tier: {self.optimizer_tier!r} has no bytes in store "
-                              f"({self.optimizer_tier}_bytes=0)")
+            raise ConfigError(f"optimizer_tier: {as_set(self, 'optimizer_tier')} has no bytes in store "
+                              f"({as_set(self.store, self.optimizer_tier + '_bytes')}); must be a tier with bytes")
         if not self.store.cpu_bytes:
-            raise ConfigError("store.cpu_bytes: the engine keeps parameters' home copies on cpu; must be > 0")
+            raise ConfigError(f"store.cpu_bytes: the engine keeps parameters' home copies on cpu; must be > 0, got "
+                              f"{as_set(self.store, 'cpu_bytes')}")
 
     def _check_lock_free(self) -> None:
         """What the lock-free updater cannot do ([Note: the lock-free updater], ``lockfree.py``)."""
@@ -125,7 +126,8 @@ class EngineConfig:
                                       "updates behind backward")}
         for name, (bad, why) in refused.items():
             if bad:
-                raise ConfigError(f"{name}: with lock_free=True it {why}")
+                raise ConfigError(f"{name}: with lock_free=True it {why}; got {as_set(self, name)}"
+                                  + (f" with {as_set(self, 'compute_dtype')}" if name == "loss_scale" else ""))
 
     @property
     def effective_loss_scale(self) -> str | float | None:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from pagemem.config import StoreConfig
+from pagemem.checks import as_set
+from pagemem.config import ALIGNMENT, MAX_PAGE_BYTES, StoreConfig
 from pagemem.errors import ConfigError
 from pagemem.machine import device_memory_free, disk_free, host_memory_available, unwritable
 from pagemem.tiers.freelist import SlotFreeList
@@ -77,15 +78,20 @@ def _check_host(config: StoreConfig, use_cuda: bool) -> None:
             "cpu_bytes": "the cpu arena", "staging_pages": "staging pages",
             "nvme_bytes": "the nvme page table"}
     for name, need in needs.items():
+        if need > available and name == "staging_pages":  # two fields: name both, and which was left as it was
+            raise ConfigError(f"staging_pages, page_bytes: {as_set(config, 'staging_pages')} pages of "
+                              f"{as_set(config, 'page_bytes')} ({format_bytes(pb)}) take {_amount(need)} of host memory for "
+                              f"{what[name]}, but {_amount(available)} is available: lower page_bytes (from "
+                              f"{ALIGNMENT} to {MAX_PAGE_BYTES}) or staging_pages (from 1 to 4096)")
         if need > available:
-            asked = getattr(config, name) * (pb if name == "staging_pages" else 1)
-            raise ConfigError(f"{name}: requested {_amount(asked)}, which takes {_amount(need)} of host memory "
-                              f"for {what[name]}, but {_amount(available)} is available")
+            raise ConfigError(f"{name}: requested {_amount(getattr(config, name))}, which takes {_amount(need)} of "
+                              f"host memory for {what[name]}, but {_amount(available)} is available")
     total = sum(needs.values())
     if total > available:
         named = [n for n, v in needs.items() if v]
         parts = ", ".join(f"{n} {format_bytes(needs[n])}" for n in named)
-        raise ConfigError(f"{' + '.join(named)}: together they take {_amount(total)} of host memory ({parts}), "
+        staging = f"; {as_set(config, 'staging_pages')} pages of {as_set(config, 'page_bytes')}" if "staging_pages" in named else ""
+        raise ConfigError(f"{' + '.join(named)}: together they take {_amount(total)} of host memory ({parts}{staging}), "
                           f"but {_amount(available)} is available")
 
 

@@ -105,6 +105,8 @@ class Guard:
         """Unforeseen reads that fetched a unit."""
         self.closed: str | None = None
         """Why values can no longer be fetched (set by ``close``)."""
+        self.refused: dict[int, str] = {}
+        """Parameters ``close`` could not give their values, each with why (set by ``release``)."""
         for p in self.params:
             p.__class__ = self.cls
 
@@ -132,13 +134,19 @@ class Guard:
             for p in self.params:
                 p.__class__ = self.cls
 
-    def release(self, values: Callable[[int], torch.Tensor] | None, why: str) -> None:
+    def release(self, values: Callable[[int], torch.Tensor | None] | None, why: str,
+                refused: dict[int, str] | None = None) -> None:
         """The engine closes: give each parameter ``values(i)`` as its data and its plain class
-        back; with ``values`` None, leave them guarded, refusing every read with ``why``."""
+        back; with ``values`` None, leave them guarded, refusing every read with ``why``. A
+        parameter in ``refused`` (its values could not be read back) stays guarded, refusing
+        every read with its own reason."""
         self.closed = why
+        self.refused = dict(refused or {})
         if values is None:
             return
         for i, p in enumerate(self.params):
+            if i in self.refused:
+                continue
             with torch._C.DisableTorchFunctionSubclass():
                 p.data = values(i)
             p.__class__ = nn.Parameter
@@ -180,7 +188,7 @@ class Guard:
 
     def _fetch_for(self, i: int, func: Any) -> None:
         if self.closed is not None:
-            raise InvalidRequest(f"parameter {self.names[i]!r}: {self.closed}")
+            raise InvalidRequest(f"parameter {self.names[i]!r}: {self.refused.get(i, self.closed)}")
         with self.lock:
             if not self._resident(i):
                 self._fetch(i)

@@ -13,11 +13,13 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Callable
 
+import torch
 from torch import nn
 
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.guard import Guard
-from pagemem.errors import warn
+from pagemem.errors import (CorruptPage, PageMemError, TierIOError, TornPage, WeightsNotGivenBack, one_line,
+                            warn, weights_lost_message)
 from pagemem.machine import host_memory_available
 
 if TYPE_CHECKING:
@@ -79,7 +81,13 @@ def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Ca
 def give_weights_back(bank: ParamBank, guard: Guard) -> None:
     """The engine closes: each parameter gets its trained value (fp32 master weights in its
     original dtype) in host memory, and its plain class back, when host memory has room for them
-    all; otherwise a warning, and every read of a parameter raises, naming why."""
+    all; otherwise a warning, and every read of a parameter raises, naming why.
+
+    [Note: weights given back one by one] A parameter whose master weights cannot be read (a
+    corrupt page, a failed read) costs only itself: every other parameter still gets its value,
+    the ones that failed stay guarded and refuse every read (never a placeholder's value), and
+    then one error names them all (``WeightsNotGivenBack``, a ``CorruptPage``; a ``TierIOError``
+    where every failure was a failed read) and says to load a checkpoint."""
     need = sum(r.param.numel() * r.original_dtype.itemsize for r in bank.records)
     free = host_memory_available()
     if free is not None and need > free * 0.9:
@@ -88,4 +96,23 @@ def give_weights_back(bank: ParamBank, guard: Guard) -> None:
         warn(f"pagemem: {why}")
         guard.release(None, why)
         return
-    guard.release(lambda i: bank.host_value(i, bank.original_dtype_of(i)), "the engine is closed")
+    values: dict[int, torch.Tensor] = {}
+    lost: dict[int, PageMemError] = {}
+    for i in range(len(bank.params)):
+        try:
+            values[i] = bank.host_value(i, bank.original_dtype_of(i))
+        except (CorruptPage, TornPage, TierIOError) as exc:
+            lost[i] = exc
+    refused = {i: (f"the engine is closed and its trained weights could not be read back ({one_line(str(e))}); "
+                   f"load a checkpoint into a fresh model (pagemem.Engine.load)") for i, e in lost.items()}
+    guard.release(values.pop, "the engine is closed", refused)
+    if not lost:
+        return
+    named = {bank.params[i][0]: e for i, e in lost.items()}
+    kept = len(bank.params) - len(lost)
+    first = next(iter(lost.values()))
+    if any(isinstance(e, (CorruptPage, TornPage)) for e in lost.values()):
+        raise WeightsNotGivenBack(named, kept) from first
+    err = TierIOError(weights_lost_message(named, kept), getattr(first, "errno", None))
+    err.lost = named  # type: ignore[attr-defined]
+    raise err from first

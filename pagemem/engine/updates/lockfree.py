@@ -60,10 +60,11 @@ published values kept in fp32 until drained.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections import Counter, deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -72,7 +73,7 @@ from pagemem.engine.updates.adam_threads import Workers
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import FRESH, GradLedger, GradState
 from pagemem.engine.updates.state_pieces import with_grad
-from pagemem.errors import InvalidRequest, StepFailed, warn
+from pagemem.errors import InvalidRequest, StepFailed, TierIOError, warn
 from pagemem.store import PageStore
 
 SHARED_SUMS = ("zero_grad: with lock_free the gradients of this iteration share sums with those already handed "
@@ -227,6 +228,10 @@ class LockFreeUpdater:
     def check(self) -> None:
         """Raise if the updating thread failed or died."""
         if self._error is not None:
+            if isinstance(self._error, TierIOError):  # not retried: the thread that would retry it has ended
+                raise StepFailed(f"the lock-free updater stopped: {self._error}; its thread has ended, so step() "
+                                 "again cannot retry it and every later call raises: load the last checkpoint "
+                                 "once the disk works") from self._error
             raise StepFailed(f"the lock-free updater failed ({type(self._error).__name__}: {self._error}); "
                              "load the last checkpoint") from self._error
         if self._running.done() and not self._stop:
@@ -275,9 +280,10 @@ class LockFreeUpdater:
                 for n, u in enumerate(order):
                     fetched, fetch = fetch, (self._fetch(order[n + 1]) if n + 1 < len(order) else None)
                     writebacks.append(self._update(u, fetched))
-                for handle in writebacks:  # a failed write-back raises here (the states stay valid on the cpu)
-                    if handle is not None:
-                        handle.wait()
+                for u, handle in zip(order, writebacks):  # a failed write-back raises here (the states stay
+                    if handle is not None:                 # valid on the cpu)
+                        with _saying(f"writing unit {u}'s optimizer states back to nvme"):
+                            handle.wait()
         except BaseException as exc:  # surfaces in the training loop (check)
             self._error = exc
             with self._cond:
@@ -299,7 +305,8 @@ class LockFreeUpdater:
         """Unit ``u``'s update; returns its write-back to nvme (None where its states stay)."""
         layer = self.bank.layers[u]
         if fetched is not None:
-            fetched.wait()
+            with _saying(f"reading unit {u}'s optimizer states from nvme"):
+                fetched.wait()
         _seam("take")
         params = [i for i in layer.params if self.bank.is_trainable(i)]
         with self._cond:
@@ -358,6 +365,16 @@ def _predicted(p: _Published, ahead: int) -> dict[int, torch.Tensor]:
     if p.drift is None or ahead <= 0:
         return p.values
     return {i: torch.add(v, p.drift[i], alpha=ahead) for i, v in p.values.items()}
+
+
+@contextlib.contextmanager
+def _saying(what: str) -> Iterator[None]:
+    """A ``TierIOError`` inside says ``what`` failed (the original chained)."""
+    try:
+        yield
+    except TierIOError as exc:
+        notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+        raise TierIOError(f"{what} failed ({exc}{notes})", exc.errno) from exc
 
 
 def _seam(where: str) -> None:

@@ -9,10 +9,11 @@ it is exact, a parameter is updated during backward (see the Note in ``Updater._
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -23,7 +24,7 @@ from pagemem.engine.updates.grad_sums import GradSums
 from pagemem.engine.updates.loss_scale import LossScaler
 from pagemem.engine.updates.state_pieces import StatePiece, lend, norm_of_pieces, with_grad
 from pagemem.engine.config import EngineConfig
-from pagemem.errors import InvalidRequest, StepFailed, warn
+from pagemem.errors import InvalidRequest, StepFailed, StepIOError, TierIOError, warn
 from pagemem.store import PageStore
 
 
@@ -50,6 +51,20 @@ class UnfinishedUpdate:
 
     def remaining(self) -> list[int]:
         return [i for i in self.params if i not in self.done]
+
+
+@contextlib.contextmanager
+def _retryable(what: str, where: str) -> Iterator[None]:
+    """A ``TierIOError`` inside, before any parameter of the step is updated, becomes a
+    ``StepIOError`` saying what failed and that ``step()`` again retries ([Note: a step is a
+    transaction]): the update is left unfinished with nothing done, its gradients kept."""
+    try:
+        yield
+    except TierIOError as exc:
+        notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+        raise StepIOError(f"step: {what} failed ({exc}{notes}); nothing was updated and the gradients are kept "
+                          f"({where}): call step() again to retry once the disk works, or load a checkpoint",
+                          exc.errno) from exc
 
 
 class Updater:
@@ -312,13 +327,17 @@ class Updater:
         states = [t for li in layers if self.bank.layers[li].state_tier == "nvme" for t in self.bank.layers[li].states()]
         fetched = bool(states)
         if fetched:  # whole pages in and out: each page read once and written once
-            self.flush()
+            with _retryable("writing the last update's optimizer states back to nvme",
+                            "the last update landed: its states are intact on the cpu and are written back again after this one"):
+                self.flush()
             # [Note: optimizer states on nvme] the executor copied them to the cpu during backward
             # where the plan says (move_to_cpu optim): moving home onto those replicas reads
             # nothing; the stale nvme copies are dropped so that the update's writes stay in
             # memory, and the write-back runs behind the next iteration (flush() waits for it)
-            self.store.move(states, "cpu").wait()
-            self.store.release(states, "nvme").wait()
+            with _retryable("reading the optimizer states from nvme for the update",
+                            "the pages that failed stay on nvme, unchanged, and are read again"):
+                self.store.move(states, "cpu").wait()
+                self.store.release(states, "nvme").wait()
         leases = []
         try:
             chunks, leases = self._chunks(remaining)
