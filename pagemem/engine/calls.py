@@ -9,7 +9,12 @@ two threads calling ``step()`` update once each, one after the other. The lock i
 for its thread (``step()`` calls ``optimizer.step()``, a state-dict hook reads weights inside
 ``state_dict()``); a forward holds it while the model's forward runs, since that is one call.
 
-A backward is the exception. ``engine.backward(loss)`` is one call like the others, but its
+A step part-way is the exception: a backward that updated parameters as their gradients
+became final (``overlap_update``) leaves the step half done until ``step()``; a state dict then
+would mix the two, so a call from another thread is refused until that ``step()`` (the loop's
+own thread may read the half-done step, as torch's optimizer-in-backward shows it).
+
+A backward is the other exception. ``engine.backward(loss)`` is one call like the others, but its
 gradient hooks may run on autograd's threads (one per device with CUDA) while the calling
 thread waits, so hooks never take the lock (they belong to the backward that holds it). A
 backward by habit (``loss.backward()``) is no call of the engine's: it holds the lock only to

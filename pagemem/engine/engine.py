@@ -172,6 +172,7 @@ class Engine(BackwardMixin, ResultsMixin):
     def _before_reading_weights(self) -> None:
         """A state dict is read: updates submitted land first, writes to parameters are kept."""
         self._refuse_beside_backward("state_dict")
+        self.updater.wait_for_updates(range(len(self.bank.records)))  # each parameter whole (calls.py)
         if self.lockfree is not None:
             self.lockfree.quiesce()
         self.pager.residency.keep_writes()
@@ -234,16 +235,23 @@ class Engine(BackwardMixin, ResultsMixin):
         self.phase.require_usable(what)
 
     def _refuse_beside_backward(self, what: str) -> bool:
-        """A backward by habit is on and this call runs outside autograd: refused from a thread
-        other than the training loop's; from that thread, True: that backward raised, unfound
-        ([Note: calls from several threads], ``calls.py``)."""
-        if self.phase.now is not EnginePhase.BACKWARD_BY_HABIT or torch._C._current_autograd_node() is not None:
+        """Refuse a call from a thread other than the training loop's while that loop is part-way
+        through a step: a backward by habit runs, or updates ran during its last backward
+        (``overlap_update``) and its ``step()`` has not come. From the loop's thread, True: a
+        backward by habit is on and no autograd node runs, so it raised, unfound ([Note: calls
+        from several threads], ``calls.py``)."""
+        if torch._C._current_autograd_node() is not None:  # inside a backward: its own hooks
+            return False
+        habit = self.phase.now is EnginePhase.BACKWARD_BY_HABIT
+        if not habit and not self.updater.updated_during_backward():
             return False
         loop = self.calls.loop_thread
         if loop is not None and loop is not threading.current_thread() and loop.is_alive():
-            raise InvalidRequest(f"{what}: refused: a backward (loss.backward()) runs through this engine on "
-                                 f"thread {loop.name!r}; call it from that thread, or once that backward has returned")
-        return True
+            running = ("a backward (loss.backward()) runs through this engine" if habit else
+                       "a step is part-way (parameters were updated during its last backward, overlap_update)")
+            raise InvalidRequest(f"{what}: refused: {running} on thread {loop.name!r}; call it from that thread, "
+                                 "or once that step has ended")
+        return habit
 
     @engine_call("forward", shielded=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
