@@ -44,21 +44,22 @@ def config(tmp_path, tier: str, overlap: bool) -> pagemem.EngineConfig:
                                 optimizer_tier=tier, overlap_update=overlap)
 
 
-def snapshots() -> list[dict[str, torch.Tensor]]:
-    """Plain PyTorch's weights after 0, 1, ..., STEPS steps."""
+def snapshots() -> tuple[list[dict[str, torch.Tensor]], list[dict[int, torch.Tensor]]]:
+    """Plain PyTorch's weights, and each parameter's ``exp_avg``, after 0, 1, ..., STEPS steps."""
     model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    out = [{k: v.clone() for k, v in model.state_dict().items()}]
+    out, moments = [{k: v.clone() for k, v in model.state_dict().items()}], [{}]
     for i in range(STEPS):
         x, y = batch(i)
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
         out.append({k: v.clone() for k, v in model.state_dict().items()})
-    return out
+        moments.append({n: s["exp_avg"].clone() for n, s in opt.state_dict()["state"].items()})
+    return out, moments
 
 
-SNAPSHOTS = snapshots()
+SNAPSHOTS, MOMENTS = snapshots()
 
 
 def which_step(state: dict[str, torch.Tensor]) -> int:
@@ -202,3 +203,19 @@ def test_close_from_another_thread_at_a_random_moment(by_habit, delay, seed, tmp
     assert outcome == ["closed"]
     k = which_step({n: p.detach() for n, p in model.state_dict().items()})
     assert k == engine.global_step and k <= steps
+
+
+def test_optimizer_state_dicts_from_another_thread_hold_whole_steps(tmp_path):
+    """``engine.optimizer.state_dict()`` beside the loop: its moments are those of one step."""
+    model = make()
+    with pagemem.Engine(model, config(tmp_path, "nvme", False)) as engine:
+        results, errors = run_beside(engine, False, lambda: engine.optimizer.state_dict()["state"])
+        assert not errors, errors[:3]
+    steps = set()
+    for state in results:
+        if not state:
+            continue
+        k = [k for k in range(1, STEPS + 1) if all(torch.equal(state[n]["exp_avg"], MOMENTS[k][n]) for n in MOMENTS[k])]
+        assert len(k) == 1, "a torn mix of steps' moments"
+        steps.add(k[0])
+    assert steps

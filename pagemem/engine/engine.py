@@ -122,7 +122,7 @@ class Engine(BackwardMixin, ResultsMixin):
         self.optimizer = PagedOptimizer(groups if groups is not None else params, config.optimizer,
                                         step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad,
                                         states=OptimizerStates(self.bank, lambda: self.optimizer.param_groups,
-                                                               lambda: self.updater.flush()))
+                                                               lambda: self.updater.flush(), self.calls.held))
         index = {id(p): i for i, p in enumerate(params)}
         for g, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:

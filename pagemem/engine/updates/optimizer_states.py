@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -18,12 +19,15 @@ class OptimizerStates:
     torch keeps none: they are the model's values (``model.state_dict()``)."""
 
     def __init__(self, bank: ParamBank, param_groups: Callable[[], Sequence[dict[str, Any]]],
-                 flush: Callable[[], None]) -> None:
+                 flush: Callable[[], None],
+                 serialised: Callable[[str], ContextManager[Any]] = lambda what: nullcontext()) -> None:
         """``param_groups()``: the optimizer's groups now; ``flush()``: every update submitted has
-        landed in the pages."""
+        landed in the pages; ``serialised(what)``: held while the states are read or written
+        (the engine's call lock: a step on another thread lands before or after, never inside)."""
         self.bank = bank
         self._groups = param_groups
         self._flush = flush
+        self._serialised = serialised
 
     def _numbered(self) -> list[int]:
         """Bank index of each parameter, in torch's numbering."""
@@ -31,6 +35,14 @@ class OptimizerStates:
         return [index[id(p)] for g in self._groups() for p in g["params"]]
 
     def read(self) -> dict[int, dict[str, torch.Tensor]]:
+        with self._serialised("optimizer.state_dict"):
+            return self._read()
+
+    def write(self, state: dict[Any, dict[str, Any]]) -> None:
+        with self._serialised("optimizer.load_state_dict"):
+            self._write(state)
+
+    def _read(self) -> dict[int, dict[str, torch.Tensor]]:
         bank = self.bank
         self._flush()
         out = {}
@@ -42,7 +54,7 @@ class OptimizerStates:
                       **{kind: bank.host_state(i, kind) for kind in ("exp_avg", "exp_avg_sq")}}
         return out
 
-    def write(self, state: dict[Any, dict[str, Any]]) -> None:
+    def _write(self, state: dict[Any, dict[str, Any]]) -> None:
         bank = self.bank
         numbered = self._numbered()
         for key, s in state.items():
