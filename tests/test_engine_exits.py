@@ -160,7 +160,10 @@ def test_a_held_sigterm_runs_the_users_handler_once_the_call_is_whole(tmp_path, 
         with pytest.raises(SystemExit):
             SigtermAt().run(40, engine.step)  # well inside the update
         assert engine.global_step == 1 and not engine.gradients_pending  # the step landed first
-    assert signal.getsignal(signal.SIGTERM) is sigterm_exits
+    handler = signal.getsignal(signal.SIGTERM)  # given back when no other engine is open (others may be)
+    assert handler is sigterm_exits or handler.inner is sigterm_exits
+    with pytest.raises(SystemExit):  # outside the engine the handler runs at once
+        signal.raise_signal(signal.SIGTERM)
 
 
 EXITS = [SystemExit(3), KeyboardInterrupt(), GeneratorExit()]
@@ -240,9 +243,9 @@ _TRAINER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("handler", ["exit", "default"])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("handler,seed", [("exit", 0)] + [pytest.param(h, s, marks=pytest.mark.slow)
+                                                          for h in ("exit", "default") for s in range(4)
+                                                          if (h, s) != ("exit", 0)])
 def test_a_sigterm_from_outside_exits_and_the_run_resumes_exactly(handler, seed, tmp_path):
     """Killed by SIGTERM at a random moment (its handler calling ``sys.exit(143)``, or none):
     the process exits with 143 (or -SIGTERM) and never hangs; resumed from its last checkpoint

@@ -49,14 +49,13 @@ class CallLock:
     """The engine's call lock: re-entrant per thread, knowing which call holds it (for the
     messages of what waits or is refused)."""
 
-    __slots__ = ("_lock", "_owner", "_depth", "_what", "_taken", "loop_thread", "closed")
+    __slots__ = ("_lock", "_owner", "_depth", "_what", "loop_thread", "closed")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._owner: threading.Thread | None = None
         self._depth = 0
         self._what: str | None = None
-        self._taken = threading.local()
         self.loop_thread: threading.Thread | None = None
         """The thread that ran the last forward: the training loop's (see the Note)."""
         self.closed = False
@@ -71,13 +70,9 @@ class CallLock:
             if taken:
                 self.release()
             raise InvalidRequest("this engine is closed (close() ran on another thread)")
-        stack = getattr(self._taken, "stack", None)
-        if stack is None:
-            stack = self._taken.stack = []
-        stack.append(taken)
 
     def __exit__(self, *exc: object) -> None:
-        if self._taken.stack.pop():
+        if self._owner is threading.current_thread():  # taken (a hook let in without it finds another owner)
             self.release()
 
     @contextmanager
