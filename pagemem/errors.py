@@ -117,8 +117,9 @@ class TornPage(PageMemError):
 
 
 class StepFailed(PageMemError):
-    """An update or a backward failed part-way. The message says what landed and what to do:
-    call ``step()`` again to finish the update exactly, or load a checkpoint."""
+    """An update failed part-way, or a backward failed and undoing it failed too. The message
+    says what landed and what to do: call ``step()`` again to finish the update exactly, or load
+    a checkpoint."""
 
 
 class StepIOError(StepFailed, TierIOError):

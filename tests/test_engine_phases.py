@@ -109,7 +109,7 @@ EXPECTED: dict[str, dict[EnginePhase, tuple[EnginePhase, EnginePhase]]] = {
     "begin_backward": {P.IDLE: (P.BACKWARD,) * 2, P.ACCUMULATED: (P.BACKWARD,) * 2},
     "begin_backward(implicit)": {P.IDLE: (P.BACKWARD_BY_HABIT,) * 2, P.ACCUMULATED: (P.BACKWARD_BY_HABIT,) * 2},
     "end_backward": {p: (P.ACCUMULATED,) * 2 for p in BACKWARDS},
-    "abort_backward": {p: (P.IDLE,) * 2 for p in BACKWARDS},
+    "abort_backward": {p: (P.IDLE, P.ACCUMULATED) for p in BACKWARDS},
     "abort_backward(broken)": {p: (P.BROKEN,) * 2 for p in BACKWARDS},
     "begin_step(consume)": {P.ACCUMULATED: (P.STEPPING,) * 2},
     "begin_step": {P.IDLE: (P.STEPPING_KEEP,) * 2, P.ACCUMULATED: (P.STEPPING_KEEP,) * 2},
@@ -136,7 +136,9 @@ def test_each_named_move_goes_where_the_note_says_and_asserts_elsewhere(move):
             assert m.now is old or m.now in LEGAL[old]
             if move == "end_backward":
                 assert m.micro == before + 1
-            elif move in ("end_step", "discard") or move.startswith("abort"):
+            elif move == "abort_backward":  # undone: the earlier backwards count
+                assert m.micro == before
+            elif move in ("end_step", "discard", "abort_backward(broken)"):
                 assert m.micro == 0
 
 
@@ -169,7 +171,10 @@ def test_counters_and_reason_follow_the_moves():
     m.begin_backward(False)
     m.end_backward()
     m.begin_backward(False)
-    assert m.abort_backward("torn") == 1
+    assert m.abort_backward(None) == 1  # undone: the earlier backward counts
+    assert (m.now, m.micro, m.broken) == (P.ACCUMULATED, 1, None)
+    m.begin_backward(True)
+    assert m.abort_backward("torn") == 0  # the undo failed: nothing counts
     assert (m.now, m.micro, m.broken) == (P.BROKEN, 0, "torn")
     with pytest.raises(StepFailed, match="step: torn"):
         m.require_usable("step")
@@ -278,6 +283,8 @@ class EnginePhases(RuleBasedStateMachine):
         self.engine = pagemem.Engine(self.model, self.cfg)
         self.phase, self.micro, self.steps, self.failed = P.IDLE, 0, 0, 0
         self.fresh = self.early = self.gone = self.taught = False
+        self.unfound = False
+        """A failed backward by habit not found yet, whose gradients are still in the sums (lock_free)."""
         self.per_step: int | None = None
         self.batch = 0
 
@@ -292,11 +299,10 @@ class EnginePhases(RuleBasedStateMachine):
         return True
 
     def _failed_backward(self) -> None:
+        """Undone ([Note: a failed backward is undone]): as before it began, its failure counted."""
         self.failed += 1
-        broken = (self.kind == "lock_free" and self.fresh) or self.early
-        self.phase = P.BROKEN if broken else P.IDLE
-        self.micro = 0
-        self.early = self.gone = False
+        self.phase = P.ACCUMULATED if self.micro else P.IDLE
+        self.unfound = False
 
     def _refusal(self) -> tuple[type, str] | None:
         """What every usable-checked call raises now (after ``_found``)."""
@@ -383,7 +389,6 @@ class EnginePhases(RuleBasedStateMachine):
         if refused is not None:  # refused at its start: the failure below never comes
             self.call(loss.backward if habit else lambda: self.engine.backward(loss), refused)
             return
-        final = self._final(habit)
         exc = KeyboardInterrupt() if ctrl_c else RuntimeError("backward failed")
 
         def fail() -> None:
@@ -397,13 +402,13 @@ class EnginePhases(RuleBasedStateMachine):
             assert raised is exc, raised
         finally:
             OnBackward.pending.clear()
-        # the failed backward handed off the last layer's gradients before it raised
-        self.fresh = self.fresh or self.kind == "lock_free"
-        self.early = self.kind == "overlap" and final and self.taught
+        # the failed backward handed off the last layer's gradients (and, the last of a step,
+        # updated it) before it raised; undone once the engine found it: fresh and early stay
         if habit:
             self.phase = P.BACKWARD_BY_HABIT  # found by the next call
+            self.unfound = self.kind == "lock_free"
             return
-        assert any("pagemem: " in n for n in exc.__notes__), exc.__notes__
+        assert any("pagemem: the failed backward was undone" in n for n in exc.__notes__), exc.__notes__
         self._failed_backward()
 
     @rule(habit=st.booleans(), what=st.sampled_from(["backward", "optimizer.step", "step", "close"]))
@@ -533,7 +538,7 @@ class EnginePhases(RuleBasedStateMachine):
         assert (e.phase.micro, e.global_step, e.failed_backwards) == (self.micro, self.steps, self.failed)
         if self.phase is not P.CLOSED:
             assert (e.phase.broken is not None) == (self.phase is P.BROKEN)
-            assert e.gradients_pending == (self.micro > 0 or self.fresh)
+            assert e.gradients_pending == (self.micro > 0 or self.fresh or self.unfound)
             # a backward holds the guard until it ends or is found failed, never longer
             assert e.guard._calls == (1 if self.phase is P.BACKWARD_BY_HABIT else 0)
         if self.kind == "overlap" and self.phase not in (P.CLOSED, P.BROKEN, P.BACKWARD_BY_HABIT):

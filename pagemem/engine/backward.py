@@ -1,6 +1,6 @@
 """The engine's backward: by ``engine.backward(loss)`` or by habit (``loss.backward()``), and what
-a backward that fails part-way leaves ([Note: backward by habit], [Note: a step is a
-transaction] in ``update.py``). A mixin of ``Engine``: its phase moves through ``self.phase``
+a backward that fails part-way leaves ([Note: backward by habit], [Note: a failed backward is
+undone] in ``updates/backward_undo.py``). A mixin of ``Engine``: its phase moves through ``self.phase``
 ([Note: engine phases], ``phase.py``)."""
 
 from __future__ import annotations
@@ -104,42 +104,44 @@ class BackwardMixin:
 
     @shielded
     def _abort_backward(self, exc: BaseException | None, guard_held: bool = True) -> None:
-        """A backward raised part-way (``exc``; None: a backward by habit found unfinished).
-        Its gradients are discarded, so the next iteration is as if its batch had been skipped;
-        see [Note: a step is a transaction]. ``guard_held``: the backward still holds the guard
+        """A backward raised part-way (``exc``; None: a backward by habit found unfinished). It
+        is undone: the engine is as if its batch had been skipped, the step's earlier backwards
+        kept ([Note: a failed backward is undone] in ``updates/backward_undo.py``). Only an undo
+        that itself fails breaks the engine. ``guard_held``: the backward still holds the guard
         (``_end_backward`` exits it before its bookkeeping)."""
         if guard_held:
             self.guard.exit()
         self.failed_backwards += 1
-        applied, held = 0, False
+        undone = 0
         broken: str | None = None
+        failed: BaseException | None = None
         try:
             try:
                 self.bank.grads_landed()  # no copy still lands in pages once this returns
             finally:
-                applied, held = self.gradients.abort_backward()
+                undone, _ = self.gradients.abort_backward()
+        except BaseException as err:  # the pages are neither the old values nor the new: nothing is certain
+            failed = err
+            broken = (f"a backward failed and undoing it failed too ({type(err).__name__}: {err}): the model's "
+                      "states are neither those before it nor after it; load the last checkpoint (Engine.load)")
         finally:  # the phase leaves the backward whatever raised above
-            if self.lockfree is not None and self.lockfree.has_fresh():
-                broken = ("a backward failed after adding gradients to sums the lock-free updater shares with "
-                          "earlier iterations: they cannot be taken back; load the last checkpoint")
-            elif applied:
-                broken = (f"a backward failed after {applied} parameters were updated from it during backward "
-                          "(overlap_update): the model is part-way through a step, which can be neither "
-                          "finished nor undone exactly; load the last checkpoint (Engine.load), and pass "
-                          "overlap_update=False where a failed backward must be recoverable")
             earlier = self.phase.abort_backward(broken)
         if broken is not None:
             note = f"pagemem: {broken}"
-        elif held:
-            note = (f"pagemem: the failed backward's gradients were discarded, with those of the {earlier} "
-                    "earlier backward(s) of this step (their sums held part of it): the step starts again")
         else:
-            note = ("pagemem: the failed backward's gradients were discarded; the next backward starts the step "
-                    "as if this batch had been skipped")
+            self.gradients.show()  # the earlier backwards' sums, as before this one
+            note = "pagemem: the failed backward was undone, as if this batch had been skipped"
+            kept = [f"the gradients of the {earlier} earlier backward(s) of this step are kept"] if earlier else []
+            if undone:
+                kept.append(f"the updates of {undone} parameter(s) made during it (overlap_update) were undone")
+            if kept:
+                note += f" ({'; '.join(kept)})"
         if exc is not None:
             exc.add_note(note)
         else:
             warn(note + " (the last loss.backward() raised)")
+        if failed is not None and not isinstance(failed, Exception):
+            raise failed  # a second Ctrl-C while undoing: raised at once, the engine broken
 
     @shielded
     def _end_backward(self) -> None:

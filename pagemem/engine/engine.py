@@ -121,6 +121,7 @@ class Engine(BackwardMixin, ResultsMixin):
             groups = [{**g, "params": [now[n] for n in g["params"]]} for g in groups]
         self.optimizer = PagedOptimizer(groups if groups is not None else params, config.optimizer,
                                         step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad,
+                                        before_zero_grad_fn=lambda: self._usable("zero_grad"),
                                         states=OptimizerStates(self.bank, lambda: self.optimizer.param_groups,
                                                                lambda: self.updater.flush(), self.calls.held))
         index = {id(p): i for i, p in enumerate(params)}
@@ -144,7 +145,8 @@ class Engine(BackwardMixin, ResultsMixin):
         if config.lock_free:
             self.lockfree = LockFreeUpdater(self.bank, self.store, self.updater.chunks, self.updater.take_sum,
                                             config.max_staleness,
-                                            predict=config.staleness_correction == "predict", ledger=self.ledger)
+                                            predict=config.staleness_correction == "predict", ledger=self.ledger,
+                                            undo=self.updater.undo)
         # where handed-off gradients go, for the engine's life: the updater's sums, or the lock-free buffers
         destination = LockFreeDestination(self.lockfree) if self.lockfree is not None else SyncDestination(self.updater)
         self.gradients = Gradients(self.bank, self.updater, self.ledger, destination)
@@ -228,8 +230,8 @@ class Engine(BackwardMixin, ResultsMixin):
         """Before a public call takes the call lock: nothing here waits."""
 
     def _usable(self, what: str) -> None:
-        """Refuse use after ``close()`` or after a torn step; finish off a backward by habit
-        that raised (autograd never ran its end callback): see [Note: a step is a transaction]."""
+        """Refuse use after ``close()`` or once broken; finish off a backward by habit that
+        raised (autograd never ran its end callback): see [Note: a failed backward is undone]."""
         if self._refuse_beside_backward(what):
             self._abort_backward(None)
         self.phase.require_usable(what)
@@ -414,6 +416,7 @@ class Engine(BackwardMixin, ResultsMixin):
             "parameter_writes": self.pager.residency.written,
             "units_final_in_backward": self.gradients.handoff.early,
             "failed_backwards": self.failed_backwards,
+            **self.updater.undo.stats(),  # [Note: a failed backward is undone]: what keeping it costs
             "staleness": self.lockfree.stats() if self.lockfree is not None else None,
             **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
             "loss_scale": self.updater.scaler.scale,

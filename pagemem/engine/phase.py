@@ -29,8 +29,9 @@ class EnginePhase(enum.Enum):
       starts new sums).
     - ``STEPPING_KEEP``: ``engine.optimizer.step()`` (called by the user, not through
       ``engine.step()``) updates; the gradients are kept until ``zero_grad()``.
-    - ``BROKEN``: a backward failed after its gradients reached what cannot be taken back
-      (``broken`` says what): every call raises ``StepFailed`` until ``Engine.load``.
+    - ``BROKEN``: a backward failed and undoing it failed too ([Note: a failed backward is
+      undone], ``updates/backward_undo.py``; ``broken`` says what): every call raises
+      ``StepFailed`` until ``Engine.load``.
     - ``CLOSED``: ``close()`` ran; every call raises ``InvalidRequest``.
 
     A forward is no phase: nothing reads it, and one that raises changes nothing. A step that
@@ -43,8 +44,10 @@ class EnginePhase(enum.Enum):
                              CLOSED [close]
         ACCUMULATED       -> BACKWARD, BACKWARD_BY_HABIT [begin_backward], STEPPING, STEPPING_KEEP
                              [begin_step], IDLE [discard], CLOSED [close]
-        BACKWARD          -> ACCUMULATED [end_backward], IDLE, BROKEN [abort_backward], CLOSED [close]
-        BACKWARD_BY_HABIT -> ACCUMULATED [end_backward], IDLE, BROKEN [abort_backward], CLOSED [close]
+        BACKWARD          -> ACCUMULATED [end_backward, abort_backward], IDLE, BROKEN [abort_backward],
+                             CLOSED [close]
+        BACKWARD_BY_HABIT -> ACCUMULATED [end_backward, abort_backward], IDLE, BROKEN [abort_backward],
+                             CLOSED [close]
         STEPPING          -> IDLE [end_step, leave_step], ACCUMULATED [leave_step], CLOSED [close]
         STEPPING_KEEP     -> IDLE [end_step, leave_step], ACCUMULATED [leave_step]
         BROKEN            -> CLOSED [close]
@@ -61,7 +64,9 @@ class EnginePhase(enum.Enum):
     phase ``STEPPING``. A move into or out of a backward is made in the shielded method that does
     its bookkeeping (``backward.py``), the guard entered and exited with it. ``IDLE`` holds
     ``micro == 0`` and ``ACCUMULATED`` ``micro >= 1`` (asserted on every move); ``BROKEN`` alone
-    has a reason."""
+    has a reason. A backward that fails is undone: ``abort_backward`` goes back to where the
+    backward began, ``ACCUMULATED`` with the earlier backwards' count or ``IDLE``; ``BROKEN`` only
+    when the undo failed (``micro`` 0: nothing pending counts)."""
 
     IDLE = "idle"
     ACCUMULATED = "accumulated"
@@ -144,17 +149,18 @@ class PhaseMachine:
         self._to(EnginePhase.ACCUMULATED)
 
     def abort_backward(self, broken: str | None) -> int:
-        """The backward failed part-way: its gradients are discarded, with those of the step's
-        earlier backwards; ``broken``: why training cannot go on. Returns how many earlier
-        backwards' gradients went with it."""
+        """The backward failed part-way and was undone: back to where it began, the step's
+        earlier backwards counted; ``broken``: the undo failed, why training cannot go on (no
+        backward counts then). Returns how many earlier backwards' gradients were kept (0 when
+        broken)."""
         self._require(BACKWARDS, "abort_backward")
-        earlier, self.micro = self.micro, 0
         if broken is not None:
+            self.micro = 0
             self.broken = broken
             self._to(EnginePhase.BROKEN)
-        else:
-            self._to(EnginePhase.IDLE)
-        return earlier
+            return 0
+        self._to(EnginePhase.ACCUMULATED if self.micro else EnginePhase.IDLE)
+        return self.micro
 
     def begin_step(self, consume: bool) -> None:
         """An update starts: ``engine.step()`` (``consume``) or ``engine.optimizer.step()``."""

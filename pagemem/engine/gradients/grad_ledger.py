@@ -44,13 +44,20 @@ class GradState(enum.Enum):
 
         NONE         -> ACCUMULATING (handed off in a backward), SUMMED (assigned to p.grad by hand)
         ACCUMULATING -> ACCUMULATING (another of the same backward), SUMMED (its unit final, the
-                        backward ended or, lock-free, failed; assigned by hand), UPDATING (its
-                        update started), NONE (a failed backward; a consuming step)
+                        backward ended; assigned by hand; a failed backward undone), UPDATING (its
+                        update started), NONE (a failed backward undone; a consuming step),
+                        HANDED_OFF (a failed backward undone, lock-free)
         SUMMED       -> ACCUMULATING (a later backward adds), SUMMED (assigned by hand, zeroed),
-                        NONE (a consuming step, zero_grad, a failed backward), HANDED_OFF (submitted)
-        UPDATING     -> APPLIED (a step that keeps gradients), NONE (a consuming step, a failed backward)
-        APPLIED      -> SUMMED (assigned by hand), NONE (zero_grad, the next step, a failed backward)
+                        NONE (a consuming step, zero_grad, a failed backward undone), HANDED_OFF
+                        (submitted; a failed backward undone)
+        UPDATING     -> APPLIED (a step that keeps gradients), NONE (a consuming step, a failed
+                        backward undone), SUMMED (a failed backward undone)
+        APPLIED      -> SUMMED (assigned by hand), NONE (zero_grad, the next step)
         HANDED_OFF   -> ACCUMULATING (the next iteration adds), NONE (the updating thread took it)
+
+    A failed backward moves every gradient it touched back to the state it was in before that
+    backward ([Note: a failed backward is undone] in ``updates/backward_undo.py``): the moves
+    marked "a failed backward undone" above.
 
     [Note: a gradient copy in flight] Independently of its state, a parameter is marked
     *copying* while its gradient's add into host pages runs on the side stream ([Note:
@@ -71,9 +78,9 @@ class GradState(enum.Enum):
 _S = GradState
 _LEGAL = {
     _S.NONE: frozenset({_S.ACCUMULATING, _S.SUMMED}),
-    _S.ACCUMULATING: frozenset({_S.ACCUMULATING, _S.SUMMED, _S.UPDATING, _S.NONE}),
+    _S.ACCUMULATING: frozenset({_S.ACCUMULATING, _S.SUMMED, _S.UPDATING, _S.NONE, _S.HANDED_OFF}),
     _S.SUMMED: frozenset({_S.ACCUMULATING, _S.SUMMED, _S.NONE, _S.HANDED_OFF}),
-    _S.UPDATING: frozenset({_S.APPLIED, _S.NONE}),
+    _S.UPDATING: frozenset({_S.APPLIED, _S.NONE, _S.SUMMED}),
     _S.APPLIED: frozenset({_S.SUMMED, _S.NONE}),
     _S.HANDED_OFF: frozenset({_S.ACCUMULATING, _S.NONE}),
 }

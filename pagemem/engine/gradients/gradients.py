@@ -34,9 +34,10 @@ class GradDestination(Protocol):
     def end_backward(self) -> None:
         """The backward ended: what it handed off is summed."""
 
-    def abort_backward(self) -> tuple[int, bool]:
-        """The backward failed part-way; returns how many parameters were updated from it during
-        backward and whether gradients from before it were discarded too."""
+    def abort_backward(self) -> tuple[int, int]:
+        """The backward failed part-way and none of its writes still runs: undo it ([Note: a
+        failed backward is undone]); returns how many parameters' updates during it were undone
+        and how many gradient sums were restored. Raises if it cannot be undone."""
 
     def discard(self, params: list[int]) -> None:
         """Forget the gradients of ``params`` (their ``p.grad`` was set to None)."""
@@ -81,9 +82,8 @@ class LockFreeDestination:
         self.unit_final = lockfree.unit_final
         self.end_backward = lockfree.end_backward
 
-    def abort_backward(self) -> tuple[int, bool]:
-        self.lockfree.end_backward()  # its gradients stay: they share sums ([Note: the lock-free updater])
-        return 0, False
+    def abort_backward(self) -> tuple[int, int]:
+        return self.lockfree.abort_backward()
 
     def discard(self, params: list[int]) -> None:
         if params and self.lockfree.has_fresh():
@@ -152,17 +152,23 @@ class Gradients:
         self.handoff.end()
         self.destination.end_backward()
 
-    def abort_backward(self) -> tuple[int, bool]:
-        """A backward failed part-way: the destination drops or keeps what it handed off ([Note:
-        a step is a transaction]), ``p.grad`` kept for the user's hooks goes, and the hand-off
-        forgets it (its counts are not a backward's). Returns the destination's
-        ``abort_backward``."""
-        result = self.destination.abort_backward()
-        for p in self._to_drop:
-            p.grad = None
-        self._to_drop.clear()
-        self.handoff.abort()
-        return result
+    def abort_backward(self) -> tuple[int, int]:
+        """A backward failed part-way: the destination undoes what it handed off ([Note: a
+        failed backward is undone]), the hand-off forgets it (its counts are not a backward's),
+        and every ``p.grad`` autograd left goes (kept for the user's hooks, or accumulated
+        before a hook raised ahead of the hand-off; after a failed ``loss.backward()``, a tensor
+        assigned before the next call into the engine found it goes too: it cannot be told from
+        autograd's). Returns the destination's ``abort_backward``; raises what it raises
+        (nothing could be undone)."""
+        try:
+            return self.destination.abort_backward()
+        finally:
+            self._to_drop.clear()
+            with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads and sets
+                for i, (_, p) in enumerate(self.bank.params):
+                    if self.bank.records[i].hooked and p.grad is not None:
+                        p.grad = None  # the handles are down during a backward: none is one of them
+            self.handoff.abort()
 
     def take_back(self) -> None:
         """Take the handles down; what code did with ``p.grad`` meanwhile (set it to None,

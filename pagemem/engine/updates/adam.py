@@ -109,9 +109,13 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: AdamW | None = None,
                  step_fn: Callable[[PagedOptimizer], None] | None = None,
-                 zero_grad_fn: Callable[[], None] | None = None, states: Any = None) -> None:
+                 zero_grad_fn: Callable[[], None] | None = None, states: Any = None,
+                 before_zero_grad_fn: Callable[[], None] | None = None) -> None:
         self.step_fn = step_fn
         self.zero_grad_fn = zero_grad_fn
+        self.before_zero_grad_fn = before_zero_grad_fn
+        """Called before ``zero_grad`` sets any ``p.grad``: the engine finds a failed
+        ``loss.backward()`` first, so that what it puts back up is what is discarded."""
         self.states = states
         """Reads and writes the per-parameter states where the engine keeps them (``read()``,
         ``write(state)``, keyed by torch's parameter numbers); None: this object's own."""
@@ -142,6 +146,8 @@ class PagedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; the engine then discards the gradient sums of
         the parameters whose ``p.grad`` became None (``zero_fn``), or zeroes them."""
+        if self.before_zero_grad_fn is not None:
+            self.before_zero_grad_fn()
         super().zero_grad(set_to_none)
         if self.zero_grad_fn is not None:
             self.zero_grad_fn()

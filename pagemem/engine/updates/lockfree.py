@@ -35,9 +35,10 @@ max, histogram). ``max_staleness``: the compute side waits at an iteration's sta
 unit lags more than that (0: every update lands first, which is synchronous training, bit for
 bit); None never waits (the paper's behaviour). Refused with it: clipping by the global norm and
 loss scaling (both need every unit's gradient before any update), updates during backward, and
-optimizer states on the gpu. ``zero_grad`` and a failed backward cannot take back gradients that
-share a sum with submitted ones: the first is refused while the iteration has gradients, the
-second makes the engine refuse to go on (load a checkpoint). ``save()`` drains: it waits until
+optimizer states on the gpu. ``zero_grad`` cannot take back gradients that share a sum with
+submitted ones: it is refused while the iteration has gradients. A failed backward can: the sums
+it added to were kept before it added ([Note: a failed backward is undone] in
+``backward_undo.py``), and are restored, submitted gradients and all. ``save()`` drains: it waits until
 every submitted iteration is applied and published, so a checkpoint is a synchronous one. A
 failing or dead updating thread raises in the training loop at the next call (its error
 chained), never hangs: every wait checks it.
@@ -70,6 +71,7 @@ import torch
 
 from pagemem.engine.updates.adam import AdamW, fused_steps
 from pagemem.engine.updates.adam_threads import Workers
+from pagemem.engine.updates.backward_undo import HOLDS, BackwardUndo
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import FRESH, GradLedger, GradState
 from pagemem.engine.updates.state_pieces import with_grad
@@ -103,13 +105,15 @@ class LockFreeUpdater:
 
     def __init__(self, bank: ParamBank, store: PageStore, chunks: Callable[[list[int]], Any],
                  take_sum: Callable[[int], torch.Tensor], max_staleness: int | None,
-                 predict: bool = False, ledger: GradLedger | None = None) -> None:
+                 predict: bool = False, ledger: GradLedger | None = None, undo: BackwardUndo | None = None) -> None:
         """``chunks(params)``: the updater's state pieces and leases (``Updater.chunks``);
         ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat; ``ledger``: each
-        parameter's gradient state (moved under this updater's lock). The seams of both sides
-        (``"take"``, ``"update"``, ``"publish"``, ``"accumulate"``, ``"drain"``) call ``SEAM``."""
+        parameter's gradient state (moved under this updater's lock); ``undo``: the running
+        backward's journal (``Updater.undo``; [Note: a failed backward is undone]). The seams of
+        both sides (``"take"``, ``"update"``, ``"publish"``, ``"accumulate"``, ``"drain"``) call ``SEAM``."""
         self.bank, self.store = bank, store
         self.ledger = ledger if ledger is not None else GradLedger([n for n, _ in bank.params], bank.layer_of)
+        self.undo = undo if undo is not None else BackwardUndo(bank, store)
         self._chunks, self._take_sum = chunks, take_sum
         self.max_staleness = max_staleness
         self.predict = predict
@@ -137,9 +141,12 @@ class LockFreeUpdater:
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
         """Parameter ``i``'s gradient of this backward (the hand-off): into its sum."""
         with self._cond:  # opens its unit; waits while the updating thread takes the unit's sums
-            first = self.ledger.move(i, GradState.ACCUMULATING) is GradState.NONE
+            before = self.ledger.move(i, GradState.ACCUMULATING)
+            touched = self.undo.touch(i, before)
+        if touched and before in HOLDS:  # its unit is open now: the updating thread leaves the sum alone
+            self.undo.keep_sum(i)  # [Note: a failed backward is undone]
         _seam("accumulate")
-        self.bank.accumulate_grad(i, grad, first=first)
+        self.bank.accumulate_grad(i, grad, first=before is GradState.NONE)
 
     def unit_final(self, u: int) -> None:
         """Unit ``u`` has all its gradients of this backward: it closes."""
@@ -148,10 +155,25 @@ class LockFreeUpdater:
             self._cond.notify_all()
 
     def end_backward(self) -> None:
-        """The backward ended (or failed): every unit closes."""
+        """The backward ended: every unit closes."""
         with self._cond:
             self.ledger.move_all(GradState.ACCUMULATING, GradState.SUMMED)
             self._cond.notify_all()
+
+    def abort_backward(self) -> tuple[int, int]:
+        """The backward failed (its gradient copies landed): its sums are restored and its units
+        close as they were before it, sums shared with submitted iterations included ([Note: a
+        failed backward is undone]); while they are restored its units stay open, so the updating
+        thread takes none half restored. Returns ``BackwardUndo.restore``'s counts. If the
+        restore raises, the backward's gradients stay and the error propagates (the engine breaks)."""
+        with self._cond:
+            try:
+                return self.undo.restore(self.ledger)
+            except BaseException:
+                self.ledger.move_all(GradState.ACCUMULATING, GradState.SUMMED)
+                raise
+            finally:
+                self._cond.notify_all()
 
     def has_fresh(self) -> bool:
         """Gradients since the last ``submit`` (they share sums with submitted ones)."""

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from pagemem.engine.updates.adam import AdamW, CpuAdam, fused_steps, join_all, total_sumsq, wait_all
+from pagemem.engine.updates.backward_undo import HOLDS, BackwardUndo
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import GradLedger, GradState
 from pagemem.engine.updates.grad_sums import GradSums
@@ -95,7 +96,9 @@ class Updater:
         self._final = False
         self.unfinished: UnfinishedUpdate | None = None
         """A step that failed part-way, until ``step()`` finishes it ([Note: a step is a transaction])."""
-        self._held_at_begin = 0
+        self.undo = BackwardUndo(bank, store)
+        """What the running backward overwrote ([Note: a failed backward is undone]); the
+        lock-free updater keeps its sums in it too."""
         self._early_error: BaseException | None = None
         self._early_taken = False
         self.overlap = self._overlap_exact()
@@ -115,7 +118,7 @@ class Updater:
         self._final = final
         self._fires_now = {}
         self._early_hp = {}
-        self._held_at_begin = self.ledger.count(_ACCUMULATING, _SUMMED)
+        self.undo.begin()
 
     def refuse_if_unfinished(self, what: str) -> None:
         """Raise ``StepFailed`` while a step that failed part-way is not finished."""
@@ -125,32 +128,37 @@ class Updater:
                              "updated; call step() again to finish it exactly (its gradients are kept), or load "
                              "a checkpoint")
 
-    def abort_backward(self) -> tuple[int, bool]:
-        """A backward failed part-way ([Note: a step is a transaction]): its gradient sums are
-        discarded, with those held before it (they may hold part of it). Returns how many
-        parameters were already updated from it (during backward: the step is torn) and
-        whether gradients from before this backward were discarded too."""
+    def abort_backward(self) -> tuple[int, int]:
+        """A backward failed part-way: it is undone ([Note: a failed backward is undone] in
+        ``backward_undo.py``; the caller waited for its gradient copies). Returns how many
+        parameters' updates during it were undone and how many sums were restored. If the
+        restore raises, every gradient is discarded and the error propagates (the engine breaks)."""
         early, self._early = self._early, {}
-        join_all(list(early.values()))  # none still writes pages once this returns
-        applied = sum(1 for f in early.values() if f.exception() is None)
-        held = self._held_at_begin > 0
-        self.ledger.move_all((_ACCUMULATING, _SUMMED, _UPDATING, _APPLIED), _NONE)
         self._fires_now = {}
         self._early_stepped.clear()
-        return applied, held
+        try:
+            join_all(list(early.values()))  # none still writes pages once this returns
+            return self.undo.restore(self.ledger)
+        except BaseException:
+            self.ledger.move_all((_ACCUMULATING, _SUMMED, _UPDATING, _APPLIED), _NONE)
+            raise
 
     def end_backward(self) -> None:
         if self._final:
             self._fires_prev = self._fires_now
+        self.undo.end()
 
     def grad_ready(self, i: int, grad: torch.Tensor) -> None:
         """Parameter ``i``'s gradient for this backward is complete (autograd's hook)."""
         fires = self._fires_now[i] = self._fires_now.get(i, 0) + 1
-        if self.ledger.state(i) is _UPDATING:
+        before = self.ledger.state(i)
+        if before is _UPDATING:
             raise RuntimeError(
                 f"parameter {self.bank.params[i][0]!r} got a second gradient in this backward after it was "
                 "updated (in the previous iteration it got one): the gradient structure changed between "
                 "iterations; pass overlap_update=False to update only in step()")
+        if self.undo.touch(i, before) and before in HOLDS:  # [Note: a failed backward is undone]
+            self.undo.keep_sum(i)
         first = self.ledger.move(i, _ACCUMULATING) is _NONE
         early = self._final and fires == 1 and self._fires_prev.get(i) == 1 and self.overlap
         if early and first and self.bank.layers[self.bank.layer_of[i]].state_tier == "gpu" and grad.dtype == torch.float32:
@@ -216,6 +224,7 @@ class Updater:
         hook), from its gradient pages or from ``grad``."""
         [(_, pieces)], leases = self._chunks([i])
         try:
+            self.undo.keep_states(i, pieces)  # [Note: a failed backward is undone]
             if grad is not None:
                 flat = grad.detach().reshape(-1)
                 pieces = with_grad(pieces, flat)
