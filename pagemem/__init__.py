@@ -7,7 +7,7 @@ pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpack
 
 from pagemem.config import StoreConfig
 from pagemem.errors import (ConfigError, CorruptCheckpoint, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
-                            StepFailed, TierIOError, TornPage)
+                            StepFailed, TierIOError, TornPage, WrongProcess)
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore, StoreStats
 from pagemem.engine import AdamW, Engine, EngineConfig, decay_groups
 
@@ -33,4 +33,5 @@ __all__ = [
     "TierIOError",
     "TornPage",
     "StepFailed",
+    "WrongProcess",
 ]

@@ -14,6 +14,7 @@ import torch
 from pagemem.engine.interrupts import shielded
 from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.errors import InvalidRequest
+from pagemem.process import require_owner
 
 if TYPE_CHECKING:
     from pagemem.engine.units.bank import ParamBank
@@ -36,6 +37,7 @@ class BackwardMixin:
     phase: PhaseMachine
     _phase_seconds: dict[str, float]
     failed_backwards: int
+    owner_pid: int
 
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
@@ -156,6 +158,7 @@ class BackwardMixin:
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """A parameter's gradient is about to be accumulated: start a backward the engine did
         not start (see [Note: backward by habit])."""
+        require_owner("loss.backward() through the engine's model", self.owner_pid)
         if self.phase.in_backward:
             return
         self._usable("loss.backward()")

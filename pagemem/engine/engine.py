@@ -13,6 +13,8 @@ an iteration that leaves its plan finishes on demand and is re-planned); ``resid
 units and points the parameters at their pages; ``update.py`` turns gradients into updates. All
 of them hear the ops of one ``pagemem.tracer.OpClock``, the same the trace was numbered with.
 Autograd's saved parameters are kept as references and fetched again when backward needs them.
+An engine belongs to the process that made it: in a forked child every call raises
+``WrongProcess`` ([Note: an engine belongs to its process], ``pagemem/process.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.units.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.updates.update import Updater
 from pagemem.errors import ConfigError, FirstError, InvalidRequest
+from pagemem.process import current_pid, is_owner, require_owner
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
 
@@ -73,6 +76,9 @@ class Engine(BackwardMixin, ResultsMixin):
             raise ConfigError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config: must be a pagemem.EngineConfig, got {type(config).__name__}")
+        self.owner_pid = current_pid()
+        """The process that made the engine, the only one that may call it ([Note: an engine
+        belongs to its process], ``pagemem/process.py``)."""
         check_parameters(model)
         groups = checked_groups(model, param_groups, config.optimizer) if param_groups is not None else None
         if groups is not None:
@@ -166,6 +172,7 @@ class Engine(BackwardMixin, ResultsMixin):
 
     def _before_reading_weights(self) -> None:
         """A state dict is read: updates submitted land first, writes to parameters are kept."""
+        require_owner("state_dict() of the engine's model", self.owner_pid)
         if self.lockfree is not None:
             self.lockfree.quiesce()
         self.pager.residency.keep_writes()
@@ -219,7 +226,10 @@ class Engine(BackwardMixin, ResultsMixin):
 
     def _usable(self, what: str) -> None:
         """Refuse use after ``close()`` or after a torn step; finish off a backward by habit
-        that raised (autograd never ran its end callback): see [Note: a step is a transaction]."""
+        that raised (autograd never ran its end callback): see [Note: a step is a transaction].
+        Refuse a process forked from the owner first, before any lock ([Note: an engine belongs
+        to its process], ``pagemem/process.py``)."""
+        require_owner(f"Engine: {what}", self.owner_pid)
         if self.phase.now is EnginePhase.BACKWARD_BY_HABIT and torch._C._current_autograd_node() is None:
             self._abort_backward(None)
         self.phase.require_usable(what)
@@ -305,6 +315,7 @@ class Engine(BackwardMixin, ResultsMixin):
     def get_global_grad_norm(self) -> float:
         """The 2-norm of all gradient sums now (as ``clip_grad_norm_`` computes it), or of the
         last update's gradients once they are consumed; 0.0 before any."""
+        require_owner("Engine: get_global_grad_norm", self.owner_pid)
         return self.gradients.global_norm()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -313,6 +324,7 @@ class Engine(BackwardMixin, ResultsMixin):
         clipping). The 2-norm is computed over the pages; another norm over the gradients
         materialised ([Note: gradient handles]). For every step, ``EngineConfig(max_grad_norm=)``
         clips by the 2-norm."""
+        require_owner("Engine: clip_grad_norm_", self.owner_pid)
         if norm_type in (2, 2.0):
             return self.gradients.clip(max_norm)
         self._usable("clip_grad_norm_")
@@ -359,6 +371,7 @@ class Engine(BackwardMixin, ResultsMixin):
 
     def stats(self) -> dict[str, Any]:
         """Per-tier use against budget, bytes moved per direction, time per phase, paging counts."""
+        require_owner("Engine: stats", self.owner_pid)
         s = self.store.stats()
         paging = self.pager.stats()
         busy = self._phase_seconds["forward"] + self._phase_seconds["backward"]
@@ -391,7 +404,9 @@ class Engine(BackwardMixin, ResultsMixin):
         memory) when host memory has room for them; otherwise it warns, and its parameters refuse
         every read (load a checkpoint instead). Each step runs even if an earlier one raises (a
         failed nvme write-back), so the store's files and threads are always released; then the
-        first error is raised ([Note: closing releases everything], errors.py)."""
+        first error is raised ([Note: closing releases everything], errors.py). In a process
+        forked from the owner it raises ``WrongProcess`` and releases nothing."""
+        require_owner("Engine: close", self.owner_pid)
         if self.phase.now is EnginePhase.CLOSED:
             return
         if self.phase.in_backward and torch._C._current_autograd_node() is not None:  # from a hook of it
@@ -419,5 +434,7 @@ class Engine(BackwardMixin, ResultsMixin):
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None and not is_owner(self.owner_pid):
+            return  # a forked child leaving by an exception: it goes on, nothing is closed
         self.close()
