@@ -12,6 +12,7 @@ process of its own (a child of pytest itself cannot unwind through pytest).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -19,6 +20,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -129,24 +131,27 @@ class Child:
         return reports, hung, None if status is None else os.waitstatus_to_exitcode(status)
 
 
-def calls_in_child(calls: dict, seconds: float = CHILD_SECONDS) -> dict:
-    """Run each of ``calls`` in a forked child; name -> [outcome, seconds]. Fails on a hang."""
-    def body(report):
-        torch.set_num_threads(1)
-        for name, fn in calls.items():
-            t0 = time.monotonic()
-            try:
-                fn()
-                outcome = "returned"
-            except WrongProcess as exc:
-                outcome = "WrongProcess"
-                if name == next(iter(calls)):
-                    report({"message": str(exc), "pid": os.getpid(), "owner": exc.owner_pid, "what": exc.what})
-            except BaseException as exc:
-                outcome = f"{type(exc).__name__}: {exc}"
-            report({"name": name, "outcome": outcome, "seconds": time.monotonic() - t0})
+def run_calls(calls: dict, report) -> None:
+    """In a child: run each of ``calls``, reporting its outcome (and the first WrongProcess's message)."""
+    torch.set_num_threads(1)
+    for name, fn in calls.items():
+        t0 = time.monotonic()
+        try:
+            fn()
+            outcome = "returned"
+        except WrongProcess as exc:
+            outcome = "WrongProcess"
+            if name == next(iter(calls)):
+                report({"message": str(exc), "pid": os.getpid(), "owner": exc.owner_pid, "what": exc.what})
+        except BaseException as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        report({"name": name, "outcome": outcome, "seconds": time.monotonic() - t0})
 
-    reports, hung, code = Child(body).wait(seconds)
+
+def child_calls_done(child: Child, calls: dict, seconds: float = CHILD_SECONDS) -> dict:
+    """Wait for a child running ``run_calls``; name -> its report. Fails on a hang; checks the
+    first WrongProcess's message names both processes, the call, and what to do."""
+    reports, hung, code = child.wait(seconds)
     got = {r["name"]: r for r in reports if "name" in r}
     assert not hung, f"the child hung at {next((n for n in calls if n not in got), '?')!r} (done: {list(got)})"
     assert code == 0, reports
@@ -156,6 +161,11 @@ def calls_in_child(calls: dict, seconds: float = CHILD_SECONDS) -> dict:
     for needle in (str(os.getpid()), str(message["pid"]), message["what"], "new engine"):
         assert needle in message["message"], message
     return got
+
+
+def calls_in_child(calls: dict, seconds: float = CHILD_SECONDS) -> dict:
+    """Run each of ``calls`` in a forked child; name -> its report. Fails on a hang."""
+    return child_calls_done(Child(lambda report: run_calls(calls, report)), calls, seconds)
 
 
 def assert_all_refused(got: dict, calls: dict) -> None:
@@ -294,6 +304,62 @@ def test_every_engine_entry_point_raises_in_a_child(tmp_path, io_engine):
     engine.save(str(tmp_path / "ckpt"))
     engine.close()
     assert not any(os.path.exists(p) for p in paths)
+
+
+@contextlib.contextmanager
+def held_by_another_thread(lock):
+    """Another thread holds ``lock`` meanwhile: a child forked now gets it copied held."""
+    taken, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            taken.set()
+            done.wait()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert taken.wait(10)
+    try:
+        yield
+    finally:
+        done.set()
+        holder.join()
+
+
+def test_calls_are_refused_before_any_lock_a_fork_copied_held(tmp_path):
+    """Forked while other threads of the parent hold the engine's op-clock lock (the guard's
+    fetches and the clock's hooks take it) and the store's lock: the child's calls raise
+    WrongProcess at once instead of waiting for locks no thread of the child will release."""
+    model, ref = make(), Reference()
+    engine = pagemem.Engine(model, config(str(tmp_path), IO[0]))
+    for i in range(2):
+        x, y = batch(i)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        ref.train(i)
+    store = engine.store
+    evicted = next(p for i, (_, p) in enumerate(engine.bank.params) if not engine.guard._resident(i))
+
+    def no_grad_forward():
+        with torch.no_grad():
+            engine(x)
+
+    calls = {"forward under no_grad": no_grad_forward, "forward": lambda: engine(x), "step": engine.step,
+             "state_dict": engine.state_dict, "model.state_dict": model.state_dict,
+             "reading an evicted parameter": lambda: evicted.sum(), "stats": engine.stats,
+             "store.stats": store.stats, "store.synchronize": store.synchronize, "close": engine.close,
+             "store.close": store.close}
+    with held_by_another_thread(engine.clock.lock), held_by_another_thread(store._queue.lock):
+        child = Child(lambda report: run_calls(calls, report))
+    got = child_calls_done(child, calls)
+    assert_all_refused(got, calls)
+    for i in range(2, 4):
+        x, y = batch(i)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        ref.train(i)
+    assert not differing(engine, ref)
+    engine.close()
 
 
 def test_with_block_left_by_an_exception_in_a_child_lets_it_through(tmp_path):
