@@ -8,7 +8,7 @@ pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpack
 from pagemem.config import StoreConfig
 from pagemem.errors import (ConfigError, CorruptCheckpoint, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
                             StepFailed, StepIOError, TierIOError, TornPage,
-                            WeightsNotGivenBack)
+                            WeightsNotGivenBack, WrongProcess)
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore, StoreStats
 from pagemem.engine import AdamW, Engine, EngineConfig, decay_groups
 
@@ -36,4 +36,5 @@ __all__ = [
     "StepFailed",
     "StepIOError",
     "WeightsNotGivenBack",
+    "WrongProcess",
 ]

@@ -111,6 +111,26 @@ class InvalidRequest(PageMemError, ValueError):
     """A call was misused: unknown tier, wrong shape or dtype, a freed tensor, a closed store."""
 
 
+class WrongProcess(InvalidRequest):
+    """An engine or a store (or one of its tensors, handles, leases, parameters) was called in a
+    process other than the one that made it: a child made by ``os.fork()``. Raised at once, with
+    nothing of the owner's touched ([Note: an engine belongs to its process], ``process.py``).
+    ``what`` names the call, ``owner_pid`` the owning process, ``pid`` this one."""
+
+    def __init__(self, what: str, owner_pid: int, pid: int) -> None:
+        self.what = what
+        self.owner_pid = owner_pid
+        self.pid = pid
+        super().__init__(
+            f"{what}: called in process {pid}, but this engine or store belongs to process {owner_pid}, "
+            f"which made it; an engine and its store cannot be used in a process forked from their owner "
+            f"(their threads, I/O context and locks exist only there). Make a new engine (or PageStore) "
+            f"in process {pid}; nothing of process {owner_pid}'s was touched")
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.what, self.owner_pid, self.pid))
+
+
 class TornPage(PageMemError):
     """A tensor's bytes were lost when an in-place disk write failed (there was no room for a
     copy-on-write). Reads of those bytes are refused until the tensor is written again."""

@@ -12,7 +12,7 @@ import pytest
 import pagemem
 
 LEAVES = {"pagemem.config", "pagemem.errors", "pagemem.units", "pagemem.checks", "pagemem.models", "pagemem.plain",
-          "pagemem.machine", "pagemem.ownership"}
+          "pagemem.machine", "pagemem.ownership", "pagemem.process"}
 ALLOWED = {
     "tiers": set(),
     "store": {"tiers"},

@@ -14,6 +14,7 @@ from pagemem.engine.calls import CallLock, engine_call
 from pagemem.engine.interrupts import shielded
 from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.errors import InvalidRequest, warn
+from pagemem.process import require_owner
 
 if TYPE_CHECKING:
     from pagemem.engine.units.bank import ParamBank
@@ -37,11 +38,10 @@ class BackwardMixin:
     calls: CallLock
     _phase_seconds: dict[str, float]
     failed_backwards: int
+    owner_pid: int
 
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
-
-        def _before_call(self, what: str) -> None: ...
 
         def _saved_tensor_hooks(self) -> Any: ...
 
@@ -162,9 +162,9 @@ class BackwardMixin:
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """A parameter's gradient is about to be accumulated: start a backward the engine did
         not start (see [Note: backward by habit])."""
+        require_owner("loss.backward() through the engine's model", self.owner_pid)
         if self.phase.in_backward:  # a hook of the backward that runs (it holds the engine: calls.py)
             return
-        self._before_call("loss.backward()")
         with self.calls.held("loss.backward()"):  # begun with no other call running
             if self.phase.in_backward:
                 return

@@ -41,6 +41,7 @@ import torch
 
 from pagemem.engine.interrupts import shield
 from pagemem.errors import InvalidRequest
+from pagemem.process import current_pid, require_owner
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,9 +50,13 @@ class CallLock:
     """The engine's call lock: re-entrant per thread, knowing which call holds it (for the
     messages of what waits or is refused)."""
 
-    __slots__ = ("_lock", "_owner", "_depth", "_what", "loop_thread", "closed")
+    __slots__ = ("_lock", "_owner", "_depth", "_what", "loop_thread", "closed", "owner_pid")
 
-    def __init__(self) -> None:
+    def __init__(self, owner_pid: int | None = None) -> None:
+        """``owner_pid``: the process the engine belongs to; in any other (a forked child) every
+        acquire raises ``WrongProcess`` before touching the lock, which a parent's thread may have
+        held at the fork ([Note: an engine belongs to its process], ``pagemem/process.py``)."""
+        self.owner_pid = current_pid() if owner_pid is None else owner_pid
         self._lock = threading.RLock()
         self._owner: threading.Thread | None = None
         self._depth = 0
@@ -90,6 +95,7 @@ class CallLock:
         acquires, its post-hook releases). A call made inside a backward's autograd node (a hook
         on autograd's thread) while another thread's ``engine.backward`` holds the lock belongs to
         that backward: it goes in without the lock (False: nothing to release)."""
+        require_owner(f"Engine: {what}", self.owner_pid)
         if not self._lock.acquire(blocking=False):
             if self._what == "backward" and torch._C._current_autograd_node() is not None:
                 return False
@@ -123,7 +129,6 @@ def engine_call(what: str, *, shielded: bool = True) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            self._before_call(what)
             with self.calls.held(what):
                 if not shielded:
                     return fn(self, *args, **kwargs)

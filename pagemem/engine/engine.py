@@ -13,6 +13,8 @@ an iteration that leaves its plan finishes on demand and is re-planned); ``resid
 units and points the parameters at their pages; ``update.py`` turns gradients into updates. All
 of them hear the ops of one ``pagemem.tracer.OpClock``, the same the trace was numbered with.
 Autograd's saved parameters are kept as references and fetched again when backward needs them.
+An engine belongs to the process that made it: in a forked child every call raises
+``WrongProcess`` ([Note: an engine belongs to its process], ``pagemem/process.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.units.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.updates.update import Updater
 from pagemem.errors import ConfigError, FirstError, InvalidRequest
+from pagemem.process import current_pid, is_owner
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
 
@@ -75,6 +78,9 @@ class Engine(BackwardMixin, ResultsMixin):
             raise ConfigError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config: must be a pagemem.EngineConfig, got {type(config).__name__}")
+        self.owner_pid = current_pid()
+        """The process that made the engine, the only one that may call it ([Note: an engine
+        belongs to its process], ``pagemem/process.py``)."""
         check_parameters(model)
         groups = checked_groups(model, param_groups, config.optimizer) if param_groups is not None else None
         if groups is not None:
@@ -82,7 +88,7 @@ class Engine(BackwardMixin, ResultsMixin):
             groups = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in groups]
         self.module = model
         self.config = config
-        self.calls = CallLock()
+        self.calls = CallLock(self.owner_pid)
         """One public call at a time, from any thread ([Note: calls from several threads], ``calls.py``)."""
         check_units_fit(model, config)  # [Note: gpu budgets refused early], before anything is made
         self.store = PageStore(config.store)
@@ -226,12 +232,10 @@ class Engine(BackwardMixin, ResultsMixin):
 
     # ------------------------------------------------------------------ the training loop
 
-    def _before_call(self, what: str) -> None:
-        """Before a public call takes the call lock: nothing here waits."""
-
     def _usable(self, what: str) -> None:
         """Refuse use after ``close()`` or once broken; finish off a backward by habit that
-        raised (autograd never ran its end callback): see [Note: a failed backward is undone]."""
+        raised (autograd never ran its end callback): see [Note: a failed backward is undone].
+        (A process forked from the owner was refused before the call lock: ``calls.py``.)"""
         if self._refuse_beside_backward(what):
             self._abort_backward(None)
         self.phase.require_usable(what)
@@ -429,7 +433,8 @@ class Engine(BackwardMixin, ResultsMixin):
         memory) when host memory has room for them; otherwise it warns, and its parameters refuse
         every read (load a checkpoint instead). Each step runs even if an earlier one raises (a
         failed nvme write-back), so the store's files and threads are always released; then the
-        first error is raised ([Note: closing releases everything], errors.py)."""
+        first error is raised ([Note: closing releases everything], errors.py). In a process
+        forked from the owner it raises ``WrongProcess`` and releases nothing."""
         if self.phase.now is EnginePhase.CLOSED:
             return
         if self.phase.in_backward and torch._C._current_autograd_node() is not None:  # from a hook of it
@@ -459,5 +464,7 @@ class Engine(BackwardMixin, ResultsMixin):
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None and not is_owner(self.owner_pid):
+            return  # a forked child leaving by an exception: it goes on, nothing is closed
         self.close()

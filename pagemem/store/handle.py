@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pagemem.process as process
 from pagemem.store.ordering import Op
 
 
@@ -12,17 +13,21 @@ class MoveHandle:
     raises the first error (TierIOError, CorruptPage, OutOfMemory) if a page could not move;
     pages that failed stay where they were, with their data intact."""
 
-    __slots__ = ("_ops",)
+    __slots__ = ("_ops", "_owner")
 
     def __init__(self, ops: list[Op]) -> None:
         self._ops = tuple(ops)
+        self._owner = process.current_pid()
 
     def done(self) -> bool:
         """True once the move has finished, successfully or not."""
         return all(op.done.is_set() for op in self._ops)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the move finishes; raise its first error. TimeoutError after ``timeout`` s."""
+        """Block until the move finishes; raise its first error. TimeoutError after ``timeout`` s.
+        In a process forked from the store's owner, ``WrongProcess`` at once (nothing there would
+        ever finish it: ``process.py``)."""
+        process.require_owner("MoveHandle.wait()", self._owner)
         deadline = None if timeout is None else time.monotonic() + timeout
         for op in self._ops:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+import pagemem.process as process
 from pagemem.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class Lease:
     """An open lease on a tensor; ``tensor`` is its memory (an alias, or a merged copy), or for a
     split lease ``pieces`` are (one alias per run of adjacent pages)."""
 
-    __slots__ = ("source", "tier", "copied", "write", "_tensor", "_pieces", "_end", "_closed")
+    __slots__ = ("source", "tier", "copied", "write", "_tensor", "_pieces", "_end", "_closed", "_owner")
 
     def __init__(self, source: "PagedTensor", tier: str, tensor: torch.Tensor | None, copied: bool,
                  write: bool, end: Callable[["Lease", "torch.Tensor | list[Piece]"], None],
@@ -53,6 +54,7 @@ class Lease:
         self._pieces: list[Piece] | None = pieces
         self._end = end
         self._closed = closed
+        self._owner = process.current_pid()
 
     def _check_active(self) -> None:
         if self._tensor is None and self._pieces is None:
@@ -92,7 +94,9 @@ class Lease:
         return self._tensor is not None or self._pieces is not None
 
     def release(self) -> None:
-        """End the lease (writing a merged copy back if ``write``). Releasing twice is harmless."""
+        """End the lease (writing a merged copy back if ``write``). Releasing twice is harmless.
+        In a process forked from the store's owner it raises ``WrongProcess`` (``process.py``)."""
+        process.require_owner("Lease.release()", self._owner)
         if not self.active:
             return
         try:
@@ -104,7 +108,9 @@ class Lease:
         """``pieces`` for a lease taken with ``split=True``, else ``tensor``."""
         return self.pieces if self._pieces is not None else self.tensor
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None and not process.is_owner(self._owner):
+            return  # a forked child leaving by an exception: it goes on, nothing is released
         self.release()
 
     def __repr__(self) -> str:

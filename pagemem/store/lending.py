@@ -6,12 +6,12 @@ table under the store's queue and lock, and writes through the ``DataPath``.
 
 from __future__ import annotations
 
-import weakref
 from bisect import bisect_right
 from typing import Callable
 
 import torch
 
+import pagemem.process as process
 from pagemem.errors import InvalidRequest
 from pagemem.store.data import DataPath, copy_tiers, refuse_torn, source_bytes
 from pagemem.store.lease import Lease, Piece
@@ -171,7 +171,7 @@ class Lender:
             # [Note: pins follow the storage] every tensor derived from the alias, by slicing,
             # reshaping, reinterpreting its dtype or being saved by autograd, shares the alias's
             # own storage, which holds ``owner``: the pin goes when the last of them does
-            weakref.finalize(owner, self._unpin, t)
+            process.finalize(owner, self._unpin, t)  # run in this process only (process.py)
         return alias
 
     def _pieces(self, t: PagedTensor, tier: Tier) -> list[Piece]:

@@ -3,7 +3,9 @@
 The store is the facade over its parts: ``queue`` (the lock and the per-page operation order),
 ``placement`` (moves, copies, dropped copies), ``data`` (reads and writes), ``lending`` (views
 and leases), ``transfer`` (the one path page bytes take between tiers) and ``specs`` (argument
-checks). It owns the page table and the lifecycle: allocation, free, close.
+checks). It owns the page table and the lifecycle: allocation, free, close. It belongs to the
+process that made it: every public method first checks that it runs there ([Note: an engine
+belongs to its process], ``pagemem/process.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+import pagemem.process as process
 from pagemem.config import StoreConfig
 from pagemem.errors import FirstError, InvalidRequest, OutOfMemory
 from pagemem.store.export import export_page
@@ -40,7 +43,9 @@ class PageStore:
 
     Use as a context manager, or call ``close()``: closing waits for operations in flight, then
     gives the arenas back and removes the NVMe page files (a store dropped without ``close()`` does
-    the same when it is garbage collected). Safe to use from several threads.
+    the same when it is garbage collected). Safe to use from several threads, in the process that
+    made it: in a forked child every method raises ``WrongProcess`` and garbage collection, exit and
+    ``del`` release nothing ([Note: an engine belongs to its process]).
     """
 
     def __init__(self, config: StoreConfig) -> None:
@@ -48,8 +53,10 @@ class PageStore:
             raise InvalidRequest(f"PageStore needs a StoreConfig, got {type(config).__name__}")
         self.config = config
         self.page_bytes: int = config.page_bytes  # type: ignore[assignment]
+        self.owner_pid = process.current_pid()
+        """The process that made the store, the only one that may use it."""
         self._tiers = build_tiers(config)
-        self._finalizer = weakref.finalize(self, self._tiers.close)
+        self._finalizer = process.finalize(self, self._tiers.close)
         self._queue = OpQueue()
         self._meter = TransferMeter()
         mover = Mover(self._tiers.staging)
@@ -69,7 +76,9 @@ class PageStore:
     def __enter__(self) -> "PageStore":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None and not process.is_owner(self.owner_pid):
+            return  # a forked child leaving by an exception: it goes on, nothing is closed
         self.close()
 
     def close(self) -> None:
@@ -77,6 +86,7 @@ class PageStore:
         Tensors, views and leases used afterwards raise ``InvalidRequest`` (stale raw views read
         zeros, never another tensor's data). Every file, fd and thread is released even if a part
         of closing raises; then the first error is raised ([Note: closing releases everything])."""
+        self._owned("close")
         with self._queue.lock:
             if self._closed:
                 return
@@ -97,6 +107,7 @@ class PageStore:
 
     def synchronize(self) -> None:
         """Wait until every operation started so far has finished."""
+        self._owned("synchronize")
         self._queue.drain()
 
     def resize(self, tier: str, pages: int) -> None:
@@ -107,6 +118,7 @@ class PageStore:
         non-model memory. Raises, changing nothing: ``InvalidRequest`` when a page with a copy
         on the tier is pinned (a view or a lease) or has an operation in flight, or a slot in
         use lies at or above ``pages``; ``OutOfMemory`` when the new arena cannot be had."""
+        self._owned("resize")
         if tier not in ("gpu", "cpu"):
             raise InvalidRequest(f"resize: tier must be 'gpu' or 'cpu' (memory tiers), got {tier!r}")
         most = self.config.pages(tier)
@@ -135,6 +147,7 @@ class PageStore:
 
     def tier(self, name: str) -> Tier:
         """The tier object called ``name`` (``"gpu"``, ``"cpu"`` or ``"nvme"``)."""
+        self._owned("tier")
         return self._tiers[name]
 
     @property
@@ -144,6 +157,7 @@ class PageStore:
 
     def describe(self) -> str:
         """One line per tier: size and backend (says when ``gpu`` is a host stand-in)."""
+        self._owned("describe")
         lines = [f"pagemem store, {format_bytes(self.page_bytes)} pages"]
         for t in self._tiers:
             info = t.describe()
@@ -155,6 +169,7 @@ class PageStore:
     def stats(self) -> StoreStats:
         """Capacity, used pages, live bytes and utilization per tier; bytes and time per move
         direction; backends in use; views served zero-copy and those that needed a copy."""
+        self._owned("stats")
         with self._queue.lock:
             live = {t.name: 0 for t in self._tiers}
             pinned = 0
@@ -173,6 +188,7 @@ class PageStore:
 
     def location(self, page_id: int) -> tuple[str, int]:
         """``(tier, slot)`` of the home copy of logical page ``page_id``."""
+        self._owned("location")
         with self._queue.lock:
             page = self._pages.get(page_id)
             if page is None:
@@ -181,6 +197,7 @@ class PageStore:
 
     def copies(self, page_id: int) -> dict[str, int]:
         """Every copy of logical page ``page_id``: tier -> slot, home first."""
+        self._owned("copies")
         with self._queue.lock:
             page = self._pages.get(page_id)
             if page is None:
@@ -192,6 +209,7 @@ class PageStore:
         checkpoint's, called ``name`` in errors), verified by reading them back; return their
         XXH3-64 checksum. CorruptPage / TierIOError on failure. Synchronize first
         (``store/export.py``)."""
+        self._owned("export_page")
         self._check_open()
         return export_page(self, page_id, fd, offset, name)
 
@@ -200,6 +218,7 @@ class PageStore:
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, tier: str = "cpu") -> PagedTensor:
         """A new tensor of ``shape`` and ``dtype`` in ``tier``. Its contents are unspecified until
         written (like ``torch.empty``). Raises OutOfMemory, changing nothing, if it does not fit."""
+        self._owned("allocate")
         return self.allocate_group([(shape, dtype)], tier)[0]
 
     def allocate_group(self, specs: Iterable[TensorSpec], tier: str = "cpu",
@@ -212,6 +231,7 @@ class PageStore:
         when that page is in ``tier``, not moving, and nothing was placed after the tensor yet;
         otherwise the group starts on fresh pages. The groups then share that page.
         """
+        self._owned("allocate_group")
         dest = self._tiers[tier]
         if after is not None and not isinstance(after, PagedTensor):
             raise InvalidRequest(f"after: must be a PagedTensor or None, got {type(after).__name__}")
@@ -265,6 +285,7 @@ class PageStore:
         fit, and InvalidRequest if a page is pinned (a lease or a live view). Operations on
         different pages run concurrently; operations on one page keep their order.
         """
+        self._owned("move")
         return self._place("move", tensors, tier)
 
     def copy(self, tensors: PagedTensor | Iterable[PagedTensor], tier: str, *,
@@ -273,6 +294,7 @@ class PageStore:
         (a replica: what the scheduler's ``move_to_gpu`` makes). Reserves like ``move``; pages
         already there cost nothing. ``pages``: only these of the tensors' distinct pages, counted
         in order from 0 (the scheduler moves a layer page by page)."""
+        self._owned("copy")
         return self._place("copy", tensors, tier, pages)
 
     def release(self, tensors: PagedTensor | Iterable[PagedTensor], tier: str, *,
@@ -280,10 +302,12 @@ class PageStore:
         """Drop the copies of the pages of ``tensors`` on ``tier`` (another copy must remain;
         dropping the home copy makes the remaining copy furthest from the GPU the home).
         ``pages`` as for ``copy``."""
+        self._owned("release")
         return self._place("drop", tensors, tier, pages)
 
     def page_count(self, tensors: PagedTensor | Iterable[PagedTensor]) -> int:
         """How many distinct pages ``tensors`` occupy (what ``pages=`` ranges index)."""
+        self._owned("page_count")
         with self._queue.lock:
             return len({page.id for t in tensors_of(tensors, "page_count") for page in t.page_refs})
 
@@ -319,6 +343,7 @@ class PageStore:
 
     def free(self, t: PagedTensor) -> None:
         """Give ``t``'s bytes back (``PagedTensor.free``)."""
+        self._owned("free")
         if not isinstance(t, PagedTensor) or t.store is not self:
             raise InvalidRequest("free: the tensor belongs to another store")
         with self._queue.lock:
@@ -357,36 +382,43 @@ class PageStore:
 
     def read(self, t: PagedTensor) -> torch.Tensor:
         """``t``'s data as a new torch tensor (``PagedTensor.to_torch``)."""
+        self._owned("read")
         return self._data.read(t)
 
     def write(self, t: PagedTensor, src: torch.Tensor, start: int | None = None) -> None:
         """Write ``src`` into every copy of ``t`` (``PagedTensor.copy_``); with ``start``, only
         into its flat elements ``start .. start + src.numel()`` (``src`` of any shape, ``t``'s
         dtype)."""
+        self._owned("write")
         self._data.write(t, src, start)
 
     def write_many(self, items: "Iterable[tuple[PagedTensor, torch.Tensor]]") -> None:
         """``write`` of several tensors under one wait for the operations queued on their pages:
         no copy of those pages starts between two of the writes."""
+        self._owned("write_many")
         self._data.write_many(list(items))
 
     def view(self, t: PagedTensor, tier: str | None = None) -> torch.Tensor:
         """A zero-copy view pinning ``t``'s pages for its lifetime (``PagedTensor.view``)."""
+        self._owned("view")
         return self.view_many([t], tier)[0]
 
     def view_many(self, tensors: Iterable[PagedTensor], tier: str | None = None) -> list[torch.Tensor]:
         """``view`` of several tensors at once (a layer's parameters, say): one wait for the
         operations queued on their pages instead of one per tensor. All or none: raises
         ``InvalidRequest``, pinning nothing, if any of them cannot be viewed."""
+        self._owned("view_many")
         return self._lend.view_many(tensors_of(tensors, "view_many"), tier)
 
     def viewable(self, t: PagedTensor) -> bool:
+        self._owned("viewable")
         return self._lend.viewable(t)
 
     def lease(self, t: PagedTensor, tier: str | None = None, write: bool = True) -> Lease:
         """Pin ``t``'s pages and lend its memory on ``tier`` (default: gpu if it has a complete
         copy there, else cpu) until the lease is released: an alias when the pages are adjacent
         there, else a merged copy, written back at release when ``write``. See ``store/lease.py``."""
+        self._owned("lease")
         return self.lease_many([t], tier, write)[0]
 
     def lease_many(self, tensors: Iterable[PagedTensor], tier: str | None = None,
@@ -394,6 +426,7 @@ class PageStore:
         """``lease`` of several tensors at once: one wait for the operations queued on their
         pages instead of one per tensor (a layer's states, say). ``split``: lend a tensor whose
         pages are not adjacent as ``Lease.pieces`` (one alias per run) instead of a merged copy."""
+        self._owned("lease_many")
         for name, flag in (("write", write), ("split", split)):
             if not isinstance(flag, bool):
                 raise InvalidRequest(f"lease: {name} must be True or False, got {flag!r}")
@@ -401,6 +434,7 @@ class PageStore:
 
     def tier_of(self, t: PagedTensor) -> str | None:
         """``PagedTensor.tier``: the home tier, None while in flight or split over tiers."""
+        self._owned("tier_of")
         with self._queue.lock:
             self._check(t)
             if not t.page_refs:
@@ -414,6 +448,7 @@ class PageStore:
 
     def tiers_of(self, t: PagedTensor) -> frozenset[str]:
         """``PagedTensor.tiers``: tiers holding a complete copy of ``t``."""
+        self._owned("tiers_of")
         with self._queue.lock:
             self._check(t)
             if not t.page_refs:
@@ -425,6 +460,11 @@ class PageStore:
             return frozenset(common or ())
 
     # ------------------------------------------------------------------ checks
+
+    def _owned(self, what: str) -> None:
+        """Refuse a call from a process forked from the owner, before any lock is taken (one may
+        have been copied held): [Note: an engine belongs to its process]."""
+        process.require_owner(f"PageStore.{what}()", self.owner_pid)
 
     def _check_open(self) -> None:
         if self._closed:

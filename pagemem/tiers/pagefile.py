@@ -8,7 +8,10 @@ its owner holds an ``flock`` on it for as long as the file is open. A new page f
 its directory: a file is removed only when its name has exactly that form, it is a regular
 file, its pid names no live process, and the lock can be taken (nobody holds it open: not the
 owner, not a process forked from it). Anything else (another user's process, a pid that lives
-again, a file that merely looks alike) is left alone.
+again, a file that merely looks alike) is left alone. A process forked from the owner closes its
+copies of the descriptors at once and never removes the file ([Note: an engine belongs to its
+process], ``pagemem/process.py``): the file lives as long as its owner, and once the owner is
+dead its lock is free even while children of it live on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import stat
 import uuid
 import weakref
 
+import pagemem.process as process
 from pagemem.errors import TierIOError
 from pagemem.machine import disk_free
 from pagemem.units import format_bytes
@@ -94,7 +98,8 @@ class PageFile:
                 f"{format_bytes(available)} free ({errname(errno.ENOSPC)})", errno.ENOSPC)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self._fds = [fd]
-        self._finalizer = weakref.finalize(self, _remove, self.path, self._fds)
+        self._finalizer = process.finalize(self, _remove, self.path, self._fds)  # the owner's alone
+        _open_files.add(self)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the owner's mark, until the fd closes
             _preallocate(fd, nbytes, self.path)
@@ -111,8 +116,31 @@ class PageFile:
                 self.direct = True
 
     def close(self) -> None:
-        """Close and delete the file (also done at garbage collection and interpreter exit)."""
+        """Close and delete the file (also done at garbage collection and interpreter exit); in a
+        process forked from the owner, nothing (see the Note)."""
         self._finalizer()
+
+
+_open_files: "weakref.WeakSet[PageFile]" = weakref.WeakSet()
+"""Every page file this process holds open (a forked child drops its copies of them)."""
+
+
+def _drop_inherited() -> None:
+    """In a forked child: close this process's copies of the owner's page-file descriptors. The
+    owner's own stay open and locked (a lock belongs to the open file, which the owner holds)."""
+    files = list(_open_files)
+    _open_files.clear()
+    for f in files:
+        fds, f._fds[:] = list(f._fds), []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited)
 
 
 def _remove(path: str, fds: list[int]) -> None:

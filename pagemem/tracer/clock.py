@@ -28,7 +28,9 @@ Every op has exactly one ``start`` and one ``end``; ops do not overlap: the ``en
 right before the ``start`` of op k+1 (or at a step's post-hook, :meth:`close`, :meth:`reset`,
 :meth:`remove`); so a step whose closure runs the model (L-BFGS) ends where the closure's first op
 starts. Listeners run inside the hooks (backward ones on autograd's threads), under
-:attr:`OpClock.lock`.
+:attr:`OpClock.lock`. A clock belongs to the process that made it: in a forked child its hooks
+do nothing (its lock may have been copied held; [Note: an engine belongs to its process] in
+``pagemem/process.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+import pagemem.process as process
 
 EDGES: tuple[str, ...] = ("start", "end")
 _INVOCATIONS = 1 << 40  # backward invocation keys, disjoint from module keys
@@ -94,6 +98,7 @@ class OpClock:
         self.params = list(model.named_parameters() if params is None else params)
         self.param_index = {id(p): i for i, (_, p) in enumerate(self.params)}
         self.lock = lock if lock is not None else threading.RLock()
+        self._owner = process.current_pid()
         self.n_ops = 0
         """Ops numbered since the last :meth:`reset`: the next op's id."""
         self.current: Op | None = None
@@ -171,6 +176,10 @@ class OpClock:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.remove(quiet=exc_type is not None)
 
+    def _live(self) -> bool:
+        """The hooks count: installed, and in the process that made the clock."""
+        return self._active and process.is_owner(self._owner)
+
     # ---- numbering -------------------------------------------------------------------------
     def close(self) -> None:
         """End the open op, if any (e.g. at the end of an iteration)."""
@@ -212,7 +221,7 @@ class OpClock:
         starts = self._starts
 
         def pre(module: nn.Module, args: Any) -> None:
-            if not self._active:
+            if not self._live():
                 return
             with self.lock:
                 phase = "backward" if graph_task() != -1 else "forward"
@@ -227,7 +236,7 @@ class OpClock:
         starts = self._starts
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._active:
+            if not self._live():
                 return
             with self.lock:
                 phase = "backward" if graph_task() != -1 else "forward"
@@ -261,13 +270,13 @@ class OpClock:
         inv = _Invocation(self._inv, len(nodes))
 
         def node_pre(grad_outputs: Any) -> None:
-            if self._active and not inv.started:
+            if self._live() and not inv.started:
                 with self.lock:
                     inv.started = True
                     self._start("backward_pre", path, "backward", module, owned, inv.key)
 
         def node_post(grad_inputs: Any, grad_outputs: Any) -> None:
-            if not self._active:
+            if not self._live():
                 return
             with self.lock:
                 inv.left -= 1
@@ -280,7 +289,7 @@ class OpClock:
 
     def _make_ready(self, i: int, name: str) -> Callable[[torch.Tensor], None]:
         def ready(p: torch.Tensor) -> None:
-            if not self._active:
+            if not self._live():
                 return
             with self.lock:
                 self._start("grad_ready", name, "backward", p, (i,))
@@ -298,7 +307,7 @@ class OpClock:
         return cached
 
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._active:
+        if not self._live():
             return
         owned = self.owned_by(opt)
         if not owned:
@@ -307,8 +316,10 @@ class OpClock:
             self._stepping[id(opt)] = self._start("step", "optimizer", "step", opt, owned)
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._live():
+            return
         op = self._stepping.pop(id(opt), None)
-        if op is None or not self._active:
+        if op is None:
             return
         with self.lock:
             if self.current is not None and self.current.op_id == op.op_id:

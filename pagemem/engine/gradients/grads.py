@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_map
 
 from pagemem.engine.units.guard import intercept
 from pagemem.errors import InvalidRequest
+from pagemem.process import current_pid
 
 _T = torch.Tensor
 _NORMS = frozenset([torch.linalg.vector_norm, torch.norm, _T.norm])
@@ -72,6 +73,8 @@ class GradHandles:
         make it zero; ``read(i)``: a copy of it (fp32, flat); ``write(i, g)``: make ``g`` the sum."""
         self.params = [p for _, p in params]
         self.names = [n for n, _ in params]
+        self.owner_pid = current_pid()
+        """The engine's process: ops on a handle in any other are refused (``guard.intercept``)."""
         self.cls = type("GradHandle", (GradHandle,), {"_owner": self})
         self._norm, self._scale, self._zero = norm, scale, zero
         self._read, self._write = read, write

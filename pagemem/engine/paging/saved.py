@@ -15,6 +15,7 @@ import torch
 
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.residency import Residency
+from pagemem.process import current_pid, require_owner
 from pagemem.tracer import Recording, SavedTensor
 
 
@@ -41,6 +42,7 @@ class SavedTensorHooks:
         self.residency = residency
         self._recording = recording
         self._make_resident = make_resident
+        self.owner_pid = current_pid()
 
     def pack(self, t: torch.Tensor) -> Any:
         try:
@@ -60,6 +62,8 @@ class SavedTensorHooks:
         return t
 
     def unpack(self, saved: Any) -> torch.Tensor:
+        # a backward through the engine's graph in a forked child: refused before any fetch
+        require_owner("backward through the engine's model", self.owner_pid)
         if isinstance(saved, SavedTensor):
             return saved.unpack()
         if not isinstance(saved, SavedParam):

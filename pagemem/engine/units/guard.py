@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from pagemem.errors import InvalidRequest
+from pagemem.process import current_pid, require_owner
 
 _T = torch.Tensor
 _GETTERS = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "is_cuda",
@@ -58,11 +59,14 @@ parameter (its storage moved: [Note: writes to parameters])."""
 
 def intercept(owner: Any, func: Any, args: Sequence, kwargs: dict | None) -> Any:
     """The ``__torch_function__`` of the engine's tensor classes: metadata (or no owner) runs as
-    on a plain tensor, anything else goes to ``owner.handle``."""
+    on a plain tensor, anything else goes to ``owner.handle``, in the owner's process only (a
+    forked child is refused before any fetch or lock: [Note: an engine belongs to its process])."""
     kwargs = kwargs or {}
     if owner is None or func in METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+    require_owner(f"{getattr(func, '__name__', func)} of a parameter or gradient of an engine's model",
+                  owner.owner_pid)
     return owner.handle(func, args, kwargs)
 
 
@@ -93,6 +97,8 @@ class Guard:
         self.params = [p for _, p in params]
         self.names = [n for n, _ in params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.owner_pid = current_pid()
+        """The engine's process: reads in any other are refused (``intercept``)."""
         self.cls = type("GuardedParameter", (GuardedParameter,), {"_guard": self})
         self._fetch = fetch
         self._data_taken = data_taken
@@ -187,6 +193,7 @@ class Guard:
                                  f"({tuple(p.shape)}, {p.dtype})")
 
     def _fetch_for(self, i: int, func: Any) -> None:
+        require_owner(f"reading parameter {self.names[i]!r} of an engine's model", self.owner_pid)
         if self.closed is not None:
             raise InvalidRequest(f"parameter {self.names[i]!r}: {self.refused.get(i, self.closed)}")
         with self.lock:

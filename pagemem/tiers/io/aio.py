@@ -2,12 +2,15 @@
 
 Traps handled here: importing ``libaio`` without the system library raises OSError, not
 ImportError; buffers are measured in items, so only uint8 memoryviews are passed; errors come
-back as negative result codes, not exceptions.
+back as negative result codes, not exceptions; an ``AIOContext`` destroys itself when garbage
+collected (``__del__``), also in a forked child, which the kernel gave no such context: ours does
+nothing outside the process that made it ([Note: an engine belongs to its process]).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from collections import deque
 
@@ -22,6 +25,28 @@ def _load_libaio():
     except (ImportError, OSError) as exc:
         raise EngineUnavailable(f"cannot load libaio: {exc}") from exc
     return libaio
+
+
+_contexts: dict = {}
+
+
+def _context_class(libaio):
+    """``libaio.AIOContext`` whose ``close`` (``io_destroy``, also run by its ``__del__``) does
+    nothing in a process other than the one that made it: a forked child has no such context,
+    and the owner's must not be touched."""
+    cls = _contexts.get(libaio)
+    if cls is None:
+        class OwnedContext(libaio.AIOContext):
+            def __init__(self, *args, **kwargs) -> None:
+                self._owner_pid = os.getpid()
+                super().__init__(*args, **kwargs)
+
+            def close(self) -> None:
+                if os.getpid() == self._owner_pid:
+                    super().close()
+
+        cls = _contexts[libaio] = OwnedContext
+    return cls
 
 
 def _run_callback(done: Done, res: "int | BaseException") -> None:
@@ -40,7 +65,7 @@ class AioEngine(IOEngine):
     def __init__(self, depth: int) -> None:
         self._libaio = libaio = _load_libaio()
         try:
-            self._ctx = libaio.AIOContext(depth)
+            self._ctx = _context_class(libaio)(depth)
         except OSError as exc:
             raise EngineUnavailable(f"io_setup({depth}) failed: {exc}") from exc
         self.depth = depth
