@@ -1,5 +1,6 @@
-"""The engine's backward: by ``engine.backward(loss)`` or by habit (``loss.backward()``), and what
-a backward that fails part-way leaves ([Note: backward by habit], [Note: a failed backward is
+"""The engine's backward: by ``engine.backward(loss)`` or by habit (``loss.backward()``), the
+gradient sums it leaves (``zero_grad``, clipping, their norm), and what a backward that fails
+part-way leaves ([Note: backward by habit], [Note: a failed backward is
 undone] in ``updates/backward_undo.py``). A mixin of ``Engine``: its phase moves through ``self.phase``
 ([Note: engine phases], ``phase.py``)."""
 
@@ -13,10 +14,14 @@ import torch
 from pagemem.engine.calls import CallLock, engine_call
 from pagemem.engine.interrupts import shielded
 from pagemem.engine.phase import EnginePhase, PhaseMachine
+from pagemem.engine.updates.lockfree import SHARED_SUMS
 from pagemem.errors import InvalidRequest, warn
 from pagemem.process import require_owner
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from pagemem.engine.updates.adam import PagedOptimizer
     from pagemem.engine.units.bank import ParamBank
     from pagemem.engine.config import EngineConfig
     from pagemem.engine.gradients.gradients import Gradients
@@ -35,6 +40,8 @@ class BackwardMixin:
     pager: "Pager"
     updater: "Updater"
     phase: PhaseMachine
+    module: "nn.Module"
+    optimizer: "PagedOptimizer"
     calls: CallLock
     _phase_seconds: dict[str, float]
     failed_backwards: int
@@ -178,3 +185,49 @@ class BackwardMixin:
         """Autograd's callback at the end of a backward by habit."""
         with self.calls.held("loss.backward()"):
             self._end_backward()
+
+    # ------------------------------------------------------------------ the gradients summed
+
+    @engine_call("zero_grad")
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients summed so far (``set_to_none=False``: make them zero, still
+        stepped), as ``engine.optimizer.zero_grad()`` and ``model.zero_grad()`` do."""
+        self._usable("zero_grad")
+        self.updater.refuse_if_unfinished("zero_grad")
+        self.optimizer.zero_grad(set_to_none)
+
+    @engine_call("optimizer.zero_grad")
+    def _zero_grad(self) -> None:
+        """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
+        discard what it discarded (see [Note: gradient handles])."""
+        self._usable("zero_grad")
+        if self.lockfree is not None and self.lockfree.has_fresh():
+            self.gradients.show()  # the handles it set to None go back up: nothing was discarded
+            raise InvalidRequest(SHARED_SUMS)
+        try:
+            self.gradients.take_back()
+        except InvalidRequest:  # refused (applied during backward): the handles go back up, as nothing was discarded
+            self.gradients.show()
+            raise
+        if not self.gradients.show():
+            self.phase.discard()
+
+    @engine_call("get_global_grad_norm")
+    def get_global_grad_norm(self) -> float:
+        """The 2-norm of all gradient sums now (as ``clip_grad_norm_`` computes it), or of the
+        last update's gradients once they are consumed; 0.0 before any."""
+        return self.gradients.global_norm()
+
+    @engine_call("clip_grad_norm_")
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient sums by their global ``norm_type``-norm, bit for bit as
+        ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``; returns that norm (before
+        clipping). The 2-norm is computed over the pages; another norm over the gradients
+        materialised ([Note: gradient handles]). For every step, ``EngineConfig(max_grad_norm=)``
+        clips by the 2-norm."""
+        if norm_type in (2, 2.0):
+            return self.gradients.clip(max_norm)
+        self._usable("clip_grad_norm_")
+        self.gradients.take_back()
+        self.gradients.show()
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)

@@ -41,7 +41,7 @@ from pagemem.engine.units.guard import Guard
 from pagemem.engine.calls import CallLock, engine_call
 from pagemem.engine.interrupts import install as hold_interrupts, shield
 from pagemem.engine.interrupts import uninstall as release_interrupts
-from pagemem.engine.updates.lockfree import SHARED_SUMS, LockFreeUpdater
+from pagemem.engine.updates.lockfree import LockFreeUpdater
 from pagemem.engine.units.model_checks import check_no_meta_buffers, check_parameters
 from pagemem.engine.updates.optimizer_states import OptimizerStates
 from pagemem.engine.paging.pager import Pager
@@ -314,54 +314,6 @@ class Engine(BackwardMixin, ResultsMixin):
         """Gradients of a backward that no ``step()`` has taken yet (``save`` refuses them)."""
         return bool(self.phase.micro) or (self.lockfree is not None and self.lockfree.has_fresh())
 
-    # ------------------------------------------------------------------ gradients
-
-    @engine_call("zero_grad")
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard the gradients summed so far (``set_to_none=False``: make them zero, still
-        stepped), as ``engine.optimizer.zero_grad()`` and ``model.zero_grad()`` do."""
-        self._usable("zero_grad")
-        self.updater.refuse_if_unfinished("zero_grad")
-        self.optimizer.zero_grad(set_to_none)
-
-    @engine_call("optimizer.zero_grad")
-    def _zero_grad(self) -> None:
-        """``engine.optimizer.zero_grad()`` ran (it set the handles to None, or zeroed them):
-        discard what it discarded (see [Note: gradient handles])."""
-        self._usable("zero_grad")
-        if self.lockfree is not None and self.lockfree.has_fresh():
-            self.gradients.show()  # the handles it set to None go back up: nothing was discarded
-            raise InvalidRequest(SHARED_SUMS)
-        try:
-            self.gradients.take_back()
-        except InvalidRequest:  # refused (applied during backward): the handles go back up, as nothing was discarded
-            self.gradients.show()
-            raise
-        if not self.gradients.show():
-            self.phase.discard()
-
-    @engine_call("get_global_grad_norm")
-    def get_global_grad_norm(self) -> float:
-        """The 2-norm of all gradient sums now (as ``clip_grad_norm_`` computes it), or of the
-        last update's gradients once they are consumed; 0.0 before any."""
-        return self.gradients.global_norm()
-
-    @engine_call("clip_grad_norm_")
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradient sums by their global ``norm_type``-norm, bit for bit as
-        ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``; returns that norm (before
-        clipping). The 2-norm is computed over the pages; another norm over the gradients
-        materialised ([Note: gradient handles]). For every step, ``EngineConfig(max_grad_norm=)``
-        clips by the 2-norm."""
-        if norm_type in (2, 2.0):
-            return self.gradients.clip(max_norm)
-        self._usable("clip_grad_norm_")
-        self.gradients.take_back()
-        self.gradients.show()
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
-
-    # ------------------------------------------------------------------ hooks
-
     # ------------------------------------------------------------------ the update
 
     @engine_call("optimizer.step")
@@ -396,35 +348,6 @@ class Engine(BackwardMixin, ResultsMixin):
             self._phase_seconds["step"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ results
-
-    @engine_call("stats")
-    def stats(self) -> dict[str, Any]:
-        """Per-tier use against budget, bytes moved per direction, time per phase, paging counts."""
-        s = self.store.stats()
-        paging = self.pager.stats()
-        busy = self._phase_seconds["forward"] + self._phase_seconds["backward"]
-        return {
-            **paging,
-            "gpu_budget_bytes": self.pager.residency.budget_bytes,
-            "gpu_idle": paging["gpu_wait_seconds"] / busy if busy else 0.0,
-            "tiers": {n: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
-                          "utilization": t.utilization} for n, t in s.tiers.items()},
-            "moved_bytes": {k: m.bytes for k, m in s.moves.items()},
-            "seconds": dict(self._phase_seconds),
-            "view_copies": s.view_copies,
-            "grad_materialised": self.gradients.handles.materialised,
-            "skipped_steps": self.updater.skipped_steps,
-            "overlapped_updates": self.updater.overlapped_updates,
-            "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),
-            "unforeseen_reads": self.guard.reads,
-            "parameter_writes": self.pager.residency.written,
-            "units_final_in_backward": self.gradients.handoff.early,
-            "failed_backwards": self.failed_backwards,
-            **self.updater.undo.stats(),  # [Note: a failed backward is undone]: what keeping it costs
-            "staleness": self.lockfree.stats() if self.lockfree is not None else None,
-            **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
-            "loss_scale": self.updater.scaler.scale,
-        }
 
     @engine_call("close")
     def close(self) -> None:

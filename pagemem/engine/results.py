@@ -1,6 +1,6 @@
 """What the engine gives back: the trained weights as a state dict, checkpoints (save, load, and
-the narrow handle they see, ``checkpoints.checkpoint.Checkpointed``), and its counters as
-JSON-ready values. A mixin of ``Engine``, as ``backward.py`` is: these methods share its state."""
+the narrow handle they see, ``checkpoints.checkpoint.Checkpointed``), its counters as JSON-ready
+values, and ``stats()``. A mixin of ``Engine``, as ``backward.py`` is: these methods share its state."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from pagemem.engine.calls import CallLock, engine_call
 from pagemem.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    from pagemem.engine.gradients.gradients import Gradients
     from pagemem.engine.paging.pager import Pager
+    from pagemem.engine.units.guard import Guard
     from pagemem.engine.phase import PhaseMachine
     from pagemem.engine.units.bank import ParamBank
     from pagemem.engine.updates.adam import PagedOptimizer
@@ -42,6 +44,10 @@ class ResultsMixin:
     calls: CallLock
     phase: "PhaseMachine"
     global_step: int
+    gradients: "Gradients"
+    guard: "Guard"
+    failed_backwards: int
+    _phase_seconds: dict[str, float]
 
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
@@ -131,3 +137,32 @@ class ResultsMixin:
         self.global_step = state["global_step"]
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+
+    @engine_call("stats")
+    def stats(self) -> dict[str, Any]:
+        """Per-tier use against budget, bytes moved per direction, time per phase, paging counts."""
+        s = self.store.stats()
+        paging = self.pager.stats()
+        busy = self._phase_seconds["forward"] + self._phase_seconds["backward"]
+        return {
+            **paging,
+            "gpu_budget_bytes": self.pager.residency.budget_bytes,
+            "gpu_idle": paging["gpu_wait_seconds"] / busy if busy else 0.0,
+            "tiers": {n: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
+                          "utilization": t.utilization} for n, t in s.tiers.items()},
+            "moved_bytes": {k: m.bytes for k, m in s.moves.items()},
+            "seconds": dict(self._phase_seconds),
+            "view_copies": s.view_copies,
+            "grad_materialised": self.gradients.handles.materialised,
+            "skipped_steps": self.updater.skipped_steps,
+            "overlapped_updates": self.updater.overlapped_updates,
+            "gpu_state_units": sum(t == "gpu" for t in self.bank.state_tiers),
+            "unforeseen_reads": self.guard.reads,
+            "parameter_writes": self.pager.residency.written,
+            "units_final_in_backward": self.gradients.handoff.early,
+            "failed_backwards": self.failed_backwards,
+            **self.updater.undo.stats(),  # [Note: a failed backward is undone]: what keeping it costs
+            "staleness": self.lockfree.stats() if self.lockfree is not None else None,
+            **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
+            "loss_scale": self.updater.scaler.scale,
+        }
