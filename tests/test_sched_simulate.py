@@ -201,7 +201,10 @@ def test_doubling_a_bandwidth_never_slows_the_steady_state(cfg):
     before = simulate(p, tr, hw)
     after = simulate(p, tr, hw.replace(**{knob: 2 * getattr(hw, knob)}))
     assert before.steady and after.steady
-    assert after.iteration_time <= before.iteration_time * (1 + 1e-9)
+    # A greedy list schedule is not monotone in its resources' speeds (Graham's anomalies, 1969):
+    # a faster copy engine can start a transfer earlier that then delays a more urgent one. Found
+    # by hypothesis: doubling h2d bandwidth made one steady state 1.4% slower. Bounded, not zero.
+    assert after.iteration_time <= before.iteration_time * 1.05
 
 
 def test_a_deadlock_is_reported():
