@@ -161,7 +161,7 @@ def test_a_held_sigterm_runs_the_users_handler_once_the_call_is_whole(tmp_path, 
         x, y = batch(0)
         engine.backward(nn.functional.mse_loss(engine(x), y))
         with pytest.raises(SystemExit):
-            SigtermAt().run(40, engine.step)  # well inside the update
+            SigtermAt().run(200, engine.step)  # well inside the update (of ~580 calls)
         assert engine.global_step == 1 and not engine.gradients_pending  # the step landed first
     handler = signal.getsignal(signal.SIGTERM)  # given back when no other engine is open (others may be)
     assert handler is sigterm_exits or handler.inner is sigterm_exits
@@ -273,3 +273,91 @@ def test_a_sigterm_from_outside_exits_and_the_run_resumes_exactly(handler, seed,
     got = torch.load(tmp_path / "final.pt")
     want = ref.model.state_dict()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+# ---------------------------------------------------------------- handlers that call the engine
+
+@pytest.mark.parametrize("call", ["optimizer.state_dict", "model.state_dict", "save"])
+def test_a_handler_calling_the_engine_inside_a_state_dict_waits_for_it(call, tmp_path):
+    """A SIGUSR1 handler that checkpoints lands while the main thread is itself inside
+    ``optimizer.state_dict()``: held until that call is whole (it would deadlock on the store's
+    own read otherwise)."""
+    model = make()
+    ran: list = []
+    engine = pagemem.Engine(model, config(tmp_path, "cpu"))
+    actions = {"optimizer.state_dict": lambda: engine.optimizer.state_dict(),
+               "model.state_dict": lambda: model.state_dict(), "save": lambda: engine.save(str(tmp_path / "c"))}
+
+    def handler(signum, frame):
+        actions[call]()
+        ran.append(signum)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        for i in range(2):
+            x, y = batch(i)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        hits = 0
+        for nth in (20, 60, 120, 240):
+            def fire(frame, event, arg, nth=nth, box=[0]):
+                if event == "call":
+                    box[0] += 1
+                    if box[0] == nth:
+                        signal.raise_signal(signal.SIGUSR1)
+            sys.setprofile(fire)
+            try:
+                engine.optimizer.state_dict()
+            finally:
+                sys.setprofile(None)
+            hits += 1
+        assert len(ran) == hits
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        engine.close()
+
+
+@pytest.mark.parametrize("call", ["save", "state_dict", "stats"])
+def test_a_handler_calling_the_engine_as_a_backward_by_habit_ends(call, tmp_path):
+    """The signal lands as ``loss.backward()``'s end callback is entered: the handler's call must
+    not take that live backward for one that raised (it did: the batch was dropped, then
+    ``AssertionError``); training stays exact."""
+    model = make()
+    ref = Reference()
+    engine = pagemem.Engine(model, config(tmp_path, "cpu"))
+    outcomes: list = []
+    actions = {"save": lambda: engine.save(str(tmp_path / "c")), "state_dict": engine.state_dict,
+               "stats": engine.stats}
+
+    def handler(signum, frame):
+        try:
+            actions[call]()
+            outcomes.append("ran")
+        except pagemem.PageMemError as e:  # a clear refusal is fine; a wrong abort is not
+            outcomes.append(type(e).__name__)
+
+    armed = [False]
+
+    def fire(frame, event, arg):
+        if armed[0] and event == "call" and frame.f_code.co_name == "_end_implicit_backward":
+            armed[0] = False
+            signal.raise_signal(signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        for i in range(4):
+            x, y = batch(i)
+            loss = nn.functional.mse_loss(engine(x), y)
+            armed[0] = i == 2
+            sys.setprofile(fire)
+            try:
+                loss.backward()
+            finally:
+                sys.setprofile(None)
+            engine.step()
+            ref.train(i)
+        assert outcomes and engine.stats()["failed_backwards"] == 0
+        assert not differing(engine, ref)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        engine.close()

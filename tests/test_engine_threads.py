@@ -219,3 +219,51 @@ def test_optimizer_state_dicts_from_another_thread_hold_whole_steps(tmp_path):
         assert len(k) == 1, "a torn mix of steps' moments"
         steps.add(k[0])
     assert steps
+
+
+# ---------------------------------------------------------------- found by a hostile user (issue 30)
+
+def test_a_state_dict_hook_that_raises_leaves_no_lock_held(tmp_path):
+    """A user's state-dict hook raising part-way must not leave the engine's call lock held: a
+    call from another thread then still gets in."""
+    model = make()
+    with pagemem.Engine(model, config(tmp_path, "cpu", False)) as engine:
+        train(engine, False)
+
+        def boom(*_a, **_k):
+            raise RuntimeError("a user's hook")
+
+        handle = model[2].register_state_dict_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="a user's hook"):
+            model.state_dict()
+        handle.remove()
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(engine.stats()), daemon=True)
+        t.start()
+        t.join(timeout=30)
+        assert got, "the other thread waits for a lock nobody holds"
+        assert which_step({k: v for k, v in model.state_dict().items()}) == STEPS
+
+
+@pytest.mark.parametrize("by_habit", [False, True], ids=["engine.backward", "loss.backward"])
+def test_state_dicts_after_a_failed_backward_with_overlap_are_undone_first(by_habit, tmp_path):
+    """The usual "save on Ctrl-C": after a backward that raised part-way with updates during it,
+    ``model.state_dict()`` and ``optimizer.state_dict()`` show the weights and moments before it."""
+    from exactness_models import OnBackward
+
+    model = make()
+    model[0].register_forward_hook(lambda m, i, o: OnBackward.apply(o))  # its backward runs last
+    with pagemem.Engine(model, config(tmp_path, "cpu", True)) as engine:
+        for i in range(3):
+            x, y = batch(i)
+            loss = nn.functional.mse_loss(engine(x), y)
+            OnBackward.pending[:] = [KeyboardInterrupt()] if i == 2 else []
+            try:
+                loss.backward() if by_habit else engine.backward(loss)
+            except KeyboardInterrupt:
+                moments = engine.optimizer.state_dict()["state"]
+                weights = {k: v.clone() for k, v in model.state_dict().items()}
+                break
+            engine.step()
+        assert which_step(weights) == 2
+        assert all(torch.equal(moments[n]["exp_avg"], MOMENTS[2][n]) for n in MOMENTS[2])

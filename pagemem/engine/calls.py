@@ -24,6 +24,13 @@ than left waiting: if that backward raised, only its own thread's next call find
 backward by habit]), so a wait could last for ever. A call from the thread that ran the forward
 (or from any thread when no forward ran) finds a backward that raised, as before.
 
+A state dict taken through the module's hooks (``model.state_dict()``) is one call too: its
+outermost pre-hook takes every value at once under the lock, then lets go, so no lock is held
+while other hooks (a user's, which may raise) run. A call made on the thread that runs a
+backward, from inside it (a hook, autograd's end callback, a signal's handler run there), is
+never taken for a backward that raised; reading weights there is refused only where that
+backward may have updated some (``overlap_update``).
+
 A signal's handler that calls into the engine (a SIGTERM handler calling ``save()``) runs on
 the main thread when no shielded block runs there ([Note: Ctrl-C inside the engine]); if the
 main thread is inside a call then, the lock is its own and the call goes in; if another thread
@@ -90,6 +97,13 @@ class CallLock:
             if taken:
                 self.release()
 
+    @contextmanager
+    def call(self, what: str) -> Iterator[None]:
+        """One public call ``what``: the lock held, the body shielded from signals ([Note: Ctrl-C
+        inside the engine])."""
+        with self.held(what), shield():
+            yield
+
     def acquire(self, what: str) -> bool:
         """Hold the lock until :meth:`release` (a state dict taken by hooks: its pre-hook
         acquires, its post-hook releases). A call made inside a backward's autograd node (a hook
@@ -129,10 +143,10 @@ def engine_call(what: str, *, shielded: bool = True) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with self.calls.held(what):
-                if not shielded:
+            if not shielded:
+                with self.calls.held(what):
                     return fn(self, *args, **kwargs)
-                with shield():
-                    return fn(self, *args, **kwargs)
+            with self.calls.call(what):
+                return fn(self, *args, **kwargs)
         return call  # type: ignore[return-value]
     return decorate

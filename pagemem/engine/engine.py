@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -129,7 +130,7 @@ class Engine(BackwardMixin, ResultsMixin):
                                         step_fn=lambda _opt: self._update(), zero_grad_fn=self._zero_grad,
                                         before_zero_grad_fn=lambda: self._usable("zero_grad"),
                                         states=OptimizerStates(self.bank, lambda: self.optimizer.param_groups,
-                                                               lambda: self.updater.flush(), self.calls.held))
+                                                               lambda: self.updater.flush(), self._states_call))
         index = {id(p): i for i, p in enumerate(params)}
         for g, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
@@ -171,15 +172,28 @@ class Engine(BackwardMixin, ResultsMixin):
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights,
                                                   self.calls)
 
+    @contextmanager
+    def _states_call(self, what: str) -> Iterator[None]:
+        """``optimizer.state_dict()`` / ``load_state_dict()``: one call ([Note: calls from several
+        threads]), shielded, after a backward by habit that raised is undone."""
+        with self.calls.call(what):
+            self._before_reading_weights(what)
+            yield
+
     @property
     def group_of(self) -> list[int | None]:
         """Each parameter's group in ``optimizer.param_groups`` (None: in none, never updated): a
         view of the records."""
         return [r.group for r in self.bank.records]
 
-    def _before_reading_weights(self) -> None:
-        """A state dict is read: updates submitted land first, writes to parameters are kept."""
-        self._refuse_beside_backward("state_dict")
+    def _before_reading_weights(self, what: str = "state_dict") -> None:
+        """A state dict is read: a backward by habit that raised is undone first, updates
+        submitted land, writes to parameters are kept. Refused inside a backward that may have
+        updated parameters (``overlap_update``): they would be a mix."""
+        self._find_failed_backward(what)
+        if self.phase.in_backward and self.updater.overlap:
+            raise InvalidRequest(f"{what}: called during backward, which may have updated some parameters already "
+                                 "(overlap_update); read them once backward has returned")
         self.updater.wait_for_updates(range(len(self.bank.records)))  # each parameter whole (calls.py)
         if self.lockfree is not None:
             self.lockfree.quiesce()
@@ -236,9 +250,13 @@ class Engine(BackwardMixin, ResultsMixin):
         """Refuse use after ``close()`` or once broken; finish off a backward by habit that
         raised (autograd never ran its end callback): see [Note: a failed backward is undone].
         (A process forked from the owner was refused before the call lock: ``calls.py``.)"""
+        self._find_failed_backward(what)
+        self.phase.require_usable(what)
+
+    def _find_failed_backward(self, what: str) -> None:
+        """A backward by habit that raised, unfound, is undone now ([Note: backward by habit])."""
         if self._refuse_beside_backward(what):
             self._abort_backward(None)
-        self.phase.require_usable(what)
 
     def _refuse_beside_backward(self, what: str) -> bool:
         """Refuse a call from a thread other than the training loop's while that loop is part-way
@@ -246,8 +264,9 @@ class Engine(BackwardMixin, ResultsMixin):
         (``overlap_update``) and its ``step()`` has not come. From the loop's thread, True: a
         backward by habit is on and no autograd node runs, so it raised, unfound ([Note: calls
         from several threads], ``calls.py``)."""
-        if torch._C._current_autograd_node() is not None:  # inside a backward: its own hooks
-            return False
+        if torch._C._current_graph_task_id() != -1:  # inside a backward on this thread: a hook, its end, a
+            return False  # signal's handler run there; not one that raised
+
         habit = self.phase.now is EnginePhase.BACKWARD_BY_HABIT
         if not habit and not self.updater.updated_during_backward():
             return False
@@ -360,7 +379,7 @@ class Engine(BackwardMixin, ResultsMixin):
         forked from the owner it raises ``WrongProcess`` and releases nothing."""
         if self.phase.now is EnginePhase.CLOSED:
             return
-        if self.phase.in_backward and torch._C._current_autograd_node() is not None:  # from a hook of it
+        if self.phase.in_backward and torch._C._current_graph_task_id() != -1:  # from a hook of it
             raise InvalidRequest("close: called during backward; close the engine once backward has returned")
         self._refuse_beside_backward("close")
         unfound = self.phase.in_backward  # a backward that raised and was not found (by habit) goes with it

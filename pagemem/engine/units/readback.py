@@ -11,6 +11,7 @@ state-dict hooks on every module that holds parameters, so ``model.state_dict()`
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -30,26 +31,29 @@ def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Ca
                      calls: "CallLock | None" = None) -> list:
     """Hooks that make ``state_dict()`` of any module holding parameters give their current
     values on the host: the guard lets the state dict's ``detach`` of an evicted parameter
-    through, and the post-hook puts the values in (one tensor per parameter, so tied parameters
-    stay one tensor). ``before()`` runs once at the start of each state dict (writes to
-    parameters are kept then). ``calls``: the engine's call lock, held from the outermost
-    pre-hook to its post-hook, so a state dict is one call ([Note: calls from several threads]).
-    Returns the hook handles."""
+    through, and the post-hooks put the values in (one tensor per parameter, so tied parameters
+    stay one tensor). The outermost pre-hook takes every value the state dict will hold at once,
+    as one call of the engine (``calls``: its call lock, and shielded from signals: [Note: calls
+    from several threads]), after ``before()`` (writes to parameters are kept then): a step on
+    another thread lands before or after, never between two modules, and no lock is held while
+    the state dict's other hooks (the user's) run. A state dict that raised part-way leaves
+    nothing behind: the next one starts afresh. Returns the hook handles."""
     index = {id(p): i for i, (_, p) in enumerate(bank.params)}
     local = threading.local()
 
     def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not hasattr(local, "quiet"):
-            local.quiet, local.values, local.held = [], {}, False
-        if not local.quiet:
-            local.held = calls is not None and calls.acquire("state_dict")
-            try:
+        stack = getattr(local, "quiet", None)
+        if not stack or prefix == "":  # the outermost (a stack left by one that raised is dropped)
+            for q in reversed(stack or []):
+                q.__exit__(None, None, None)
+            local.quiet, local.values = [], {}
+            with calls.call("state_dict") if calls is not None else nullcontext():
                 before()
-            except BaseException:
-                if local.held:
-                    local.held = False
-                    calls.release()
-                raise
+                if not keep_vars:
+                    for p in module.parameters():
+                        i = index.get(id(p))
+                        if i is not None and i not in local.values:
+                            local.values[i] = bank.host_value(i, p.dtype)
         q = guard.passthrough()
         q.__enter__()
         local.quiet.append(q)
@@ -66,12 +70,9 @@ def hook_state_dicts(model: nn.Module, bank: ParamBank, guard: Guard, before: Ca
         local.quiet.pop().__exit__(None, None, None)
         if not local.quiet:
             local.values = {}
-            if local.held:
-                local.held = False
-                calls.release()
 
     handles = []
-    for module in model.modules():  # every module above a parameter: the outermost state dict holds the lock
+    for module in model.modules():  # every module above a parameter: the outermost state dict takes the values
         if any(id(p) in index for p in module.parameters()):
             handles.append(module.register_state_dict_pre_hook(pre))
             handles.append(module.register_state_dict_post_hook(post))
