@@ -70,12 +70,60 @@ RESTORE_SEAM: Callable[[int], None] | None = None
 """Tests only: called with each parameter as ``restore`` writes it back (to make it fail)."""
 
 
-def _aside(pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """A flat host copy of a tensor given as flat pieces ``(first element, view)``: pinned and
-    queued on the current stream where they are on a CUDA device (ordered before the kernels
-    queued after it), else a plain copy."""
+_ALIGN = 64
+
+
+class _Arena:
+    """Host memory the journal's copies are carved from, kept from one backward to the next: a
+    fresh allocation per copy (hundreds of MB per backward with ``overlap_update``) cost a page
+    fault per page, every backward, more than the copy itself. A bump allocator over one buffer;
+    what does not fit takes a buffer of its own, and the next backward starts with one buffer
+    as large as everything this one used."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._main: torch.Tensor | None = None
+        self._extra: list[torch.Tensor] = []
+        self._used = 0
+        self._wanted = 0
+        self._pinned = False
+
+    def take(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """An uninitialised flat tensor of ``numel`` elements, until :meth:`reset`."""
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            self._wanted += -(-nbytes // _ALIGN) * _ALIGN
+            main = self._main
+            if main is not None and self._pinned == pinned and self._used + nbytes <= main.numel():
+                start = self._used
+                self._used = -(-(start + nbytes) // _ALIGN) * _ALIGN
+                return main[start:start + nbytes].view(dtype)
+            self._pinned = self._pinned or pinned
+            out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            self._extra.append(out)
+            return out.view(dtype)
+
+    def reset(self) -> None:
+        """Every tensor taken is dropped: the next backward reuses the memory."""
+        with self._lock:
+            if self._extra:  # grow once to what this backward needed, for the next
+                size = max(self._wanted, self._main.numel() if self._main is not None else 0)
+                self._main = torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned)
+            self._extra.clear()
+            self._used = self._wanted = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held between backwards."""
+        return self._main.numel() if self._main is not None else 0
+
+
+def _aside(pieces: list[tuple[int, torch.Tensor]], arena: _Arena) -> torch.Tensor:
+    """A flat host copy of a tensor given as flat pieces ``(first element, view)``, from
+    ``arena``: pinned and queued on the current stream where they are on a CUDA device (ordered
+    before the kernels queued after it), else a plain copy."""
     cuda = pieces[0][1].device.type == "cuda"
-    out = torch.empty(sum(v.numel() for _, v in pieces), dtype=pieces[0][1].dtype, pin_memory=cuda)
+    out = arena.take(sum(v.numel() for _, v in pieces), pieces[0][1].dtype, cuda)
     with torch.no_grad():
         for start, v in pieces:
             out[start:start + v.numel()].copy_(v, non_blocking=cuda)
@@ -99,6 +147,7 @@ class BackwardUndo:
         """Each parameter updated during this backward: its step count, and per piece of its
         states (first element, master, exp_avg, exp_avg_sq) before."""
         self._cuda = False
+        self._arena = _Arena()
         self.bytes = 0
         """Bytes the journal holds now."""
         self.peak_bytes = 0
@@ -130,7 +179,7 @@ class BackwardUndo:
         self.bank.grads_landed([i])  # a gradient assigned by hand may still be landing in it
         with self._grad_pieces(i) as pieces:
             cuda = pieces[0][1].device.type == "cuda"
-            kept = _aside(pieces)
+            kept = _aside(pieces, self._arena)
         self._add(self._sums, i, kept, kept.nbytes, cuda)
 
     def keep_states(self, i: int, pieces: list[StatePiece]) -> None:
@@ -138,7 +187,8 @@ class BackwardUndo:
         of its pages, as the update lends them), before an update during backward writes them."""
         if not self.active:
             return
-        kept = [(start, *(_aside([(0, x)]) for x in (c.param, c.exp_avg, c.exp_avg_sq))) for start, c in pieces]
+        kept = [(start, *(_aside([(0, x)], self._arena) for x in (c.param, c.exp_avg, c.exp_avg_sq)))
+                for start, c in pieces]
         nbytes = sum(t.nbytes for _, *ts in kept for t in ts)
         cuda = pieces[0][1].param.device.type == "cuda"
         self._add(self._states, i, (self.bank.records[i].steps, kept), nbytes, cuda)
@@ -217,9 +267,13 @@ class BackwardUndo:
             self._before.clear()
             self._sums.clear()
             self._states.clear()
+            if self._cuda:
+                torch.cuda.synchronize()  # no copy into the arena still runs when it is reused
             self._cuda = False
             self.bytes = 0
             self.active = False
+            self._arena.reset()
 
     def stats(self) -> dict[str, int]:
-        return {"backward_undo_bytes": self.bytes, "backward_undo_peak_bytes": self.peak_bytes}
+        return {"backward_undo_bytes": self.bytes, "backward_undo_peak_bytes": self.peak_bytes,
+                "backward_undo_arena_bytes": self._arena.nbytes}
