@@ -54,8 +54,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class CallLock:
-    """The engine's call lock: re-entrant per thread, knowing which call holds it (for the
-    messages of what waits or is refused)."""
+    """The engine's call lock: re-entrant per thread, knowing which call holds it (a hook of
+    ``engine.backward`` on autograd's thread goes in without it)."""
 
     __slots__ = ("_lock", "_owner", "_depth", "_what", "loop_thread", "closed", "owner_pid")
 
@@ -124,16 +124,6 @@ class CallLock:
         if self._depth == 0:
             self._owner = self._what = None
         self._lock.release()
-
-    @property
-    def running(self) -> str | None:
-        """What holds the lock now, and on which thread (for messages), or None."""
-        owner, what = self._owner, self._what
-        return None if owner is None else f"{what} on thread {owner.name!r}"
-
-    def mine(self) -> bool:
-        """The current thread holds the lock."""
-        return self._owner is threading.current_thread()
 
 
 def engine_call(what: str, *, shielded: bool = True) -> Callable[[F], F]:
