@@ -53,10 +53,11 @@ def engine_config(model: torch.nn.Module, loss: Callable, tmp_path, optimizer_ti
     units move every iteration."""
     budget = gpu_budget(model, loss, fraction)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
+    disk = optimizer_tier == "nvme" or kw.get("home_tier") == "nvme"
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget,
-                                cpu_bytes=40 * nbytes + 64 * PAGE,
-                                nvme_bytes=40 * nbytes + 64 * PAGE if optimizer_tier == "nvme" else 0,
-                                nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)
+                                cpu_bytes=kw.pop("cpu_bytes", 40 * nbytes + 64 * PAGE),
+                                nvme_bytes=40 * nbytes + 64 * PAGE if disk else 0,
+                                nvme_path=str(tmp_path) if disk else None)
     kw.setdefault("optimizer", pagemem.AdamW(**HP))
     kw.setdefault("adam_threads", 2)
     return pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, executor=executor, **kw)

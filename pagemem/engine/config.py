@@ -15,6 +15,7 @@ from pagemem.plain import from_plain, to_plain
 
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EXECUTORS = ("plan", "demand")
+HOME_TIERS = ("auto", "cpu", "nvme")
 STALENESS_CORRECTIONS = ("predict", "none")
 
 
@@ -61,6 +62,7 @@ class EngineConfig:
     store: StoreConfig
     optimizer: AdamW = field(default_factory=AdamW)
     optimizer_tier: str = "cpu"
+    home_tier: str = "auto"
     compute_dtype: torch.dtype | None = None
     max_grad_norm: float | None = None
     accumulation_steps: int = 1
@@ -81,6 +83,10 @@ class EngineConfig:
             raise ConfigError(f"optimizer: must be a pagemem.AdamW, got {type(self.optimizer).__name__}")
         check_no_amsgrad(self.optimizer)
         check_choice("optimizer_tier", self.optimizer_tier, ("gpu", "cpu", "nvme"))
+        check_choice("home_tier", self.home_tier, HOME_TIERS)
+        if self.home_tier == "nvme" and not self.store.nvme_bytes:
+            raise ConfigError(f"home_tier: 'nvme' needs nvme bytes in store ({as_set(self.store, 'nvme_bytes')}); "
+                              "give nvme_bytes and nvme_path, or use 'cpu' or 'auto'")
         if self.compute_dtype is not None:
             check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         if self.max_grad_norm is not None:
@@ -103,7 +109,8 @@ class EngineConfig:
             raise ConfigError(f"optimizer_tier: {as_set(self, 'optimizer_tier')} has no bytes in store "
                               f"({as_set(self.store, self.optimizer_tier + '_bytes')}); must be a tier with bytes")
         if not self.store.cpu_bytes:
-            raise ConfigError(f"store.cpu_bytes: the engine keeps parameters' home copies on cpu; must be > 0, got "
+            raise ConfigError(f"store.cpu_bytes: the engine keeps parameters' home copies on cpu, or passes them "
+                              f"through it from nvme; must be > 0, got "
                               f"{as_set(self.store, 'cpu_bytes')}")
 
     def _check_lock_free(self) -> None:

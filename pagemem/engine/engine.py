@@ -32,6 +32,7 @@ from pagemem.engine.backward import BackwardMixin
 from pagemem.engine.results import ResultsMixin
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.budget_checks import check_units_fit, unit_cap
+from pagemem.engine.units.homes import choose_home_tier
 from pagemem.engine.checkpoints.ckpt_state import engine_dtype
 from pagemem.engine.units.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
@@ -92,6 +93,7 @@ class Engine(BackwardMixin, ResultsMixin):
         self.calls = CallLock(self.owner_pid)
         """One public call at a time, from any thread ([Note: calls from several threads], ``calls.py``)."""
         check_units_fit(model, config)  # [Note: gpu budgets refused early], before anything is made
+        self._home_tier = choose_home_tier(model, config, unit_cap(config.store))  # [Note: homes on nvme]
         self.store = PageStore(config.store)
         try:
             self._build(model, config, groups, init, values, _values)
@@ -105,7 +107,8 @@ class Engine(BackwardMixin, ResultsMixin):
         source = (FromInit(init) if init is not None else FromStateDict(values) if values is not None
                   else FromModule() if from_module else FromCheckpoint())
         self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
-                              unit_bytes=unit_cap(config.store), source=source, states_apart=config.lock_free)
+                              unit_bytes=unit_cap(config.store), source=source, states_apart=config.lock_free,
+                              home_tier=self._home_tier)
         if isinstance(source, FromStateDict):
             source.set_buffers(model, self.store.tier("gpu").device)
         if not isinstance(source, FromCheckpoint):

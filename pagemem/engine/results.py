@@ -164,5 +164,7 @@ class ResultsMixin:
             **self.updater.undo.stats(),  # [Note: a failed backward is undone]: what keeping it costs
             "staleness": self.lockfree.stats() if self.lockfree is not None else None,
             **{f"{k}_bytes": v for k, v in self.bank.state_bytes().items()},
+            "home_tier": self.bank.home_tier,  # [Note: homes on nvme]: where compute copies and gradient sums live
+            "optimizer_tier": self.config.optimizer_tier,
             "loss_scale": self.updater.scaler.scale,
         }

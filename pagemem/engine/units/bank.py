@@ -23,7 +23,8 @@ Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``reside
 
 from __future__ import annotations
 
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -51,17 +52,23 @@ def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 class ParamBank:
     def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype | None, optimizer_tier: str,
                  unit_bytes: int | None = None, source: ValueSource | None = None,
-                 states_apart: bool = False) -> None:
+                 states_apart: bool = False, home_tier: str = "cpu") -> None:
         """``source`` gives the first values (default: the module's own; see [Note: first values]
         in ``values.py``), one module at a time. ``states_apart``: each unit's optimizer states on
         pages of their own (the lock-free updater moves one unit's states at a time);
-        ``compute_dtype``: ``EngineConfig.compute_dtype`` ([Note: compute dtypes])."""
+        ``compute_dtype``: ``EngineConfig.compute_dtype`` ([Note: compute dtypes]). ``home_tier``:
+        where compute copies and gradient sums live at rest, ``"cpu"`` or ``"nvme"`` ([Note: homes
+        on nvme] in ``homes.py``; resolved from ``EngineConfig.home_tier`` by ``choose_home_tier``)."""
         self.store = store
         self.states_apart = states_apart
         self.copies = GradCopies()
         self.compute_dtype = compute_dtype
         """The compute dtype asked for (None: each parameter's own; see ``compute_dtype_of``)."""
         self.optimizer_tier = optimizer_tier
+        if home_tier not in ("cpu", "nvme"):
+            raise InvalidRequest(f"home_tier: must be 'cpu' or 'nvme' (resolved), got {home_tier!r}")
+        self.home_tier = home_tier
+        """Where compute copies and gradient sums (beside states off the gpu) live at rest."""
         self._lasting: dict[tuple[str, int], torch.Tensor | None] = {}
         source = source if source is not None else FromModule()
         check_source(source, model)
@@ -104,10 +111,10 @@ class ParamBank:
         # groups start on fresh pages (a unit is paged alone, so evicting it never drags a
         # resident neighbour's page); states and gradients are chained (they move together),
         # except states apart for the lock-free updater (it moves one unit's states at a time)
-        for kind, dtype, tier in (("compute", None, "cpu"), ("master", torch.float32, optimizer_tier),
+        for kind, dtype, tier in (("compute", None, home_tier), ("master", torch.float32, optimizer_tier),
                                   ("exp_avg", torch.float32, optimizer_tier),
                                   ("exp_avg_sq", torch.float32, optimizer_tier),
-                                  ("grad", torch.float32, grad_tier_beside(optimizer_tier))):
+                                  ("grad", torch.float32, grad_tier_beside(optimizer_tier, home_tier))):
             tail = None
             groups[kind] = []
             if kind == "compute" and self.compute_is_master:
@@ -167,7 +174,7 @@ class ParamBank:
         layer, k = self.where(i)
         shape = self.params[i][1].shape
         tier = layer.state_tier
-        kinds = [("exp_avg", tier), ("exp_avg_sq", tier), ("grad", grad_tier_beside(tier))]
+        kinds = [("exp_avg", tier), ("exp_avg_sq", tier), ("grad", grad_tier_beside(tier, self.home_tier))]
         if not self.compute_is_master:
             kinds.insert(0, ("master", tier))
         made: dict[str, PagedTensor] = {}
@@ -330,6 +337,16 @@ class ParamBank:
         if x is None:
             self.copies.landed([i])
             layer, k = self.where(i)
+            if self.grad_tier_of(layer.index) == "nvme":  # [Note: homes on nvme]: written through
+                value = grad.detach().to("cpu", torch.float32)
+                if not first:
+                    flat = value.reshape(-1)
+                    with self.grad_pieces(i) as pieces:
+                        for start, x in pieces:
+                            x.add_(flat[start:start + x.numel()])
+                    return
+                layer.grad[k].copy_(value.reshape(layer.grad[k].shape))
+                return
             with layer.grad[k].lease(self.grad_tier_of(layer.index)) as x:
                 _accumulate(x, grad, first)
         else:  # [Note: gradient copies]: off the compute stream where it crosses to the host
@@ -354,7 +371,42 @@ class ParamBank:
 
     def grad_tier_of(self, li: int) -> str:
         """Where unit ``li``'s fp32 gradient sums live (``grad_tier_beside`` its states)."""
-        return grad_tier_beside(self.layers[li].state_tier)
+        return grad_tier_beside(self.layers[li].state_tier, self.home_tier)
+
+    def lend_tier_of(self, li: int) -> str:
+        """The memory tier unit ``li``'s states and gradient sums are lent from for its update:
+        the gpu for states kept there, else the cpu (where states and sums on nvme are brought)."""
+        return "gpu" if self.layers[li].state_tier == "gpu" else "cpu"
+
+    def on_disk(self, li: int) -> list[PagedTensor]:
+        """Unit ``li``'s optimizer states and gradient sums that live on nvme (what its update
+        brings to the cpu first: [Note: homes on nvme])."""
+        layer = self.layers[li]
+        out = list(layer.states()) if layer.state_tier == "nvme" else []
+        if self.grad_tier_of(li) == "nvme":
+            out += [t for t in layer.grad if t is not None]
+        return out
+
+    @contextmanager
+    def grad_pieces(self, i: int, write: bool = True) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """Parameter ``i``'s fp32 gradient sum as flat ``(first element, view)`` pieces: views of
+        its page memory, or, for sums on nvme with no cpu copy, one host copy read from disk and
+        written back when the block ends (``write``)."""
+        x = self.lasting_view("grad", i)
+        if x is not None:
+            yield [(0, x)]
+            return
+        layer, k = self.where(i)
+        t = layer.grad[k]
+        tier = self.lend_tier_of(layer.index)
+        if self.grad_tier_of(layer.index) != "nvme" or tier in self.store.tiers_of(t):
+            with self.store.lease_many([t], tier, split=True, write=write)[0] as lease:
+                yield list(lease.pieces)
+            return
+        value = t.to_torch().reshape(-1)
+        yield [(0, value)]
+        if write:
+            t.copy_(value.view(t.shape))
 
     # ------------------------------------------------------------------ states kept on the gpu
 
@@ -383,7 +435,7 @@ class ParamBank:
         layer = self.layers[li]
         kinds = ("master", "exp_avg", "exp_avg_sq", "grad")
         self.grads_landed(layer.params)
-        grad_tier = grad_tier_beside(tier)
+        grad_tier = grad_tier_beside(tier, self.home_tier)
         new: dict[str, list[PagedTensor]] = {}
         try:
             for kind in kinds:

@@ -97,10 +97,11 @@ def paging_units(modules: list[tuple[str, list[int]]], nbytes: list[int], cap: i
     return units
 
 
-def grad_tier_beside(state_tier: str) -> str:
+def grad_tier_beside(state_tier: str, home_tier: str = "cpu") -> str:
     """Where fp32 gradient sums live beside optimizer states on ``state_tier``: on the gpu with
-    states there (a GPU's fused AdamW needs all its tensors on the device), else on the cpu."""
-    return "gpu" if state_tier == "gpu" else "cpu"
+    states there (a GPU's fused AdamW needs all its tensors on the device), else at the units'
+    home (``home_tier``: the cpu, or nvme: [Note: homes on nvme] in ``homes.py``)."""
+    return "gpu" if state_tier == "gpu" else home_tier
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

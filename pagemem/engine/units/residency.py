@@ -168,7 +168,7 @@ class Residency(KeepsWrites):
         except OutOfMemory:
             return  # bound at its compute (a miss)
         try:
-            self.store.release(layer.compute, "cpu").wait()
+            self.store.release(layer.compute, self.bank.home_tier).wait()
             u.to(UnitState.PARKED)
         except InvalidRequest:
             pass
@@ -378,7 +378,7 @@ class Residency(KeepsWrites):
             return True
         try:
             if layer.settled:
-                self.store.move(layer.compute, "cpu").wait()
+                self.store.move(layer.compute, self.bank.home_tier).wait()
             else:
                 self.store.release(layer.compute, "gpu").wait()
         except (InvalidRequest, OutOfMemory):

@@ -254,13 +254,8 @@ class BackwardUndo:
     @contextmanager
     def _grad_pieces(self, i: int) -> Iterator[list[tuple[int, torch.Tensor]]]:
         """Parameter ``i``'s gradient sum as flat fp32 views of its pages: ``(first element, view)``."""
-        x = self.bank.lasting_view("grad", i)
-        if x is not None:
-            yield [(0, x)]
-            return
-        layer, k = self.bank.where(i)
-        with self.store.lease_many([layer.grad[k]], self.bank.grad_tier_of(layer.index), split=True)[0] as lease:
-            yield list(lease.pieces)
+        with self.bank.grad_pieces(i) as pieces:
+            yield pieces
 
     def _drop(self) -> None:
         with self._lock:

@@ -37,12 +37,8 @@ class GradSums:
             raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
                                  "(overlap_update); pass overlap_update=False to read or clip gradients")
         self.bank.grads_landed([i])
-        x = self.bank.lasting_view("grad", i)
-        if x is not None:
-            return fn([x])
-        layer, k = self.bank.where(i)
-        with self.store.lease_many([layer.grad[k]], self.bank.grad_tier_of(layer.index), split=True)[0] as lease:
-            return fn([v for _, v in lease.pieces])
+        with self.bank.grad_pieces(i) as pieces:
+            return fn([v for _, v in pieces])
 
     def norm(self, i: int) -> torch.Tensor:
         """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""

@@ -63,12 +63,11 @@ def lend(bank: "ParamBank", store: "PageStore", params: list[int]) -> tuple[list
 
 def _leases_of(bank: "ParamBank", store: "PageStore", where: list) -> list:
     """The four leases (master, grad, exp_avg, exp_avg_sq) of each (layer, k), in order, taken
-    with one store call per tier (a unit's states and gradient sums are lent where its
-    gradient sums live: the gpu for states kept there, else the cpu, where states on nvme
-    were fetched)."""
+    with one store call per tier (``ParamBank.lend_tier_of``: the gpu for states kept there,
+    else the cpu, where states and gradient sums on nvme were brought)."""
     by_tier: dict[str, list[int]] = {}
     for n, (layer, _k) in enumerate(where):
-        by_tier.setdefault(bank.grad_tier_of(layer.index), []).append(n)
+        by_tier.setdefault(bank.lend_tier_of(layer.index), []).append(n)
     out: list = [None] * (4 * len(where))
     taken: list = []
     try:

@@ -25,7 +25,7 @@ from pagemem.engine.updates.in_backward import UpdatesInBackward
 from pagemem.engine.updates.loss_scale import LossScaler
 from pagemem.engine.updates.state_pieces import StatePiece, lend, norm_of_pieces, with_grad
 from pagemem.engine.config import EngineConfig
-from pagemem.errors import InvalidRequest, StepFailed, StepIOError, TierIOError, warn
+from pagemem.errors import InvalidRequest, OutOfMemory, StepFailed, StepIOError, TierIOError, warn
 from pagemem.store import PageStore
 
 
@@ -53,15 +53,17 @@ class UnfinishedUpdate:
 
 
 @contextlib.contextmanager
-def _retryable(what: str, where: str) -> Iterator[None]:
-    """A ``TierIOError`` inside, before any parameter of the step is updated, becomes a
-    ``StepIOError`` saying what failed and that ``step()`` again retries ([Note: a step is a
-    transaction]): the update is left unfinished with nothing done, its gradients kept."""
+def _retryable(what: str, where: str, u: "UnfinishedUpdate") -> Iterator[None]:
+    """A ``TierIOError`` inside becomes a ``StepIOError`` saying what failed, how far the update
+    got and that ``step()`` again retries ([Note: a step is a transaction]): the update is left
+    unfinished, its gradients kept."""
     try:
         yield
     except TierIOError as exc:
         notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
-        raise StepIOError(f"step: {what} failed ({exc}{notes}); nothing was updated and the gradients are kept "
+        done = ("nothing was updated" if not u.done else
+                f"{len(u.done)} of {len(u.params)} parameters were updated")
+        raise StepIOError(f"step: {what} failed ({exc}{notes}); {done} and the gradients are kept "
                           f"({where}): call step() again to retry once the disk works, or load a checkpoint",
                           exc.errno) from exc
 
@@ -221,34 +223,42 @@ class Updater(UpdatesInBackward):
             self.unfinished = None
             self.scaler.update(overflow=False)
             return True
-        layers = sorted({self.bank.layer_of[i] for i in remaining})
-        states = [t for li in layers if self.bank.layers[li].state_tier == "nvme" for t in self.bank.layers[li].states()]
-        fetched = bool(states)
-        if fetched:  # whole pages in and out: each page read once and written once
-            with _retryable("writing the last update's optimizer states back to nvme",
-                            "the last update landed: its states are intact on the cpu and are written back again after this one"):
-                self.flush()
-            # [Note: optimizer states on nvme] the executor copied them to the cpu during backward
-            # where the plan says (move_to_cpu optim): moving home onto those replicas reads
-            # nothing; the stale nvme copies are dropped so that the update's writes stay in
-            # memory, and the write-back runs behind the next iteration (flush() waits for it)
-            with _retryable("reading the optimizer states from nvme for the update",
-                            "the pages that failed stay on nvme, unchanged, and are read again"):
-                self.store.move(states, "cpu").wait()
-                self.store.release(states, "nvme").wait()
+        with _retryable("writing the last update's optimizer states back to nvme",
+                        "the last update landed: its states are intact on the cpu and are written back again after "
+                        "this one", u):
+            self.flush()
+        if not any(self.bank.on_disk(li) for li in {self.bank.layer_of[i] for i in remaining}):
+            if not self._update_batch(remaining, u, check=True):  # all in memory: one batch, checked in it
+                return False
+        else:  # [Note: homes on nvme] the units pass through the cpu a batch at a time
+            if not u.checked and not self._check_streamed(u, remaining):
+                return False
+            u.checked = True
+            for batch in self._batches(remaining):
+                self._update_batch(batch, u, check=False)
+        self.unfinished = None
+        self.scaler.update(overflow=False)
+        return True
+
+    def _update_batch(self, params: list[int], u: UnfinishedUpdate, check: bool) -> bool:
+        """Update ``params`` (their units' states and gradient sums on nvme brought to the cpu
+        first, written back behind what follows); ``check``: take the loss scale's verdict and the
+        clipping coefficient from these gradients first (False: skipped for an overflow)."""
+        disk = [t for li in sorted({self.bank.layer_of[i] for i in params}) for t in self.bank.on_disk(li)]
+        if disk:  # whole pages in and out: each page read once and written once
+            self._bring(disk, u)
         leases = []
         try:
-            chunks, leases = self._chunks(remaining)
-            if not u.checked:  # the first attempt: the scale's verdict and the clip coefficient
+            chunks, leases = self._chunks(params)
+            if check and not u.checked:  # the first attempt: the scale's verdict and the clip coefficient
                 if u.scale is not None:  # only finiteness counts here: per piece is enough
                     total = total_sumsq(wait_all([self.adam.sumsq(c.grad) for _, ps in chunks for _, c in ps]))
                     if not math.isfinite(total):
-                        self.unfinished = None
-                        self.scaler.update(overflow=True)
-                        self.skipped_steps += 1
+                        self._skip()
                         return False
                 if self.config.max_grad_norm is not None:
-                    u.coef = self._clip_coefficient([[c.grad for _, c in ps] for _, ps in chunks], u.scale)
+                    norms = wait_all([self.adam.submit(norm_of_pieces, [c.grad for _, c in ps]) for _, ps in chunks])
+                    u.coef = self._clip_coefficient(norms, u.scale)
                 u.checked = True
             # one task per unit: its parameters share pages, so their refreshes would queue for
             # each other on different workers; the largest units go first (the workers even out)
@@ -268,14 +278,76 @@ class Updater(UpdatesInBackward):
                 raise StepFailed(f"step: the update failed after {len(u.done)} of {len(u.params)} parameters were "
                                  f"updated ({type(error).__name__}: {error}); their gradients are kept: call step() "
                                  "again to finish it exactly, or load a checkpoint") from error
-            self.unfinished = None
-            self.scaler.update(overflow=False)
         finally:
             for lease in leases:
                 lease.release()
-            if fetched:
-                self._writeback = self.store.move(states, "nvme")
+            if disk:
+                self._writeback = self.store.move(disk, "nvme")
         return True
+
+    def _bring(self, disk: list, u: UnfinishedUpdate) -> None:
+        """[Note: optimizer states on nvme] Move states and gradient sums home to the cpu for the
+        update (the executor may have copied states there during backward, where the plan says:
+        moving onto those replicas reads nothing); the stale nvme copies are dropped so that the
+        update's writes stay in memory. The last batch's write-back goes on behind this read
+        while the cpu has room for both, else it is waited for first."""
+        with _retryable("reading the optimizer states and gradient sums from nvme for the update",
+                        "the pages that failed stay on nvme, unchanged, and are read again", u):
+            try:
+                handle = self.store.move(disk, "cpu")
+            except OutOfMemory:
+                self.flush()  # its pages go back to nvme first
+                handle = self.store.move(disk, "cpu")
+            handle.wait()
+            self.store.release(disk, "nvme").wait()
+
+    def _batches(self, params: list[int]) -> list[list[int]]:
+        """``params`` in batches of whole units whose states and gradient sums on nvme take at most
+        half the cpu room (the other half takes the last batch's write-back meanwhile), one unit
+        at least; units with nothing on nvme go in the first."""
+        room = self.store.tier("cpu").free_pages // 2
+        by_unit: dict[int, list[int]] = {}
+        for i in params:
+            by_unit.setdefault(self.bank.layer_of[i], []).append(i)
+        batches: list[list[int]] = [[]]
+        used = 0
+        for li in sorted(by_unit, key=lambda li: bool(self.bank.on_disk(li))):
+            pages = self.store.page_count(self.bank.on_disk(li)) if self.bank.on_disk(li) else 0
+            if pages and batches[-1] and used + pages > room:
+                batches.append([])
+                used = 0
+            batches[-1] += by_unit[li]
+            used += pages
+        return [b for b in batches if b]
+
+    def _check_streamed(self, u: UnfinishedUpdate, params: list[int]) -> bool:
+        """The loss scale's verdict and the clipping coefficient from gradient sums read one
+        parameter at a time (those on nvme through a host copy), before any update: the same
+        values ``_update_batch``'s check takes from them in memory."""
+        need_scale, need_clip = u.scale is not None, self.config.max_grad_norm is not None
+        if not (need_scale or need_clip):
+            return True
+        self.bank.grads_landed(params)
+        parts, norms = [], []
+        for i in params:
+            with self.bank.grad_pieces(i, write=False) as pieces:
+                grads = [v for _, v in pieces]
+                if need_scale:
+                    parts += wait_all([self.adam.sumsq(g) for g in grads])
+                if need_clip:
+                    norms.append(norm_of_pieces(grads))
+        if need_scale and not math.isfinite(total_sumsq(parts)):
+            self._skip()
+            return False
+        if need_clip:
+            u.coef = self._clip_coefficient(norms, u.scale)
+        return True
+
+    def _skip(self) -> None:
+        """An fp16 overflow: the step is skipped and the loss scale backs off."""
+        self.unfinished = None
+        self.scaler.update(overflow=True)
+        self.skipped_steps += 1
 
     def _begin_update(self) -> UnfinishedUpdate | None:
         """A new step: wait for the updates made during backward (those that failed join this
@@ -306,14 +378,13 @@ class Updater(UpdatesInBackward):
         if handle is not None:
             handle.wait()
 
-    def _clip_coefficient(self, grads: list[list[torch.Tensor]], scale: float | None) -> float:
-        """``clip_grad_norm_``'s coefficient, computed as it does (a norm of per-parameter fp32
-        norms, then ``max_norm / (norm + 1e-6)`` clamped to 1), so clipping is bit-identical to
-        plain PyTorch. [Note: fidelity over accuracy] ``CpuAdam``'s chunked norm is about 1e4
-        times more accurate on 1M-element tensors, but would not reproduce torch's updates; so a
-        gradient lent in pieces is joined for its norm (torch's reduction order is over the
-        whole tensor)."""
-        norms = wait_all([self.adam.submit(norm_of_pieces, g) for g in grads])
+    def _clip_coefficient(self, norms: list[torch.Tensor], scale: float | None) -> float:
+        """``clip_grad_norm_``'s coefficient from each parameter's fp32 gradient norm, computed as
+        it does (a norm of per-parameter fp32 norms, then ``max_norm / (norm + 1e-6)`` clamped to
+        1), so clipping is bit-identical to plain PyTorch. [Note: fidelity over accuracy]
+        ``CpuAdam``'s chunked norm is about 1e4 times more accurate on 1M-element tensors, but
+        would not reproduce torch's updates; so a gradient lent in pieces is joined for its norm
+        (``norm_of_pieces``: torch's reduction order is over the whole tensor)."""
         device = norms[0].device  # units whose states are kept on the gpu have their norms there
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
         if scale is not None:
