@@ -10,13 +10,20 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import dataclasses
+
 import torch
 
 import pagemem
+from pagemem.engine.units.budget_checks import unit_cap
+from pagemem.engine.units.homes import cpu_pages, host_need
 from pagemem.sched import least_gpu_bytes
 from pagemem.tracer import trace
 
 PAGE = 64 * 1024
+HOMES = "+homes"
+"""An ``optimizer_tier`` ending in it (``"nvme+homes"``): compute copies and gradient sums on nvme
+too, with the least cpu budget the engine accepts ([Note: homes on nvme])."""
 HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
@@ -53,6 +60,10 @@ def engine_config(model: torch.nn.Module, loss: Callable, tmp_path, optimizer_ti
     units move every iteration."""
     budget = gpu_budget(model, loss, fraction)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
+    homes = optimizer_tier.endswith(HOMES)
+    if homes:  # everything on nvme, the cpu budget the least the engine accepts (its working set)
+        optimizer_tier = optimizer_tier[:-len(HOMES)]
+        kw["home_tier"] = "nvme"
     disk = optimizer_tier == "nvme" or kw.get("home_tier") == "nvme"
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget,
                                 cpu_bytes=kw.pop("cpu_bytes", 40 * nbytes + 64 * PAGE),
@@ -60,7 +71,12 @@ def engine_config(model: torch.nn.Module, loss: Callable, tmp_path, optimizer_ti
                                 nvme_path=str(tmp_path) if disk else None)
     kw.setdefault("optimizer", pagemem.AdamW(**HP))
     kw.setdefault("adam_threads", 2)
-    return pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, executor=executor, **kw)
+    cfg = pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, executor=executor, **kw)
+    if homes:
+        need = host_need(model, cfg, unit_cap(store))
+        least = cpu_pages(need, optimizer_tier, "nvme") * PAGE
+        cfg = dataclasses.replace(cfg, store=dataclasses.replace(store, cpu_bytes=least))
+    return cfg
 
 
 def through_engine(make, loss, steps: int, tmp_path, optimizer_tier="cpu", executor="plan", groups=None,

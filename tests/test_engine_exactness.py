@@ -20,7 +20,7 @@ import pagemem
 from exactness import HP, assert_same, engine_config, reference, same_loop, train_both
 from exactness_models import ParamAfterChild, Shared, TinyViT, WeightNormed
 
-TIERS = ["cpu", "nvme"]
+TIERS = ["cpu", "nvme", "nvme+homes"]
 
 
 def seeded(cls, **kw):

@@ -275,6 +275,18 @@ class ParamBank:
         except OutOfMemory:
             pass
 
+    def drop_staged_states(self) -> None:
+        """Give back the cpu copies ``stage_states`` made of optimizer states on nvme (the update
+        needs their room for the units it streams through the cpu)."""
+        for layer in self.layers:
+            if layer.state_tier == "nvme":
+                staged = [t for t in layer.states() if "cpu" in self.store.tiers_of(t) and self.store.tier_of(t) == "nvme"]
+                if staged:
+                    try:
+                        self.store.release(staged, "cpu").wait()
+                    except InvalidRequest:
+                        pass  # pinned or in flight: it stays
+
     def set_state(self, i: int, kind: str, value: torch.Tensor) -> None:
         """Overwrite parameter ``i``'s ``kind`` state (``master``, ``exp_avg``, ``exp_avg_sq``)
         or its ``compute`` copy (the master weights too, where it has them); setting ``master``
@@ -378,13 +390,19 @@ class ParamBank:
         the gpu for states kept there, else the cpu (where states and sums on nvme are brought)."""
         return "gpu" if self.layers[li].state_tier == "gpu" else "cpu"
 
-    def on_disk(self, li: int) -> list[PagedTensor]:
-        """Unit ``li``'s optimizer states and gradient sums that live on nvme (what its update
-        brings to the cpu first: [Note: homes on nvme])."""
-        layer = self.layers[li]
-        out = list(layer.states()) if layer.state_tier == "nvme" else []
-        if self.grad_tier_of(li) == "nvme":
-            out += [t for t in layer.grad if t is not None]
+    def on_disk(self, params: Iterable[int]) -> list[PagedTensor]:
+        """The optimizer states and gradient sums of ``params`` that live on nvme (what their
+        update brings to the cpu first: [Note: homes on nvme])."""
+        out: list[PagedTensor] = []
+        for i in params:
+            layer, k = self.where(i)
+            kinds = ("master", "exp_avg", "exp_avg_sq") if layer.state_tier == "nvme" else ()
+            if self.grad_tier_of(layer.index) == "nvme":
+                kinds += ("grad",)
+            for kind in kinds:
+                t = getattr(layer, kind)[k]
+                if t is not None and (kind != "master" or not self.compute_is_master):
+                    out.append(t)
         return out
 
     @contextmanager
@@ -399,8 +417,14 @@ class ParamBank:
         layer, k = self.where(i)
         t = layer.grad[k]
         tier = self.lend_tier_of(layer.index)
-        if self.grad_tier_of(layer.index) != "nvme" or tier in self.store.tiers_of(t):
-            with self.store.lease_many([t], tier, split=True, write=write)[0] as lease:
+        lease = None
+        try:
+            lease = self.store.lease_many([t], tier, split=True, write=write)[0]
+        except InvalidRequest:
+            if self.grad_tier_of(layer.index) != "nvme":
+                raise
+        if lease is not None:  # in memory (sums on nvme: while a step brought them to the cpu)
+            with lease:
                 yield list(lease.pieces)
             return
         value = t.to_torch().reshape(-1)

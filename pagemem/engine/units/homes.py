@@ -8,11 +8,12 @@ gradient sums too (``home_tier="nvme"``). The cpu tier is then a *working set*, 
   staging pages, or from a cpu copy a plan staged ahead);
 - each gradient is written into its nvme sums when autograd hands it off (added to them after
   the first backward of a step);
-- ``step()`` streams the update: units go through the cpu a batch at a time, their states and
-  gradient sums moved in, updated, written back behind the next batch (``update.py``), so the
-  cpu holds one batch, not the model.
-The least working set is the largest unit's states and gradient sums that must be on the cpu at
-once during its update (``host_need``); a budget below it is refused at construction naming it.
+- ``step()`` streams the update: parameters go through the cpu a batch at a time, their states
+  and gradient sums moved in, updated, written back behind the next batch (``update.py``), so
+  the cpu holds one batch, not the model.
+The least working set is the largest parameter's states and gradient sums, which must be on the
+cpu at once during its update (``host_need``); a budget below it is refused at construction
+naming it.
 
 ``home_tier="auto"`` (the default) keeps the homes on the cpu where the cpu budget holds them
 with the optimizer states it must hold (and the update's working set), and moves them to nvme
@@ -46,9 +47,10 @@ class HostNeed:
     grads: int
     """fp32 gradient sums, chained."""
     unit_update: int
-    """The most pages one unit's states and gradient sums take together (what its update needs
-    on the cpu at once when they live on nvme)."""
+    """The most pages one parameter's states and gradient sums take together (what its update
+    needs on the cpu at once when they live on nvme)."""
     unit_name: str
+    """That parameter's name."""
 
 
 def host_need(model: nn.Module, config: EngineConfig, unit_cap: int) -> HostNeed:
@@ -67,12 +69,10 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int) -> HostNeed
     states = kinds * pack([fp32[i] for i in order], pb).pages
     grads = pack([fp32[i] for i in order], pb).pages
     best, name = 0, ""
-    for uname, idx in units:
-        sizes = [fp32[i] for i in idx if params[i][1].requires_grad]
-        if sizes:  # a unit's chained states start mid-page: one more page of each kind at most
-            pages = (kinds + 1) * (pack(sizes, pb).pages + 1)
-            if pages > best:
-                best, name = pages, uname
+    for i in trained:  # chained states start mid-page: one more page of each kind at most
+        pages = (kinds + 1) * (pack([fp32[i]], pb).pages + 1)
+        if pages > best:
+            best, name = pages, params[i][0]
     return HostNeed(compute, states, grads, best, name)
 
 
@@ -139,7 +139,7 @@ def _describe(need: HostNeed, optimizer_tier: str, home_tier: str, pb: int) -> s
             parts.append(f"gradient sums {format_bytes(need.grads * pb)}")
     ws = working_set(need, optimizer_tier, home_tier)
     if ws:
-        parts.append(f"the update's working set {format_bytes(ws * pb)} (unit {need.unit_name!r}'s states and "
+        parts.append(f"the update's working set {format_bytes(ws * pb)} ({need.unit_name!r}'s states and "
                      "gradient sums)")
     more = "" if home_tier == "nvme" else " (home_tier='nvme' keeps compute copies and gradient sums on nvme)"
     return ", ".join(parts) + more

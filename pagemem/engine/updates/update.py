@@ -227,7 +227,7 @@ class Updater(UpdatesInBackward):
                         "the last update landed: its states are intact on the cpu and are written back again after "
                         "this one", u):
             self.flush()
-        if not any(self.bank.on_disk(li) for li in {self.bank.layer_of[i] for i in remaining}):
+        if not self.bank.on_disk(remaining):
             if not self._update_batch(remaining, u, check=True):  # all in memory: one batch, checked in it
                 return False
         else:  # [Note: homes on nvme] the units pass through the cpu a batch at a time
@@ -244,7 +244,7 @@ class Updater(UpdatesInBackward):
         """Update ``params`` (their units' states and gradient sums on nvme brought to the cpu
         first, written back behind what follows); ``check``: take the loss scale's verdict and the
         clipping coefficient from these gradients first (False: skipped for an overflow)."""
-        disk = [t for li in sorted({self.bank.layer_of[i] for i in params}) for t in self.bank.on_disk(li)]
+        disk = self.bank.on_disk(params)
         if disk:  # whole pages in and out: each page read once and written once
             self._bring(disk, u)
         leases = []
@@ -291,33 +291,34 @@ class Updater(UpdatesInBackward):
         moving onto those replicas reads nothing); the stale nvme copies are dropped so that the
         update's writes stay in memory. The last batch's write-back goes on behind this read
         while the cpu has room for both, else it is waited for first."""
-        with _retryable("reading the optimizer states and gradient sums from nvme for the update",
+        grads = {id(t) for li in {self.bank.layer_of[i] for i in u.params} for t in self.bank.layers[li].grad
+                 if t is not None}
+        kinds = sorted({"gradient sums" if id(t) in grads else "optimizer states" for t in disk}, reverse=True)
+        with _retryable(f"reading the {' and '.join(kinds)} from nvme for the update",
                         "the pages that failed stay on nvme, unchanged, and are read again", u):
             try:
                 handle = self.store.move(disk, "cpu")
             except OutOfMemory:
-                self.flush()  # its pages go back to nvme first
+                self.flush()  # its pages go back to nvme first, and states staged ahead give way
+                self.bank.drop_staged_states()
                 handle = self.store.move(disk, "cpu")
             handle.wait()
             self.store.release(disk, "nvme").wait()
 
     def _batches(self, params: list[int]) -> list[list[int]]:
-        """``params`` in batches of whole units whose states and gradient sums on nvme take at most
-        half the cpu room (the other half takes the last batch's write-back meanwhile), one unit
-        at least; units with nothing on nvme go in the first."""
+        """``params`` in batches whose states and gradient sums on nvme take at most half the cpu
+        room (the other half takes the last batch's write-back meanwhile), in unit order, one
+        parameter at least; those with nothing on nvme go in the first."""
         room = self.store.tier("cpu").free_pages // 2
-        by_unit: dict[int, list[int]] = {}
-        for i in params:
-            by_unit.setdefault(self.bank.layer_of[i], []).append(i)
-        batches: list[list[int]] = [[]]
-        used = 0
-        for li in sorted(by_unit, key=lambda li: bool(self.bank.on_disk(li))):
-            pages = self.store.page_count(self.bank.on_disk(li)) if self.bank.on_disk(li) else 0
-            if pages and batches[-1] and used + pages > room:
+        batches: list[list[int]] = [[i for i in params if not self.bank.on_disk([i])]]
+        disk: list = []  # the last batch's tensors on nvme (neighbours share pages: counted once)
+        for i in sorted((i for i in params if self.bank.on_disk([i])), key=lambda i: (self.bank.layer_of[i], i)):
+            mine = self.bank.on_disk([i])
+            if disk and self.store.page_count(disk + mine) > room:
                 batches.append([])
-                used = 0
-            batches[-1] += by_unit[li]
-            used += pages
+                disk = []
+            batches[-1].append(i)
+            disk += mine
         return [b for b in batches if b]
 
     def _check_streamed(self, u: UnfinishedUpdate, params: list[int]) -> bool:
