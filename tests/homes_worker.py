@@ -1,5 +1,6 @@
 """Train a GPT built on ``meta`` with everything on nvme, in a process of its own, and report
-its peak resident memory (``ru_maxrss``) before and after, as JSON on stdout.
+its peak resident memory (``ru_maxrss``) before, after training (``trained``) and after
+``close()`` (which gives the trained weights back to the model in host memory), as JSON on stdout.
 
 ``python homes_worker.py DIR LAYERS HIDDEN VOCAB GPU_BYTES CPU_BYTES HOME_TIER OPTIMIZER_TIER STEPS``
 """
@@ -43,12 +44,14 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             seconds.append(time.perf_counter() - t0)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         stats = engine.stats()
+        trained = peak_rss()
     after = peak_rss()
     state = stats["optimizer_state_bytes"] + stats["grad_bytes"] + sum(
         p.numel() * 4 for p in model.parameters())
-    print(json.dumps({"before": before, "built": built, "after": after, "growth": after - before,
+    print(json.dumps({"before": before, "built": built, "trained": trained, "after": after,
+                      "training_growth": trained - before, "growth": after - before,
                       "training_state_bytes": state, "losses": losses, "seconds": seconds,
                       "home_tier": stats["home_tier"], "params": sum(p.numel() for p in model.parameters()),
                       "moved_bytes": stats["moved_bytes"], "layer_bytes": 12 * int(hidden) ** 2 * 4}))

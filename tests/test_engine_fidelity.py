@@ -73,18 +73,20 @@ def reference(model, steps: int, hp: dict, max_grad_norm=None, accumulation: int
 
 def through_engine(model, steps: int, hp: dict, tmp_path, optimizer_tier="cpu", max_grad_norm=None,
                    accumulation: int = 1, budget: int | None = None, overlap_update: bool | None = True,
-                   copy_threads: int = 2):
+                   copy_threads: int = 2, home_tier: str = "auto", cpu_bytes: int | None = None):
     budget = budget or gpu_budget(model)
     if optimizer_tier == "gpu":  # the states and gradient sums stay there, beside the paged parameters
         n = sum(p.numel() for p in model.parameters())
         budget += (-(-16 * n // PAGE) + 4) * PAGE
-    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model),
-                                nvme_bytes=8 * state_bytes(model) if optimizer_tier == "nvme" else 0,
-                                nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None,
+    disk = optimizer_tier == "nvme" or home_tier == "nvme"
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget,
+                                cpu_bytes=cpu_bytes or 8 * state_bytes(model),
+                                nvme_bytes=8 * state_bytes(model) if disk else 0,
+                                nvme_path=str(tmp_path) if disk else None,
                                 copy_threads=copy_threads)
     cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**hp), optimizer_tier=optimizer_tier,
                                max_grad_norm=max_grad_norm, accumulation_steps=accumulation, adam_threads=2,
-                               overlap_update=overlap_update)
+                               overlap_update=overlap_update, home_tier=home_tier)
     data = list(batches(steps * accumulation))
     with pagemem.Engine(model, cfg) as engine:
         for s in range(steps * accumulation):
@@ -240,11 +242,15 @@ def reference_mixed(model, steps: int, hp: dict, dtype: torch.dtype, scaled: boo
     return out, skipped
 
 
-def engine_mixed(model, steps: int, hp: dict, dtype: torch.dtype, overflow_at: tuple[int, ...] = (), **cfg):
+def engine_mixed(model, steps: int, hp: dict, dtype: torch.dtype, overflow_at: tuple[int, ...] = (),
+                 nvme_path=None, cpu_bytes: int | None = None, **cfg):
     budget = gpu_budget(model)
     if cfg.get("optimizer_tier") == "gpu":  # room for the states and gradient sums
         budget += (-(-16 * sum(p.numel() for p in model.parameters()) // PAGE) + 4) * PAGE
-    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model))
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget,
+                                cpu_bytes=cpu_bytes or 8 * state_bytes(model),
+                                nvme_bytes=8 * state_bytes(model) if nvme_path else 0,
+                                nvme_path=str(nvme_path) if nvme_path else None)
     config = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**hp), compute_dtype=dtype,
                                   adam_threads=2, **cfg)
     with pagemem.Engine(model, config) as engine:
