@@ -74,7 +74,7 @@ def engine_config(model: torch.nn.Module, loss: Callable, tmp_path, optimizer_ti
     cfg = pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, executor=executor, **kw)
     if homes:
         need = host_need(model, cfg, unit_cap(store))
-        least = cpu_pages(need, optimizer_tier, "nvme") * PAGE
+        least = cpu_pages(need, optimizer_tier, "nvme", cfg.lock_free) * PAGE
         cfg = dataclasses.replace(cfg, store=dataclasses.replace(store, cpu_bytes=least))
     return cfg
 

@@ -18,7 +18,7 @@ from exactness import HP, assert_same, engine_config, reference, train_both
 from test_engine_exactness import CASES, hf_model, lm_loss, mse, seeded
 from exactness_models import ParamAfterChild
 
-TIERS = ["cpu", "nvme"]
+TIERS = ["cpu", "nvme", "nvme+homes"]
 
 
 def train(engine, model, loss, steps: range) -> None:

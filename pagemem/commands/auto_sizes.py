@@ -6,11 +6,12 @@
   in its own units, which can need more than the plain model's trace says, so ``pagemem train``
   then tries the budget for two iterations and, refused with the least that works
   (``OutOfMemory.least_bytes``), takes that plus the same share (:func:`grown`).
-- ``cpu_bytes``: the parameters' home copies, master weights and gradient sums (and the
-  optimizer states with ``optimizer_tier="cpu"``; with ``"nvme"``, room for those of the two
-  largest tensors, which pass through on their way), a quarter more, one page per tensor and
-  kind for rounding, and 64 MiB.
-- ``nvme_bytes``: the optimizer states' bytes on the same terms.
+- ``cpu_bytes``: the parameters' home copies and gradient sums (with ``home_tier="nvme"``: room
+  for those of the two largest tensors, which pass through), the optimizer states with
+  ``optimizer_tier="cpu"`` (with ``"nvme"``, room for those of the two largest tensors), a
+  quarter more, one page per tensor and kind for rounding, and 64 MiB.
+- ``nvme_bytes``: what lives on nvme (optimizer states with ``optimizer_tier="nvme"``, compute
+  copies and gradient sums with ``home_tier="nvme"``) on the same terms.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def host_bytes(model: nn.Module, config: EngineConfig) -> dict[str, int]:
     tensors = sum(1 for _ in model.parameters())
     states = 12 * numel  # fp32 master weights and two moments
     largest = max((p.numel() for p in model.parameters()), default=0)
+    compute = sum(p.numel() * compute_dtype_of(config.compute_dtype, p.dtype).itemsize for p in model.parameters())
+    homes_on_nvme = config.home_tier == "nvme"
     # with states on nvme, the cpu holds those of the unit being updated and of the next one
-    held = states if config.optimizer_tier == "cpu" else 2 * 12 * largest + 4 * numel
-    cpu = sum(p.numel() * compute_dtype_of(config.compute_dtype, p.dtype).itemsize for p in model.parameters())
-    cpu += 4 * numel + held
+    held = states if config.optimizer_tier == "cpu" else 2 * 12 * largest
+    cpu = held + (2 * 4 * largest if homes_on_nvme else compute + 4 * numel)
     out = {"cpu_bytes": _round_up(cpu * 5 // 4 + 4 * tensors * page + MARGIN, page)}
-    if config.optimizer_tier == "nvme":
-        out["nvme_bytes"] = _round_up(states * 5 // 4 + 3 * tensors * page + MARGIN, page)
+    disk = (states if config.optimizer_tier == "nvme" else 0) + (compute + 4 * numel if homes_on_nvme else 0)
+    if disk:
+        out["nvme_bytes"] = _round_up(disk * 5 // 4 + 4 * tensors * page + MARGIN, page)
     return out

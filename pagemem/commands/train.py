@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         rd = RunDir(_new_run_dir(train))
     created = not args.resume
     try:
-        if plain.get("engine", {}).get("optimizer_tier") == "nvme" and plain.get("store", {}).get("nvme_path") is None:
+        on_disk = "nvme" in (plain.get("engine", {}).get("optimizer_tier"), plain.get("engine", {}).get("home_tier"))
+        if on_disk and plain.get("store", {}).get("nvme_path") is None:
             os.makedirs(os.path.join(rd.path, "nvme"), exist_ok=True)  # where resolve() puts the page files
         cfg = resolve(plain, rd.path)
         model, loss_of, vocab, longest = build(cfg.model, cfg.data.seed)
@@ -291,6 +292,7 @@ class _Loop:
             "moved_bytes": stats["moved_bytes"], "gpu_idle": stats["gpu_idle"], "replans": stats["replans"],
             "staleness": stats["staleness"], "planned_iteration_s": planned.iteration_time if planned else None,
             "profile": profile,
+            "homes": {"compute and gradient sums": stats["home_tier"], "optimizer states": stats["optimizer_tier"]},
         }
         rd.write_summary(summary)
         return summary
@@ -324,6 +326,8 @@ def _summary_table(s: dict[str, Any]) -> str:
             ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "-"),
             ("loss, first 10 -> last 10 steps",
              f"{s['first_loss']:.4f} -> {s['last_loss']:.4f} (floor {s['loss_floor']:.4f})" if s["first_loss"] else "-")]
+    if s.get("homes"):  # [Note: homes on nvme]: where the training state lives at rest
+        rows.append(("homes", ", ".join(f"{what} on {tier}" for what, tier in s["homes"].items())))
     for tier, peak in s["peak_bytes"].items():
         rows.append((f"peak {tier}", f"{b(peak)} of {b(s['budget_bytes'].get(tier))}"))
     for direction, n in sorted(s["moved_bytes"].items()):

@@ -8,7 +8,8 @@ its ``store`` and ``optimizer``, which are the sections ``[store]`` (:class:`pag
 and ``[optimizer]`` (:class:`pagemem.AdamW`). ``--store.gpu_bytes 2GiB`` sets
 ``EngineConfig.store.gpu_bytes``. ``gpu_bytes``, ``cpu_bytes`` and ``nvme_bytes`` also take
 ``"auto"`` (:mod:`pagemem.commands.auto_sizes`); ``nvme_path`` defaults to ``nvme/`` in the run
-directory when optimizer states go there.
+directory when optimizer states (or, with ``home_tier = "nvme"``, compute copies and gradient
+sums) go there.
 """
 
 from __future__ import annotations
@@ -208,6 +209,8 @@ def resolve(plain: Mapping[str, Any], run_dir: str) -> TrainConfig:
         store[k] = store.get("page_bytes", StoreConfig.page_bytes)  # a placeholder, until resolved
     engine_own = dict(plain.get("engine", {}))
     tier = engine_own.get("optimizer_tier", EngineConfig.optimizer_tier)
+    if engine_own.get("home_tier") == "nvme":
+        tier = "nvme"  # compute copies and gradient sums there: the page files need a directory too
     if tier == "nvme" and store.get("nvme_path") is None:
         store["nvme_path"] = os.path.join(run_dir, "nvme")
         auto += ("nvme_path",)  # written back as None: the run directory's own, wherever it is

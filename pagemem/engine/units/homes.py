@@ -51,6 +51,9 @@ class HostNeed:
     needs on the cpu at once when they live on nvme)."""
     unit_name: str
     """That parameter's name."""
+    unit_states: int = 0
+    """The most pages one unit's optimizer states take on pages of their own (``states_apart``:
+    the lock-free updater reads one unit's states while it updates the one before)."""
 
 
 def host_need(model: nn.Module, config: EngineConfig, unit_cap: int) -> HostNeed:
@@ -73,24 +76,30 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int) -> HostNeed
         pages = (kinds + 1) * (pack([fp32[i]], pb).pages + 1)
         if pages > best:
             best, name = pages, params[i][0]
-    return HostNeed(compute, states, grads, best, name)
+    apart = max((kinds * pack(sizes, pb).pages for _, idx in units
+                 if (sizes := [fp32[i] for i in idx if params[i][1].requires_grad])), default=0)
+    return HostNeed(compute, states, grads, best, name, apart)
 
 
-def working_set(need: HostNeed, optimizer_tier: str, home_tier: str) -> int:
-    """Cpu pages the update needs at once beyond what lives on the cpu (see the Note)."""
+def working_set(need: HostNeed, optimizer_tier: str, home_tier: str, lock_free: bool = False) -> int:
+    """Cpu pages the update needs at once beyond what lives on the cpu (see the Note): the
+    largest parameter's states and sums streamed by ``step()``, or with the lock-free updater
+    two units' states (the one it updates and the next, read meanwhile)."""
     if optimizer_tier == "gpu":
         return 0
+    if lock_free and optimizer_tier == "nvme":
+        return 2 * need.unit_states
     if optimizer_tier == "nvme" or home_tier == "nvme":
         return need.unit_update
     return 0
 
 
-def cpu_pages(need: HostNeed, optimizer_tier: str, home_tier: str) -> int:
+def cpu_pages(need: HostNeed, optimizer_tier: str, home_tier: str, lock_free: bool = False) -> int:
     """Cpu pages the engine needs with these homes: what lives there plus the working set."""
     at_rest = need.states if optimizer_tier == "cpu" else 0
     if home_tier == "cpu":
         at_rest += need.compute + (need.grads if optimizer_tier != "gpu" else 0)
-    return at_rest + working_set(need, optimizer_tier, home_tier)
+    return at_rest + working_set(need, optimizer_tier, home_tier, lock_free)
 
 
 def nvme_pages(need: HostNeed, optimizer_tier: str, home_tier: str) -> int:
@@ -111,17 +120,19 @@ def choose_home_tier(model: nn.Module, config: EngineConfig, unit_cap: int) -> s
     tiers = ("cpu", "nvme") if asked == "auto" else (asked,)
     if config.optimizer_tier == "gpu" and asked == "auto":
         tiers = ("cpu",)  # gradient sums live beside the states, on the gpu: only compute copies are homed
+    lock_free = config.lock_free
     for tier in tiers:
         if tier == "nvme" and not have_nvme:
             continue
-        if cpu_pages(need, config.optimizer_tier, tier) <= have_cpu and nvme_pages(need, config.optimizer_tier, tier) <= have_nvme:
+        if (cpu_pages(need, config.optimizer_tier, tier, lock_free) <= have_cpu
+                and nvme_pages(need, config.optimizer_tier, tier) <= have_nvme):
             return tier
     # nothing fits: name the least that works for the home the budgets come closest to
     tier = tiers[-1] if have_nvme or asked == "nvme" else "cpu"
-    cpu_least = cpu_pages(need, config.optimizer_tier, tier)
+    cpu_least = cpu_pages(need, config.optimizer_tier, tier, lock_free)
     if cpu_least > have_cpu:
         what = (f"cpu_bytes: with home_tier={tier!r} and optimizer_tier={config.optimizer_tier!r} the cpu holds "
-                + _describe(need, config.optimizer_tier, tier, pb))
+                + _describe(need, config.optimizer_tier, tier, pb, lock_free))
         raise OutOfMemory("cpu", cpu_least, have_cpu, pb, what, least_bytes=cpu_least * pb)
     nvme_least = nvme_pages(need, config.optimizer_tier, tier)
     raise OutOfMemory("nvme", nvme_least, have_nvme, pb,
@@ -129,7 +140,7 @@ def choose_home_tier(model: nn.Module, config: EngineConfig, unit_cap: int) -> s
                       f"{format_bytes(nvme_least * pb)} of training state", least_bytes=nvme_least * pb)
 
 
-def _describe(need: HostNeed, optimizer_tier: str, home_tier: str, pb: int) -> str:
+def _describe(need: HostNeed, optimizer_tier: str, home_tier: str, pb: int, lock_free: bool) -> str:
     parts = []
     if optimizer_tier == "cpu":
         parts.append(f"optimizer states {format_bytes(need.states * pb)}")
@@ -137,9 +148,10 @@ def _describe(need: HostNeed, optimizer_tier: str, home_tier: str, pb: int) -> s
         parts.append(f"compute copies {format_bytes(need.compute * pb)}")
         if optimizer_tier != "gpu":
             parts.append(f"gradient sums {format_bytes(need.grads * pb)}")
-    ws = working_set(need, optimizer_tier, home_tier)
+    ws = working_set(need, optimizer_tier, home_tier, lock_free)
     if ws:
-        parts.append(f"the update's working set {format_bytes(ws * pb)} ({need.unit_name!r}'s states and "
-                     "gradient sums)")
+        whose = ("two units' optimizer states (the lock-free updater's)" if lock_free and optimizer_tier == "nvme"
+                 else f"{need.unit_name!r}'s states and gradient sums")
+        parts.append(f"the update's working set {format_bytes(ws * pb)} ({whose})")
     more = "" if home_tier == "nvme" else " (home_tier='nvme' keeps compute copies and gradient sums on nvme)"
     return ", ".join(parts) + more

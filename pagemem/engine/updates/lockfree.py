@@ -75,7 +75,7 @@ from pagemem.engine.updates.backward_undo import HOLDS, BackwardUndo
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import FRESH, GradLedger, GradState
 from pagemem.engine.updates.state_pieces import with_grad
-from pagemem.errors import InvalidRequest, StepFailed, TierIOError, warn
+from pagemem.errors import OutOfMemory, InvalidRequest, StepFailed, TierIOError, warn
 from pagemem.store import PageStore
 
 SHARED_SUMS = ("zero_grad: with lock_free the gradients of this iteration share sums with those already handed "
@@ -297,10 +297,10 @@ class LockFreeUpdater:
                         self._cond.wait()
                     if self._stop:
                         return
-                fetch = self._fetch(order[0])
-                writebacks = []
+                writebacks: list = []
+                fetch = self._fetch(order[0], writebacks)
                 for n, u in enumerate(order):
-                    fetched, fetch = fetch, (self._fetch(order[n + 1]) if n + 1 < len(order) else None)
+                    fetched, fetch = fetch, (self._fetch(order[n + 1], writebacks) if n + 1 < len(order) else None)
                     writebacks.append(self._update(u, fetched))
                 for u, handle in zip(order, writebacks):  # a failed write-back raises here (the states stay
                     if handle is not None:                 # valid on the cpu)
@@ -317,11 +317,32 @@ class LockFreeUpdater:
         would apply them before their ``step()``, counted as no iteration). Under the lock."""
         return [u.index for u in reversed(self._units) if u.untaken and not self._fresh(u.index)]
 
-    def _fetch(self, u: int) -> Any:
-        """Start reading unit ``u``'s states from nvme into cpu memory (None where they are there)."""
+    def _fetch(self, u: int, writebacks: list) -> Any:
+        """Start reading unit ``u``'s states from nvme into cpu memory (None where they are not
+        on nvme). No cpu room: the pass's write-backs are waited for (their cpu pages go), then
+        the states fetched for units that were not updated go back (their nvme copy is still
+        good): the cpu holds two units' states, as the budget check counted ([Note: homes on
+        nvme])."""
         if self.bank.layers[u].state_tier != "nvme":
             return None
-        return self.store.move(self.bank.layers[u].states(), "cpu")
+        states = self.bank.layers[u].states()
+        try:
+            return self.store.move(states, "cpu")
+        except OutOfMemory:
+            pass
+        for handle in writebacks:
+            if handle is not None:
+                with _saying("writing optimizer states back to nvme"):
+                    handle.wait()
+        try:
+            return self.store.move(states, "cpu")
+        except OutOfMemory:
+            for layer in self.bank.layers:
+                kept = layer.states()
+                if layer.index != u and layer.state_tier == "nvme" and kept and self.store.tier_of(kept[0]) == "cpu" \
+                        and "nvme" in self.store.tiers_of(kept[0]):
+                    self.store.move(kept, "nvme").wait()  # the nvme copy is current: nothing is written
+        return self.store.move(states, "cpu")
 
     def _update(self, u: int, fetched: Any) -> Any:
         """Unit ``u``'s update; returns its write-back to nvme (None where its states stay)."""
@@ -347,7 +368,7 @@ class LockFreeUpdater:
         values: dict[int, torch.Tensor] = {}
         drift: dict[int, torch.Tensor] | None = {} if self.predict else None
         with self._locks[u]:
-            chunks, leases = self._chunks(taken)
+            chunks, leases = self._chunks(taken, False)  # the sums were taken (they may live on nvme)
             try:
                 for i, pieces in chunks:
                     g = grads[i] if k == 1 else grads[i] / k

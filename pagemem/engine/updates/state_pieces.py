@@ -48,35 +48,43 @@ def norm_of_pieces(pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(pieces[0] if len(pieces) == 1 else torch.cat(pieces), 2.0)
 
 
-def lend(bank: "ParamBank", store: "PageStore", params: list[int]) -> tuple[list[tuple[int, list[StatePiece]]], list]:
+def lend(bank: "ParamBank", store: "PageStore", params: list[int],
+         grads: bool = True) -> tuple[list[tuple[int, list[StatePiece]]], list]:
     """Flat fp32 master weights, gradient and moments of each parameter, as pieces that are
     views of page memory: the bank's lasting views where it has them, else split leases
-    (returned: release them when done), never a merged copy."""
+    (returned: release them when done), never a merged copy. ``grads=False``: the caller gives
+    the gradients (``with_grad``): the gradient pages are not lent (they may be on nvme), and
+    each piece's ``grad`` is its master view until replaced."""
+    kinds = KINDS if grads else tuple(k for k in KINDS if k != "grad")
     bank.grads_landed(params)
-    views = {i: [bank.lasting_view(kind, i) for kind in KINDS] for i in params}
+    views = {i: [bank.lasting_view(kind, i) for kind in kinds] for i in params}
     pieces = {i: [[(0, v)] for v in vs] for i, vs in views.items() if all(v is not None for v in vs)}
     leased = [i for i in params if i not in pieces]
-    leases = _leases_of(bank, store, [bank.where(i) for i in leased]) if leased else []
+    leases = _leases_of(bank, store, [bank.where(i) for i in leased], kinds) if leased else []
+    n_kinds = len(kinds)
     for n, i in enumerate(leased):
-        pieces[i] = [x.pieces for x in leases[4 * n:4 * n + 4]]
+        pieces[i] = [x.pieces for x in leases[n_kinds * n:n_kinds * n + n_kinds]]
+    if not grads:  # the master's pieces stand in for the gradient's (the same cuts)
+        pieces = {i: [p[0], p[0], p[1], p[2]] for i, p in pieces.items()}
     return [(i, aligned(*pieces[i])) for i in params], leases
 
-def _leases_of(bank: "ParamBank", store: "PageStore", where: list) -> list:
+def _leases_of(bank: "ParamBank", store: "PageStore", where: list, kinds: tuple[str, ...] = KINDS) -> list:
     """The four leases (master, grad, exp_avg, exp_avg_sq) of each (layer, k), in order, taken
     with one store call per tier (``ParamBank.lend_tier_of``: the gpu for states kept there,
     else the cpu, where states and gradient sums on nvme were brought)."""
     by_tier: dict[str, list[int]] = {}
     for n, (layer, _k) in enumerate(where):
         by_tier.setdefault(bank.lend_tier_of(layer.index), []).append(n)
-    out: list = [None] * (4 * len(where))
+    k = len(kinds)
+    out: list = [None] * (k * len(where))
     taken: list = []
     try:
         for tier, ns in by_tier.items():
-            tensors = [getattr(where[n][0], kind)[where[n][1]] for n in ns for kind in KINDS]
+            tensors = [getattr(where[n][0], kind)[where[n][1]] for n in ns for kind in kinds]
             leases = store.lease_many(tensors, tier, split=True)
             taken += leases
             for j, n in enumerate(ns):
-                out[4 * n:4 * n + 4] = leases[4 * j:4 * j + 4]
+                out[k * n:k * n + k] = leases[k * j:k * j + k]
     except BaseException:
         for lease in taken:
             lease.release()

@@ -180,9 +180,10 @@ class Updater(UpdatesInBackward):
         if not self.ledger.count(_ACCUMULATING, _SUMMED):
             self.ledger.move_all(_APPLIED, _NONE)
 
-    def chunks(self, params: list[int]) -> tuple[list[tuple[int, list[StatePiece]]], list]:
-        """``params``' states as pieces of page memory, and the leases to release after."""
-        return self._chunks(params)
+    def chunks(self, params: list[int], grads: bool = True) -> tuple[list[tuple[int, list[StatePiece]]], list]:
+        """``params``' states as pieces of page memory, and the leases to release after
+        (``grads=False``: the caller gives the gradients, see ``state_pieces.lend``)."""
+        return lend(self.bank, self.store, params, grads)
 
     # what p.grad handles and clipping do to the sums ([Note: gradient handles]): GradSums does it
     def take_sum(self, i: int) -> torch.Tensor:
