@@ -186,14 +186,21 @@ def test_deps_follow_the_tasks():
 
 # ---------------------------------------------------------------- the plan format
 
-def test_plan_format_2_round_trip_and_version_1(tmp_path):
+def test_plan_format_3_round_trip_and_versions_2_and_1(tmp_path):
     p = tight(world_size=2, optimizer_tier="nvme")
     path = tmp_path / "plan.json"
     p.save(path)
     data = json.loads(path.read_text())
-    assert data["version"] == 2 and len(data["tasks"][0]) == 10
+    assert data["version"] == 3 and data["home_tier"] == "cpu" and len(data["tasks"][0]) == 10
     q = Plan.load(path)
-    assert q.tasks == p.tasks and q.deps == p.deps
+    assert q.tasks == p.tasks and q.deps == p.deps and q.home_tier == "cpu"
+    # version 2: the same rows, no home_tier: parameters homed on the cpu
+    v2 = {k: v for k, v in data.items() if k != "home_tier"}
+    v2["version"] = 2
+    q2 = Plan.from_dict(v2)
+    assert q2.tasks == p.tasks and q2.deps == p.deps and q2.home_tier == "cpu" and validate(q2, SMALL).ok
+    with pytest.raises(ConfigError, match="home_tier.*'disk'"):
+        Plan.from_dict(dict(data, home_tier="disk"))
     assert [t.end_id for t in q.tasks] == [t.end_id for t in p.tasks]
     assert [t.produces_grads for t in q.tasks] == [t.produces_grads for t in p.tasks]
     # version 1: the same rows without window ends, gradient flags and dependencies
@@ -212,8 +219,8 @@ def test_plan_format_2_round_trip_and_version_1(tmp_path):
     row[8] = []
     with pytest.raises(ConfigError, match="waits for"):
         Plan.from_dict(bad)
-    with pytest.raises(ConfigError, match="version 3"):
-        Plan.from_dict(dict(data, version=3))
+    with pytest.raises(ConfigError, match="version 4"):
+        Plan.from_dict(dict(data, version=4))
 
 
 # ---------------------------------------------------------------- the validator, tier by tier

@@ -16,9 +16,12 @@ Per rank, in logical time (the trace's ops, plus op ``n`` for the end of the ite
    no earlier than their page's move, that causes no OOM.
 4. **Caching.** While the GPU peak leaves room, layers (earliest first, after AutoHete) keep their
    parameter shard, gradients and optimizer states on the GPU and are updated there.
-5. **Gradients and updates.** After a layer's last gradient access: ``reduce_scatter``, the
-   ``offload`` of its gradient shard to CPU, the ``update``; with optimizer states on NVMe they
-   are fetched to CPU as early as the CPU budget allows and written back after the update.
+5. **Gradients, updates and the host tiers** (``host_plan``). After a layer's last gradient
+   access: ``reduce_scatter``, the ``offload`` of its gradient shard to CPU (``home_tier="nvme"``:
+   to NVMe, fetched back to CPU for the update), the ``update``; with optimizer states on NVMe
+   they are fetched to CPU as early as the CPU budget allows and written back after the update.
+   With parameters homed on NVMe, each window's pages are staged on the CPU as early as its
+   budget allows, before they move to the GPU.
 
 Every "how much room is there" question is a query on a ``SegmentTimeline`` (O(log n)). How many
 pages each kind of task takes, and whether it is issued at its trigger op's start or end, come
@@ -37,8 +40,9 @@ from typing import Mapping
 from pagemem.checks import check_choice, check_int
 from pagemem.errors import ConfigError
 from pagemem.sched.errors import InfeasiblePlan
+from pagemem.sched.host_plan import HostPlan, Moves, plan_host
 from pagemem.sched.layout import Layout
-from pagemem.sched.plan import Budgets, Plan
+from pagemem.sched.plan import HOME_TIERS, Budgets, Plan
 from pagemem.sched.holdings import Setting, pages_taken
 from pagemem.sched.tasks import EFFECTS, Target, Task
 from pagemem.sched.timeline import TIMELINES
@@ -60,21 +64,24 @@ class _Run:
 def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size: int = 1,
          optimizer_tier: str = "cpu", page_bytes: int | str = "4MiB", *, cache_optimizer: bool = True,
          timeline: str = "segment", cached_state_pages: Mapping[int, int] | None = None,
-         layout: Layout | None = None) -> Plan:
+         layout: Layout | None = None, home_tier: str = "cpu") -> Plan:
     """Plan one training iteration of ``trace`` on each of ``world_size`` ranks.
 
     ``budgets`` are per rank (``{"gpu": "8GiB", "cpu": "64GiB", "nvme": "1TiB"}``);
     ``optimizer_tier`` is where optimizer states live (``"cpu"`` or ``"nvme"``), except for layers
-    the planner caches on the gpu when ``cache_optimizer`` and the budget allow.
+    the planner caches on the gpu when ``cache_optimizer`` and the budget allow; ``home_tier`` is
+    where the other layers' parameters (compute copies) and gradients rest (``"cpu"``, or
+    ``"nvme"``: staged through the cpu, whose budget is then a working set).
     ``cached_state_pages``: per layer, the gpu pages its optimizer states take where the executor
     keeps a cached layer's states (default: the layout's ``pages_when_cached``; an engine that
     keeps gradient sums beside them, or each kind on fresh pages, says more). ``layout``: the
     pages of every layer as the caller lays them out (default ``Layout.from_trace``): one per
     trace layer, in order, with this ``page_bytes`` and ``world_size``. Raises
-    ``InfeasiblePlan`` (with ``min_gpu_bytes``) when no plan fits, ``ConfigError`` for bad input.
+    ``InfeasiblePlan`` (with ``min_gpu_bytes``; its ``tier`` and ``min_bytes`` name the budget
+    that is too small and what it needs) when no plan fits, ``ConfigError`` for bad input.
     """
     t0 = time.perf_counter()
-    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout)
+    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout, home_tier)
     for layer, pages in (cached_state_pages or {}).items():
         check_int(f"cached_state_pages[{layer!r}]", pages, 0)
     result = planner.run(cache_optimizer, cached_state_pages or {})
@@ -90,13 +97,31 @@ def least_gpu_bytes(trace: Trace, world_size: int = 1, page_bytes: int | str = "
     return planner.min_gpu
 
 
-def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout=None) -> "_Planner":
+def least_cpu_bytes(trace: Trace, world_size: int = 1, optimizer_tier: str = "cpu", page_bytes: int | str = "4MiB",
+                    *, home_tier: str = "cpu", gpu_bytes: int | str | None = None, cache_optimizer: bool = True,
+                    cached_state_pages: Mapping[int, int] | None = None, layout: Layout | None = None) -> int:
+    """The smallest per-rank cpu budget with which ``plan`` (same arguments) finds a plan for
+    ``trace`` with a gpu budget of ``gpu_bytes`` (default ``least_gpu_bytes``, the tightest):
+    what ``InfeasiblePlan.min_bytes`` reports for the cpu, without placing any task. With
+    ``home_tier="nvme"`` it is the working set: what the stagings, gradients and optimizer states
+    need at once. (It depends on the gpu budget: a roomier gpu caches layers and moves pages
+    earlier.)"""
+    gpu = least_gpu_bytes(trace, world_size, page_bytes) if gpu_bytes is None else gpu_bytes
+    big = 1 << 62
+    planner = _checked(trace, {"gpu": gpu, "cpu": big, "nvme": big}, world_size, optimizer_tier, page_bytes,
+                       "segment", layout, home_tier)
+    return planner.host_step(cache_optimizer, cached_state_pages or {})[1].cpu_need
+
+
+def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout=None,
+             home_tier="cpu") -> "_Planner":
     """A planner for validated arguments; ConfigError naming the first bad one."""
     if not isinstance(trace, Trace):
         raise ConfigError(f"trace: expected a pagemem.tracer.Trace, got {type(trace).__name__}")
     b = Budgets.parse(budgets)
     check_int("world_size", world_size, 1, 65536)
     check_choice("optimizer_tier", optimizer_tier, ("cpu", "nvme"))
+    check_choice("home_tier", home_tier, HOME_TIERS)
     pb = parse_size(page_bytes, "page_bytes")
     if pb <= 0 or pb % 4096:
         raise ConfigError(f"page_bytes: must be a positive multiple of 4096 bytes, got {pb}")
@@ -110,21 +135,22 @@ def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, l
                               f"planning for {pb} and {world_size}")
         if [l.index for l in layout.layers] != [l.index for l in trace.layers]:
             raise ConfigError("layout: must have one layer per trace layer, in order")
-    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline], layout)
+    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline], layout, home_tier)
 
 
 class _Planner:
     def __init__(self, trace: Trace, budgets: Budgets, world_size: int, optimizer_tier: str,
-                 page_bytes: int, timeline_cls, layout: Layout | None = None) -> None:
+                 page_bytes: int, timeline_cls, layout: Layout | None = None, home_tier: str = "cpu") -> None:
         self.trace = trace
         self.b = budgets
         self.W = world_size
         self.opt_tier = optimizer_tier
+        self.home_tier = home_tier
         self.pb = page_bytes
         self.Timeline = timeline_cls
         self.layout = layout if layout is not None else Layout.from_trace(trace, world_size, page_bytes)
         self.usage = Usage.from_trace(trace)
-        self.setting = Setting(self.layout, frozenset(), optimizer_tier)
+        self.setting = Setting(self.layout, frozenset(), optimizer_tier, home_tier)
         self.n = len(trace.ops)
         self.wins: list[Window] = self.usage.all_windows()
         # lower bound of each window's move trigger: just after the layer's previous window
@@ -143,16 +169,27 @@ class _Planner:
     # ------------------------------------------------------------------ driver
 
     def run(self, cache_optimizer: bool, cached_state_pages: Mapping[int, int] | None = None) -> Plan:
+        gathers, host = self.host_step(cache_optimizer, cached_state_pages or {})
+        tasks = self._emit(gathers, self.cached, host)
+        peaks = {"gpu": self.gpu.max(0, self.n + 1), "cpu": host.cpu_peak, "nvme": host.nvme_need}
+        return Plan(tasks, self.layout, self.b, self.W, self.opt_tier, self.n, tuple(sorted(self.cached)),
+                    self.min_gpu, peaks, self.trace.fingerprint,
+                    tuple(op.non_model_bytes for op in self.trace.ops),
+                    meta={"windows": len(self.wins), "timeline": self.Timeline.__name__}, home_tier=self.home_tier)
+
+    def host_step(self, cache_optimizer: bool, cached_state_pages: Mapping[int, int]) -> tuple[dict, HostPlan]:
+        """Steps 1 to 5: the all-gathers' triggers and what the host tiers step decided."""
         self._mandatory_gpu()
         self._phase1()
         gathers = self._phase2() if self.W > 1 else {}
-        cached = self._cache(cached_state_pages or {}) if cache_optimizer else []
-        staging = self._cpu(set(cached))
-        tasks = self._emit(gathers, set(cached), staging)
-        peaks = {"gpu": self.gpu.max(0, self.n + 1), "cpu": self.cpu_peak, "nvme": self.nvme_used}
-        return Plan(tasks, self.layout, self.b, self.W, self.opt_tier, self.n, tuple(sorted(cached)),
-                    self.min_gpu, peaks, self.trace.fingerprint,
-                    tuple(op.non_model_bytes for op in self.trace.ops), meta={"windows": len(self.wins), "timeline": self.Timeline.__name__})
+        self.cached = set(self._cache(cached_state_pages) if cache_optimizer else [])
+        by_window: dict[int, list[tuple[int, int, int]]] = {}
+        for run in self.runs:
+            by_window.setdefault(run.w, []).append((run.lo, run.hi, run.m))
+        moves = [Moves(w, self.wins[w].layer, tuple(by_window[w])) for w in sorted(by_window)]
+        host = plan_host(Setting(self.layout, frozenset(self.cached), self.opt_tier, self.home_tier), self.b,
+                         self.n, self.Timeline, self.cached, self.r, moves, self.min_gpu)
+        return gathers, host
 
     # ------------------------------------------------------------------ step 1: what must be there
 
@@ -325,45 +362,9 @@ class _Planner:
                 break
         return cached
 
-    # ------------------------------------------------------------------ step 5: cpu and nvme
-
-    def _cpu(self, cached: set[int]) -> dict[int, int]:
-        """Check the cpu (and nvme) budgets; schedule optimizer-state fetches from nvme as early
-        as the cpu budget allows. Returns {layer: fetch trigger}."""
-        n, pb = self.n, self.pb
-        host = [l for l in self.layout.layers if l.index not in cached]
-        base = sum(l.param_pages for l in host) * pb
-        if self.opt_tier == "cpu":
-            base += sum(l.optim_pages for l in host) * pb
-        tl = self.Timeline([base] * (n + 1))
-        order = sorted((self.r[l.index], l.index) for l in host if l.index in self.r)
-        for r, layer in order:
-            lay = self.layout.layers[layer]
-            tl.add(r, r + 1, lay.param_pages * self.taken("offload", "grad", layer, "cpu") * pb)  # the gradient shard
-            if self.opt_tier == "nvme":  # fetched no later than the update
-                tl.add(r, r + 1, self.taken("move_to_cpu", "optim", layer, "cpu") * pb)
-        need = tl.max(0, n + 1)
-        if need > self.b.cpu:
-            at = tl.last_above(0, n + 1, need - 1)
-            raise InfeasiblePlan("cpu", need, self.b.cpu, self.min_gpu, at,
-                                 "parameter shards, offloaded gradients and optimizer states")
-        self.nvme_used = sum(l.optim_pages for l in host) * pb if self.opt_tier == "nvme" else 0
-        if self.nvme_used > self.b.nvme:
-            raise InfeasiblePlan("nvme", self.nvme_used, self.b.nvme, self.min_gpu, 0, "optimizer states")
-        fetch = {}
-        if self.opt_tier == "nvme":
-            for r, layer in order:  # fetch as early as the cpu budget allows, in update order
-                size = self.taken("move_to_cpu", "optim", layer, "cpu") * pb
-                idx = tl.last_above(0, r, self.b.cpu - size)
-                f = idx + 1 if idx >= 0 else 0
-                tl.add(f, r, size)
-                fetch[layer] = f
-        self.cpu_peak = tl.max(0, n + 1)
-        return fetch
-
     # ------------------------------------------------------------------ the queue
 
-    def _emit(self, gathers, cached: set[int], fetch: dict[int, int]) -> list[Task]:
+    def _emit(self, gathers, cached: set[int], host: HostPlan) -> list[Task]:
         n, W = self.n, self.W
         starts: list[list[Task]] = [[] for _ in range(n + 1)]
         ends: list[list[Task]] = [[] for _ in range(n + 1)]
@@ -379,6 +380,14 @@ class _Planner:
             runs_of.setdefault(run.w, []).append(run)
         grad_window = {(g.layer, self.usage.windows[g.layer][g.window].start)
                        for g in self.usage.grads if g is not None}
+        # nvme homes: each window's pages staged on the cpu first (queued before the moves that
+        # read them, also at one op), the staged copy given back after the window's last move
+        for wi, runs in host.stage.items():
+            L = self.wins[wi].layer
+            for lo, hi, f in runs:
+                for j in range(lo, hi):
+                    put(Task("move_to_cpu", Target("param", L, j), f, "cpu"))
+            put(Task("release", Target("param", L), host.unstage[wi], "cpu"))
         for wi, w in enumerate(self.wins):
             L = w.layer
             is_cached = L in cached
@@ -407,13 +416,18 @@ class _Planner:
                 put(Task("update", Target("layer", L), r, "gpu"))
                 put(Task("release", Target("grad", L), r, "gpu"))
                 continue
+            through = self.home_tier == "nvme"  # gradients go to nvme, come back for the update
             for j in range(pages):
-                put(Task("offload", Target("grad", L, j), r, "cpu"))
+                put(Task("offload", Target("grad", L, j), r, "nvme" if through else "cpu"))
             put(Task("release", Target("grad", L), r, "gpu"))
+            if through:
+                put(Task("move_to_cpu", Target("grad", L), r, "cpu"))
             if self.opt_tier == "nvme":
-                put(Task("move_to_cpu", Target("optim", L), fetch[L], "cpu"))
+                put(Task("move_to_cpu", Target("optim", L), host.fetch[L], "cpu"))
             put(Task("update", Target("layer", L), r, "cpu"))
             put(Task("release", Target("grad", L), r, "cpu"))
+            if through:
+                put(Task("release", Target("grad", L), r, "nvme"))
             if self.opt_tier == "nvme":
                 put(Task("offload", Target("optim", L), r, "nvme"))
                 put(Task("release", Target("optim", L), r, "cpu"))
