@@ -34,31 +34,20 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
 from typing import Mapping
 
 from pagemem.checks import check_choice, check_int
 from pagemem.errors import ConfigError
 from pagemem.sched.errors import InfeasiblePlan
+from pagemem.sched.emit import Decisions, Run, emit
 from pagemem.sched.host_plan import HostPlan, Moves, plan_host
 from pagemem.sched.layout import Layout
 from pagemem.sched.plan import HOME_TIERS, Budgets, Plan
 from pagemem.sched.holdings import Setting, pages_taken
-from pagemem.sched.tasks import EFFECTS, Target, Task
 from pagemem.sched.timeline import TIMELINES
 from pagemem.sched.windows import Usage, Window
 from pagemem.tracer import Trace
 from pagemem.units import parse_size
-
-
-@dataclass
-class _Run:
-    """Pages ``[lo, hi)`` of window ``w`` moved to the gpu at trigger ``m``."""
-
-    w: int
-    lo: int
-    hi: int
-    m: int
 
 
 def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size: int = 1,
@@ -170,7 +159,8 @@ class _Planner:
 
     def run(self, cache_optimizer: bool, cached_state_pages: Mapping[int, int] | None = None) -> Plan:
         gathers, host = self.host_step(cache_optimizer, cached_state_pages or {})
-        tasks = self._emit(gathers, self.cached, host)
+        tasks = emit(Decisions(self.n, self.layout, self.usage, self.wins, self.runs, gathers, self.cached,
+                               self.r, host, self.opt_tier, self.home_tier))
         peaks = {"gpu": self.gpu.max(0, self.n + 1), "cpu": host.cpu_peak, "nvme": host.nvme_need}
         return Plan(tasks, self.layout, self.b, self.W, self.opt_tier, self.n, tuple(sorted(self.cached)),
                     self.min_gpu, peaks, self.trace.fingerprint,
@@ -219,7 +209,7 @@ class _Planner:
 
     # ------------------------------------------------------------------ step 2: phase 1
 
-    def _prefetch_add(self, run: _Run, sign: int) -> None:
+    def _prefetch_add(self, run: Run, sign: int) -> None:
         start = self.wins[run.w].start
         if run.m < start:
             self.gpu.add(run.m, start, sign * (run.hi - run.lo) * self.move_bytes)
@@ -229,9 +219,9 @@ class _Planner:
         self.move_bytes = self.taken("move_to_gpu", "param", 0) * self.pb if self.layout.layers else self.pb
         wins, lower, pb, budget, tl = self.wins, self.lower, self.move_bytes, self.b.gpu, self.gpu
         pages = [self.layout.layers[w.layer].param_pages for w in wins]
-        runs: list[_Run] = []
+        runs: list[Run] = []
         for i, w in enumerate(wins):
-            run = _Run(i, 0, pages[i], min(lower[i], w.start))
+            run = Run(i, 0, pages[i], min(lower[i], w.start))
             self._prefetch_add(run, +1)
             runs.append(run)
         keys = [r.w for r in runs]  # runs stay sorted by window index
@@ -255,7 +245,7 @@ class _Planner:
                     raise AssertionError("phase 1 found nothing to roll back though the mandatory memory fits")
                 run = runs[k]
                 take = min(run.hi - run.lo, -(-over // pb))
-                self._prefetch_add(_Run(run.w, run.hi - take, run.hi, run.m), -1)
+                self._prefetch_add(Run(run.w, run.hi - take, run.hi, run.m), -1)
                 wait.append([run.w, run.hi - take, run.hi])
                 run.hi -= take
                 if run.hi == run.lo:
@@ -269,13 +259,13 @@ class _Planner:
                 start = wins[wi].start
                 if t >= start:  # no time left to prefetch: it moves when its window starts
                     wait.pop()
-                    self._insert(runs, keys, _Run(wi, plo, phi, start))
+                    self._insert(runs, keys, Run(wi, plo, phi, start))
                     continue
                 room = budget - tl.max(t, start)
                 k = min(phi - plo, room // pb) if room > 0 else 0
                 if k == 0:
                     break
-                run = _Run(wi, plo, plo + k, t)
+                run = Run(wi, plo, plo + k, t)
                 self._prefetch_add(run, +1)
                 self._insert(runs, keys, run)
                 if plo + k == phi:
@@ -283,11 +273,11 @@ class _Planner:
                 else:
                     wait[-1][1] = plo + k
         for wi, plo, phi in wait:  # still waiting at the end: moved when their window starts
-            self._insert(runs, keys, _Run(wi, plo, phi, wins[wi].start))
+            self._insert(runs, keys, Run(wi, plo, phi, wins[wi].start))
         self.runs = runs
 
     @staticmethod
-    def _insert(runs: list[_Run], keys: list[int], run: _Run) -> None:
+    def _insert(runs: list[Run], keys: list[int], run: Run) -> None:
         i = bisect.bisect_right(keys, run.w)
         runs.insert(i, run)
         keys.insert(i, run.w)
@@ -336,7 +326,7 @@ class _Planner:
         (a layer's optimizer states counted at ``state_pages``, default its ``optim_pages``)."""
         tl, pb, n = self.gpu, self.pb, self.n
         cached = []
-        by_layer: dict[int, list[_Run]] = {}
+        by_layer: dict[int, list[Run]] = {}
         for run in self.runs:
             by_layer.setdefault(self.wins[run.w].layer, []).append(run)
         for lay in self.layout.layers:
@@ -361,78 +351,3 @@ class _Planner:
                     tl.add(lo, hi, -v)
                 break
         return cached
-
-    # ------------------------------------------------------------------ the queue
-
-    def _emit(self, gathers, cached: set[int], host: HostPlan) -> list[Task]:
-        n, W = self.n, self.W
-        starts: list[list[Task]] = [[] for _ in range(n + 1)]
-        ends: list[list[Task]] = [[] for _ in range(n + 1)]
-
-        at_end = {key: e.issued == "end" for key, e in EFFECTS.items()}
-
-        def put(task: Task) -> None:  # the table says when in its trigger op a task is issued
-            (ends if at_end[task.operation, task.target.kind] else starts)[task.trigger_id].append(task)
-
-        layers = self.layout.layers
-        runs_of: dict[int, list[_Run]] = {}
-        for run in self.runs:
-            runs_of.setdefault(run.w, []).append(run)
-        grad_window = {(g.layer, self.usage.windows[g.layer][g.window].start)
-                       for g in self.usage.grads if g is not None}
-        # nvme homes: each window's pages staged on the cpu first (queued before the moves that
-        # read them, also at one op), the staged copy given back after the window's last move
-        for wi, runs in host.stage.items():
-            L = self.wins[wi].layer
-            for lo, hi, f in runs:
-                for j in range(lo, hi):
-                    put(Task("move_to_cpu", Target("param", L, j), f, "cpu"))
-            put(Task("release", Target("param", L), host.unstage[wi], "cpu"))
-        for wi, w in enumerate(self.wins):
-            L = w.layer
-            is_cached = L in cached
-            for run in runs_of.get(wi, []):
-                if not is_cached:
-                    for j in range(run.lo, run.hi):
-                        put(Task("move_to_gpu", Target("param", L, j), run.m, "gpu"))
-                if W > 1:
-                    for glo, ghi, g in gathers[(wi, run.lo)]:
-                        for j in range(glo, ghi):
-                            put(Task("all_gather", Target("param", L, j), g))
-            put(Task("compute", Target("layer", L), w.start, "gpu", end_id=w.end,
-                     produces_grads=(L, w.start) in grad_window))
-            if not is_cached or W > 1:
-                put(Task("release", Target("param", L), w.end, "gpu"))
-        for g in self.usage.grads:
-            if g is None:
-                continue
-            L, r = g.layer, self.r[g.layer]
-            pages = layers[L].param_pages
-            if W > 1:
-                for j in range(pages):
-                    put(Task("reduce_scatter", Target("grad", L, j), r))
-                put(Task("release", Target("fullgrad", L), r, "gpu"))
-            if L in cached:
-                put(Task("update", Target("layer", L), r, "gpu"))
-                put(Task("release", Target("grad", L), r, "gpu"))
-                continue
-            through = self.home_tier == "nvme"  # gradients go to nvme, come back for the update
-            for j in range(pages):
-                put(Task("offload", Target("grad", L, j), r, "nvme" if through else "cpu"))
-            put(Task("release", Target("grad", L), r, "gpu"))
-            if through:
-                put(Task("move_to_cpu", Target("grad", L), r, "cpu"))
-            if self.opt_tier == "nvme":
-                put(Task("move_to_cpu", Target("optim", L), host.fetch[L], "cpu"))
-            put(Task("update", Target("layer", L), r, "cpu"))
-            put(Task("release", Target("grad", L), r, "cpu"))
-            if through:
-                put(Task("release", Target("grad", L), r, "nvme"))
-            if self.opt_tier == "nvme":
-                put(Task("offload", Target("optim", L), r, "nvme"))
-                put(Task("release", Target("optim", L), r, "cpu"))
-        tasks: list[Task] = []
-        for t in range(n + 1):
-            tasks.extend(starts[t])
-            tasks.extend(ends[t])
-        return tasks
