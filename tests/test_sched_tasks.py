@@ -39,12 +39,16 @@ def kinds(report):
 
 def test_the_table_has_a_row_for_every_task_a_plan_holds_and_its_docs_list_every_row():
     assert {op for op, _ in EFFECTS} == set(OPERATIONS)
+    seen = set()
     for kw in (dict(world_size=1, optimizer_tier="nvme"), dict(world_size=4, optimizer_tier="nvme"),
-               dict(world_size=2, optimizer_tier="cpu", slack=1 << 24, cache=True)):
+               dict(world_size=2, optimizer_tier="cpu", slack=1 << 24, cache=True),
+               dict(world_size=2, optimizer_tier="nvme", home_tier="nvme")):
         p = tight(**kw)
         for t in p.tasks:
             fx = effects(t, p.setting)
             assert fx is not None and fx.tier_ok, t
+            seen.add((t.operation, t.target.kind))
+    assert seen == set(EFFECTS)
     doc = tasks_mod.__doc__
     for op, kind in EFFECTS:
         assert re.search(rf"^{op}\s+{kind}", doc, re.M), (op, kind)
@@ -157,7 +161,8 @@ def plans(draw):
                                vocab=draw(st.sampled_from([32, 100])), tie_embeddings=draw(st.booleans()),
                                checkpoint_activations=draw(st.booleans()),
                                optimizer_model=draw(st.sampled_from(["adam", "none"])))
-    kw = dict(world_size=draw(st.sampled_from([1, 2, 4])), optimizer_tier=draw(st.sampled_from(["cpu", "nvme"])))
+    kw = dict(world_size=draw(st.sampled_from([1, 2, 4])), optimizer_tier=draw(st.sampled_from(["cpu", "nvme"])),
+              home_tier=draw(st.sampled_from(["cpu", "nvme"])))
     return tight(tr, slack=draw(st.sampled_from([0, 8 * PAGE, 1 << 24])), cache=draw(st.booleans()), **kw)
 
 
