@@ -26,6 +26,21 @@ def test_plan_command_writes_a_valid_plan_and_a_plot(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_plan_and_simulate_commands_home_parameters_on_nvme(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", *SMALL, "--gpu_bytes", "512KiB", "--home_tier", "nvme", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "parameters and gradients on nvme" in text
+    p = Plan.load(out)
+    assert p.home_tier == "nvme" and p.counts()["move_to_cpu"] > 0
+    assert main(["simulate", *SMALL, "--gpu_bytes", "512KiB", "--home_tier", "nvme", "--profile", "dev-vm"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["plan", *SMALL, "--home_tier", "disk"])
+    assert "--home_tier" in capsys.readouterr().err
+
+
 def test_plan_command_reports_infeasible_with_the_minimum(capsys):
     rc = main(["plan", *SMALL, "--gpu_bytes", "1KiB"])
     text = capsys.readouterr().err

@@ -45,12 +45,13 @@ settings_ = settings(max_examples=60, deadline=None, suppress_health_check=[Heal
 
 @settings_
 @given(tr=small_traces(), world=st.sampled_from([1, 2, 4, 8]), tier=st.sampled_from(["cpu", "nvme"]),
-       cache=st.booleans(), page=st.sampled_from([PAGE, 2 * PAGE]), slack=st.integers(0, 400_000))
-def test_a_plan_validates_or_the_planner_says_what_would_fit(tr, world, tier, cache, page, slack):
+       cache=st.booleans(), page=st.sampled_from([PAGE, 2 * PAGE]), slack=st.integers(0, 400_000),
+       home=st.sampled_from(["cpu", "nvme"]))
+def test_a_plan_validates_or_the_planner_says_what_would_fit(tr, world, tier, cache, page, slack, home):
     kw = dict(world_size=world, optimizer_tier=tier, page_bytes=page)
     need = min_gpu(tr, **kw)
     budget = need + slack
-    p = plan(tr, {"gpu": budget, **ROOMY}, cache_optimizer=cache, **kw)
+    p = plan(tr, {"gpu": budget, **ROOMY}, cache_optimizer=cache, home_tier=home, **kw)
     report = validate(p, tr)
     assert report.ok, report.summary()
     assert report.peak["gpu"] <= budget

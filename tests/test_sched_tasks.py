@@ -39,12 +39,16 @@ def kinds(report):
 
 def test_the_table_has_a_row_for_every_task_a_plan_holds_and_its_docs_list_every_row():
     assert {op for op, _ in EFFECTS} == set(OPERATIONS)
+    seen = set()
     for kw in (dict(world_size=1, optimizer_tier="nvme"), dict(world_size=4, optimizer_tier="nvme"),
-               dict(world_size=2, optimizer_tier="cpu", slack=1 << 24, cache=True)):
+               dict(world_size=2, optimizer_tier="cpu", slack=1 << 24, cache=True),
+               dict(world_size=2, optimizer_tier="nvme", home_tier="nvme")):
         p = tight(**kw)
         for t in p.tasks:
             fx = effects(t, p.setting)
             assert fx is not None and fx.tier_ok, t
+            seen.add((t.operation, t.target.kind))
+    assert seen == set(EFFECTS)
     doc = tasks_mod.__doc__
     for op, kind in EFFECTS:
         assert re.search(rf"^{op}\s+{kind}", doc, re.M), (op, kind)
@@ -157,7 +161,8 @@ def plans(draw):
                                vocab=draw(st.sampled_from([32, 100])), tie_embeddings=draw(st.booleans()),
                                checkpoint_activations=draw(st.booleans()),
                                optimizer_model=draw(st.sampled_from(["adam", "none"])))
-    kw = dict(world_size=draw(st.sampled_from([1, 2, 4])), optimizer_tier=draw(st.sampled_from(["cpu", "nvme"])))
+    kw = dict(world_size=draw(st.sampled_from([1, 2, 4])), optimizer_tier=draw(st.sampled_from(["cpu", "nvme"])),
+              home_tier=draw(st.sampled_from(["cpu", "nvme"])))
     return tight(tr, slack=draw(st.sampled_from([0, 8 * PAGE, 1 << 24])), cache=draw(st.booleans()), **kw)
 
 
@@ -186,14 +191,21 @@ def test_deps_follow_the_tasks():
 
 # ---------------------------------------------------------------- the plan format
 
-def test_plan_format_2_round_trip_and_version_1(tmp_path):
+def test_plan_format_3_round_trip_and_versions_2_and_1(tmp_path):
     p = tight(world_size=2, optimizer_tier="nvme")
     path = tmp_path / "plan.json"
     p.save(path)
     data = json.loads(path.read_text())
-    assert data["version"] == 2 and len(data["tasks"][0]) == 10
+    assert data["version"] == 3 and data["home_tier"] == "cpu" and len(data["tasks"][0]) == 10
     q = Plan.load(path)
-    assert q.tasks == p.tasks and q.deps == p.deps
+    assert q.tasks == p.tasks and q.deps == p.deps and q.home_tier == "cpu"
+    # version 2: the same rows, no home_tier: parameters homed on the cpu
+    v2 = {k: v for k, v in data.items() if k != "home_tier"}
+    v2["version"] = 2
+    q2 = Plan.from_dict(v2)
+    assert q2.tasks == p.tasks and q2.deps == p.deps and q2.home_tier == "cpu" and validate(q2, SMALL).ok
+    with pytest.raises(ConfigError, match="home_tier.*'disk'"):
+        Plan.from_dict(dict(data, home_tier="disk"))
     assert [t.end_id for t in q.tasks] == [t.end_id for t in p.tasks]
     assert [t.produces_grads for t in q.tasks] == [t.produces_grads for t in p.tasks]
     # version 1: the same rows without window ends, gradient flags and dependencies
@@ -212,8 +224,8 @@ def test_plan_format_2_round_trip_and_version_1(tmp_path):
     row[8] = []
     with pytest.raises(ConfigError, match="waits for"):
         Plan.from_dict(bad)
-    with pytest.raises(ConfigError, match="version 3"):
-        Plan.from_dict(dict(data, version=3))
+    with pytest.raises(ConfigError, match="version 4"):
+        Plan.from_dict(dict(data, version=4))
 
 
 # ---------------------------------------------------------------- the validator, tier by tier

@@ -14,7 +14,7 @@ from pagemem.commands.flags import add_shape_arguments, add_switch, shape_overri
 from pagemem.errors import ConfigError, one_line
 from pagemem.models import gpt_config
 from pagemem.sched.errors import InfeasiblePlan
-from pagemem.sched.plan import Plan
+from pagemem.sched.plan import HOME_TIERS, Plan
 from pagemem.sched.planner import plan
 from pagemem.sched.validate import validate
 from pagemem.tracer import Trace, synthetic_from_config
@@ -38,6 +38,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--cpu_bytes", default="128GiB", help="cpu budget per rank (default 128GiB)")
     where.add_argument("--nvme_bytes", default="1400GiB", help="nvme budget per rank (default 1400GiB)")
     where.add_argument("--optimizer_tier", default="cpu", choices=("cpu", "nvme"))
+    where.add_argument("--home_tier", default="cpu", choices=HOME_TIERS,
+                       help="where parameters and gradients rest (default cpu; nvme: staged through the cpu)")
     where.add_argument("--page_bytes", default="4MiB")
     add_switch(where, "cache_optimizer", True,
                "keep the optimizer states of layers that fit on the gpu (default true; false: never)")
@@ -58,7 +60,8 @@ def load_trace(args: argparse.Namespace, cost=None) -> Trace:
 def make_plan(args: argparse.Namespace, tr: Trace) -> Plan:
     budgets = {tier: parse_size(getattr(args, f"{tier}_bytes"), f"{tier}_bytes") for tier in ("gpu", "cpu", "nvme")}
     return plan(tr, budgets, world_size=args.world_size,
-                optimizer_tier=args.optimizer_tier, page_bytes=args.page_bytes, cache_optimizer=args.cache_optimizer)
+                optimizer_tier=args.optimizer_tier, page_bytes=args.page_bytes, cache_optimizer=args.cache_optimizer,
+                home_tier=args.home_tier)
 
 
 def report_plan(args: argparse.Namespace, tr: Trace, p: Plan) -> int:

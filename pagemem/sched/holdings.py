@@ -44,14 +44,18 @@ class Setting:
     layout: "Layout"
     cached_layers: frozenset[int] = frozenset()
     optimizer_tier: str = "cpu"
+    home_tier: str = "cpu"
+    """Where the compute copies (``param``) of layers not cached on the gpu rest: ``cpu`` or
+    ``nvme`` (then the cpu tier is a working set they are staged through)."""
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
     key_of: list[Key] = field(default_factory=list, init=False, repr=False, compare=False, hash=False)
     """The holding each id of ``TaskEffects.ids`` stands for (filled as tasks are looked up)."""
 
     @classmethod
     def of(cls, plan) -> "Setting":
-        """The setting of a ``Plan`` (anything with ``layout``, ``cached_layers``, ``optimizer_tier``)."""
-        return cls(plan.layout, frozenset(plan.cached_layers), plan.optimizer_tier)
+        """The setting of a ``Plan`` (anything with ``layout``, ``cached_layers``, ``optimizer_tier``
+        and, optionally, ``home_tier``)."""
+        return cls(plan.layout, frozenset(plan.cached_layers), plan.optimizer_tier, getattr(plan, "home_tier", "cpu"))
 
     @property
     def world_size(self) -> int:
@@ -59,7 +63,7 @@ class Setting:
 
     def home(self, name: str, layer: int) -> str | None:
         if name == "param":
-            return "gpu" if layer in self.cached_layers else "cpu"
+            return "gpu" if layer in self.cached_layers else self.home_tier
         if name == "optim":
             return "gpu" if layer in self.cached_layers else self.optimizer_tier
         return None
@@ -84,10 +88,21 @@ class Setting:
             yield Key("optim", self.home("optim", lay.index), lay.index, None)
 
     def holds(self, cond: str, task: Task | None = None) -> bool:
+        """Whether every condition of ``cond`` (the table's ``when``) holds for ``task``."""
         for c in cond.split():
-            if c == "W>1" and self.world_size == 1 or c == "W=1" and self.world_size != 1:
-                return False
-            if c == "grads" and not (task is not None and task.produces_grads):
+            if c == "W>1":
+                ok = self.world_size > 1
+            elif c == "W=1":
+                ok = self.world_size == 1
+            elif c == "grads":
+                ok = task is not None and task.produces_grads
+            elif c.startswith("T="):
+                ok = task is not None and task.tier == c[2:]
+            elif c.startswith("H="):
+                ok = task is not None and self.home("param", task.target.layer) == c[2:]
+            else:
+                raise ValueError(f"the task table has an unknown condition {c!r}")
+            if not ok:
                 return False
         return True
 
@@ -270,14 +285,20 @@ def executor_cost(task: Task, setting: Setting) -> tuple[str, int] | None:
 def _beside(task: Task, setting: Setting, column: str) -> tuple[str, int] | None:
     eff = effect_of(task)
     term = getattr(eff, column) if eff is not None else None
-    return _amounts(task, setting, (term,))[0] if term else None
+    amounts = _amounts(task, setting, (term,)) if term else ()
+    return amounts[0] if amounts else None
 
 
 def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]:
+    """The amounts of the terms whose condition (``Term.when``) holds for ``task``."""
     L = task.target.layer
     layer = setting.layout.layers[L]
     out = []
-    for resource, unit in terms:
+    for term in terms:
+        when = getattr(term, "when", "")
+        if when and not setting.holds(when, task):
+            continue
+        resource, unit = term
         if unit == "shard":
             amount = layer.shard_elements
         elif unit == "window":
@@ -293,7 +314,8 @@ def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]
 
 def pages_taken(operation: str, kind: str, setting: Setting, layer: int, *, tier: str | None = None,
                 produces_grads: bool = False) -> dict[str, int]:
-    """Pages per tier one task takes at issue (for a paged target: one page of it)."""
+    """Pages per tier one task takes at issue (for a row whose target is a page, ``Effect.paged``:
+    one page of it; else every page of the layer)."""
     task = Task(operation, Target(kind, layer), 0, tier, produces_grads=produces_grads)  # type: ignore[arg-type]
     eff = effect_of(task)
     out: dict[str, int] = {}
@@ -304,7 +326,7 @@ def pages_taken(operation: str, kind: str, setting: Setting, layer: int, *, tier
             t = tier if h.tier == "T" else setting.home(h.name, layer) if h.tier == "home" else h.tier
             if t is not None:
                 pages = setting.pages(h.name, layer)
-                if h.paged and kind not in ("param", "grad"):  # a group target takes every page
+                if h.paged and not eff.paged:  # a group target takes every page
                     pages *= setting.layout.layers[layer].param_pages
                 out[t] = out.get(t, 0) + pages
     return out

@@ -16,9 +16,13 @@ from pagemem.sched.tasks import TIERS, TRANSFERS, Target, Task
 from pagemem.units import format_bytes, parse_size
 
 FORMAT = "pagemem-plan"
-VERSION = 2
-"""Version 2 adds to each task its compute window's end, whether it produces gradients, and what
-it waits for. Version 1 plans load when given the trace they were made from."""
+HOME_TIERS: tuple[str, ...] = ("cpu", "nvme")
+"""Where a plan may home the compute copies of the layers it does not cache on the gpu."""
+VERSION = 3
+"""Version 3 adds the plan's ``home_tier``; version 2 plans load with ``home_tier="cpu"`` (their
+tasks mean what they meant). Version 2 added to each task its compute window's end, whether it
+produces gradients, and what it waits for; version 1 plans load when given the trace they were
+made from."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class Plan:
     """The non-model bytes per op the plan was made for."""
     planning_seconds: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    home_tier: str = "cpu"
+    """Where the compute copies (``param``) of layers not cached on the gpu rest: ``cpu``, or
+    ``nvme`` with the cpu tier a working set they (and the gradients) are staged through."""
     _deps: tuple = field(default=(None, ()), init=False, repr=False, compare=False)
 
     @property
@@ -123,7 +130,8 @@ class Plan:
         lines = [
             f"plan: {len(self.tasks)} tasks for {len(self.layout.layers)} layers, {self.n_ops} ops, "
             f"world size {self.world_size}, {format_bytes(self.page_bytes)} pages, optimizer states on "
-            f"{self.optimizer_tier}; planned in {self.planning_seconds * 1000:.0f} ms",
+            f"{self.optimizer_tier}" + (f", parameters and gradients on {self.home_tier}" if self.home_tier != "cpu"
+                                        else "") + f"; planned in {self.planning_seconds * 1000:.0f} ms",
             "  tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
             "  traffic per iteration: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in moved.items() if v),
             "  peak / budget: " + ", ".join(
@@ -143,6 +151,7 @@ class Plan:
             "version": VERSION,
             "world_size": self.world_size,
             "optimizer_tier": self.optimizer_tier,
+            "home_tier": self.home_tier,
             "n_ops": self.n_ops,
             "budgets": self.budgets.as_dict(),
             "cached_layers": list(self.cached_layers),
@@ -162,12 +171,16 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], trace=None) -> "Plan":
         """A plan from :meth:`to_dict`'s form. A version 1 plan (which lacks compute window ends
-        and dependencies) needs ``trace``, the trace it was made from, to be completed."""
+        and dependencies) needs ``trace``, the trace it was made from, to be completed; plans
+        before version 3 have their parameters homed on ``cpu``."""
         if data.get("format") != FORMAT:
             raise ConfigError(f"not a pagemem plan (format {data.get('format')!r})")
         version = data.get("version")
-        if version not in (1, VERSION):
-            raise ConfigError(f"plan version {version!r} is not supported (this pagemem reads 1 and {VERSION})")
+        if version not in (1, 2, VERSION):
+            raise ConfigError(f"plan version {version!r} is not supported (this pagemem reads 1 to {VERSION})")
+        home_tier = data.get("home_tier", "cpu") if version == VERSION else "cpu"
+        if home_tier not in HOME_TIERS:
+            raise ConfigError(f"plan: home_tier must be one of {', '.join(HOME_TIERS)}, got {home_tier!r}")
         lay = data["layout"]
         layout = Layout(lay["page_bytes"], lay["world_size"], tuple(LayerLayout(*f) for f in lay["layers"]))
         rows = data["tasks"]
@@ -183,10 +196,10 @@ class Plan:
         p = cls(tasks, layout, Budgets(**data["budgets"]), data["world_size"], data["optimizer_tier"],
                 data["n_ops"], tuple(data["cached_layers"]), data["min_gpu_bytes"],
                 dict(data["predicted_peak"]), data["trace_fingerprint"], tuple(data["non_model"]),
-                data["planning_seconds"], dict(data.get("meta", {})))
+                data["planning_seconds"], dict(data.get("meta", {})), home_tier)
         if version == 1 and trace.fingerprint != p.trace_fingerprint:
             raise ConfigError("plan version 1: the trace given is not the one the plan was made from")
-        if version != 1:
+        if version != 1:  # version 2 and 3 rows are alike
             stored = tuple(Deps(tuple(r[8]), tuple(r[9])) for r in rows)
             if stored != p.deps:
                 bad = next(i for i, (a, b) in enumerate(zip(stored, p.deps)) if a != b)

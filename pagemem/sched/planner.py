@@ -16,9 +16,12 @@ Per rank, in logical time (the trace's ops, plus op ``n`` for the end of the ite
    no earlier than their page's move, that causes no OOM.
 4. **Caching.** While the GPU peak leaves room, layers (earliest first, after AutoHete) keep their
    parameter shard, gradients and optimizer states on the GPU and are updated there.
-5. **Gradients and updates.** After a layer's last gradient access: ``reduce_scatter``, the
-   ``offload`` of its gradient shard to CPU, the ``update``; with optimizer states on NVMe they
-   are fetched to CPU as early as the CPU budget allows and written back after the update.
+5. **Gradients, updates and the host tiers** (``host_plan``). After a layer's last gradient
+   access: ``reduce_scatter``, the ``offload`` of its gradient shard to CPU (``home_tier="nvme"``:
+   to NVMe, fetched back to CPU for the update), the ``update``; with optimizer states on NVMe
+   they are fetched to CPU as early as the CPU budget allows and written back after the update.
+   With parameters homed on NVMe, each window's pages are staged on the CPU as early as its
+   budget allows, before they move to the GPU.
 
 Every "how much room is there" question is a query on a ``SegmentTimeline`` (O(log n)). How many
 pages each kind of task takes, and whether it is issued at its trigger op's start or end, come
@@ -31,50 +34,43 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
 from typing import Mapping
 
 from pagemem.checks import check_choice, check_int
 from pagemem.errors import ConfigError
 from pagemem.sched.errors import InfeasiblePlan
+from pagemem.sched.emit import Decisions, Run, emit
+from pagemem.sched.host_plan import HostPlan, Moves, plan_host
 from pagemem.sched.layout import Layout
-from pagemem.sched.plan import Budgets, Plan
+from pagemem.sched.plan import HOME_TIERS, Budgets, Plan
 from pagemem.sched.holdings import Setting, pages_taken
-from pagemem.sched.tasks import EFFECTS, Target, Task
 from pagemem.sched.timeline import TIMELINES
 from pagemem.sched.windows import Usage, Window
 from pagemem.tracer import Trace
 from pagemem.units import parse_size
 
 
-@dataclass
-class _Run:
-    """Pages ``[lo, hi)`` of window ``w`` moved to the gpu at trigger ``m``."""
-
-    w: int
-    lo: int
-    hi: int
-    m: int
-
-
 def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size: int = 1,
          optimizer_tier: str = "cpu", page_bytes: int | str = "4MiB", *, cache_optimizer: bool = True,
          timeline: str = "segment", cached_state_pages: Mapping[int, int] | None = None,
-         layout: Layout | None = None) -> Plan:
+         layout: Layout | None = None, home_tier: str = "cpu") -> Plan:
     """Plan one training iteration of ``trace`` on each of ``world_size`` ranks.
 
     ``budgets`` are per rank (``{"gpu": "8GiB", "cpu": "64GiB", "nvme": "1TiB"}``);
     ``optimizer_tier`` is where optimizer states live (``"cpu"`` or ``"nvme"``), except for layers
-    the planner caches on the gpu when ``cache_optimizer`` and the budget allow.
+    the planner caches on the gpu when ``cache_optimizer`` and the budget allow; ``home_tier`` is
+    where the other layers' parameters (compute copies) and gradients rest (``"cpu"``, or
+    ``"nvme"``: staged through the cpu, whose budget is then a working set).
     ``cached_state_pages``: per layer, the gpu pages its optimizer states take where the executor
     keeps a cached layer's states (default: the layout's ``pages_when_cached``; an engine that
     keeps gradient sums beside them, or each kind on fresh pages, says more). ``layout``: the
     pages of every layer as the caller lays them out (default ``Layout.from_trace``): one per
     trace layer, in order, with this ``page_bytes`` and ``world_size``. Raises
-    ``InfeasiblePlan`` (with ``min_gpu_bytes``) when no plan fits, ``ConfigError`` for bad input.
+    ``InfeasiblePlan`` (with ``min_gpu_bytes``; its ``tier`` and ``min_bytes`` name the budget
+    that is too small and what it needs) when no plan fits, ``ConfigError`` for bad input.
     """
     t0 = time.perf_counter()
-    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout)
+    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout, home_tier)
     for layer, pages in (cached_state_pages or {}).items():
         check_int(f"cached_state_pages[{layer!r}]", pages, 0)
     result = planner.run(cache_optimizer, cached_state_pages or {})
@@ -90,13 +86,31 @@ def least_gpu_bytes(trace: Trace, world_size: int = 1, page_bytes: int | str = "
     return planner.min_gpu
 
 
-def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout=None) -> "_Planner":
+def least_cpu_bytes(trace: Trace, world_size: int = 1, optimizer_tier: str = "cpu", page_bytes: int | str = "4MiB",
+                    *, home_tier: str = "cpu", gpu_bytes: int | str | None = None, cache_optimizer: bool = True,
+                    cached_state_pages: Mapping[int, int] | None = None, layout: Layout | None = None) -> int:
+    """The smallest per-rank cpu budget with which ``plan`` (same arguments) finds a plan for
+    ``trace`` with a gpu budget of ``gpu_bytes`` (default ``least_gpu_bytes``, the tightest):
+    what ``InfeasiblePlan.min_bytes`` reports for the cpu, without placing any task. With
+    ``home_tier="nvme"`` it is the working set: what the stagings, gradients and optimizer states
+    need at once. (It depends on the gpu budget: a roomier gpu caches layers and moves pages
+    earlier.)"""
+    gpu = least_gpu_bytes(trace, world_size, page_bytes) if gpu_bytes is None else gpu_bytes
+    big = 1 << 62
+    planner = _checked(trace, {"gpu": gpu, "cpu": big, "nvme": big}, world_size, optimizer_tier, page_bytes,
+                       "segment", layout, home_tier)
+    return planner.host_step(cache_optimizer, cached_state_pages or {})[1].cpu_need
+
+
+def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout=None,
+             home_tier="cpu") -> "_Planner":
     """A planner for validated arguments; ConfigError naming the first bad one."""
     if not isinstance(trace, Trace):
         raise ConfigError(f"trace: expected a pagemem.tracer.Trace, got {type(trace).__name__}")
     b = Budgets.parse(budgets)
     check_int("world_size", world_size, 1, 65536)
     check_choice("optimizer_tier", optimizer_tier, ("cpu", "nvme"))
+    check_choice("home_tier", home_tier, HOME_TIERS)
     pb = parse_size(page_bytes, "page_bytes")
     if pb <= 0 or pb % 4096:
         raise ConfigError(f"page_bytes: must be a positive multiple of 4096 bytes, got {pb}")
@@ -110,21 +124,22 @@ def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, l
                               f"planning for {pb} and {world_size}")
         if [l.index for l in layout.layers] != [l.index for l in trace.layers]:
             raise ConfigError("layout: must have one layer per trace layer, in order")
-    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline], layout)
+    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline], layout, home_tier)
 
 
 class _Planner:
     def __init__(self, trace: Trace, budgets: Budgets, world_size: int, optimizer_tier: str,
-                 page_bytes: int, timeline_cls, layout: Layout | None = None) -> None:
+                 page_bytes: int, timeline_cls, layout: Layout | None = None, home_tier: str = "cpu") -> None:
         self.trace = trace
         self.b = budgets
         self.W = world_size
         self.opt_tier = optimizer_tier
+        self.home_tier = home_tier
         self.pb = page_bytes
         self.Timeline = timeline_cls
         self.layout = layout if layout is not None else Layout.from_trace(trace, world_size, page_bytes)
         self.usage = Usage.from_trace(trace)
-        self.setting = Setting(self.layout, frozenset(), optimizer_tier)
+        self.setting = Setting(self.layout, frozenset(), optimizer_tier, home_tier)
         self.n = len(trace.ops)
         self.wins: list[Window] = self.usage.all_windows()
         # lower bound of each window's move trigger: just after the layer's previous window
@@ -143,16 +158,28 @@ class _Planner:
     # ------------------------------------------------------------------ driver
 
     def run(self, cache_optimizer: bool, cached_state_pages: Mapping[int, int] | None = None) -> Plan:
+        gathers, host = self.host_step(cache_optimizer, cached_state_pages or {})
+        tasks = emit(Decisions(self.n, self.layout, self.usage, self.wins, self.runs, gathers, self.cached,
+                               self.r, host, self.opt_tier, self.home_tier))
+        peaks = {"gpu": self.gpu.max(0, self.n + 1), "cpu": host.cpu_peak, "nvme": host.nvme_need}
+        return Plan(tasks, self.layout, self.b, self.W, self.opt_tier, self.n, tuple(sorted(self.cached)),
+                    self.min_gpu, peaks, self.trace.fingerprint,
+                    tuple(op.non_model_bytes for op in self.trace.ops),
+                    meta={"windows": len(self.wins), "timeline": self.Timeline.__name__}, home_tier=self.home_tier)
+
+    def host_step(self, cache_optimizer: bool, cached_state_pages: Mapping[int, int]) -> tuple[dict, HostPlan]:
+        """Steps 1 to 5: the all-gathers' triggers and what the host tiers step decided."""
         self._mandatory_gpu()
         self._phase1()
         gathers = self._phase2() if self.W > 1 else {}
-        cached = self._cache(cached_state_pages or {}) if cache_optimizer else []
-        staging = self._cpu(set(cached))
-        tasks = self._emit(gathers, set(cached), staging)
-        peaks = {"gpu": self.gpu.max(0, self.n + 1), "cpu": self.cpu_peak, "nvme": self.nvme_used}
-        return Plan(tasks, self.layout, self.b, self.W, self.opt_tier, self.n, tuple(sorted(cached)),
-                    self.min_gpu, peaks, self.trace.fingerprint,
-                    tuple(op.non_model_bytes for op in self.trace.ops), meta={"windows": len(self.wins), "timeline": self.Timeline.__name__})
+        self.cached = set(self._cache(cached_state_pages) if cache_optimizer else [])
+        by_window: dict[int, list[tuple[int, int, int]]] = {}
+        for run in self.runs:
+            by_window.setdefault(run.w, []).append((run.lo, run.hi, run.m))
+        moves = [Moves(w, self.wins[w].layer, tuple(by_window[w])) for w in sorted(by_window)]
+        host = plan_host(Setting(self.layout, frozenset(self.cached), self.opt_tier, self.home_tier), self.b,
+                         self.n, self.Timeline, self.cached, self.r, moves, self.min_gpu)
+        return gathers, host
 
     # ------------------------------------------------------------------ step 1: what must be there
 
@@ -182,7 +209,7 @@ class _Planner:
 
     # ------------------------------------------------------------------ step 2: phase 1
 
-    def _prefetch_add(self, run: _Run, sign: int) -> None:
+    def _prefetch_add(self, run: Run, sign: int) -> None:
         start = self.wins[run.w].start
         if run.m < start:
             self.gpu.add(run.m, start, sign * (run.hi - run.lo) * self.move_bytes)
@@ -192,9 +219,9 @@ class _Planner:
         self.move_bytes = self.taken("move_to_gpu", "param", 0) * self.pb if self.layout.layers else self.pb
         wins, lower, pb, budget, tl = self.wins, self.lower, self.move_bytes, self.b.gpu, self.gpu
         pages = [self.layout.layers[w.layer].param_pages for w in wins]
-        runs: list[_Run] = []
+        runs: list[Run] = []
         for i, w in enumerate(wins):
-            run = _Run(i, 0, pages[i], min(lower[i], w.start))
+            run = Run(i, 0, pages[i], min(lower[i], w.start))
             self._prefetch_add(run, +1)
             runs.append(run)
         keys = [r.w for r in runs]  # runs stay sorted by window index
@@ -218,7 +245,7 @@ class _Planner:
                     raise AssertionError("phase 1 found nothing to roll back though the mandatory memory fits")
                 run = runs[k]
                 take = min(run.hi - run.lo, -(-over // pb))
-                self._prefetch_add(_Run(run.w, run.hi - take, run.hi, run.m), -1)
+                self._prefetch_add(Run(run.w, run.hi - take, run.hi, run.m), -1)
                 wait.append([run.w, run.hi - take, run.hi])
                 run.hi -= take
                 if run.hi == run.lo:
@@ -232,13 +259,13 @@ class _Planner:
                 start = wins[wi].start
                 if t >= start:  # no time left to prefetch: it moves when its window starts
                     wait.pop()
-                    self._insert(runs, keys, _Run(wi, plo, phi, start))
+                    self._insert(runs, keys, Run(wi, plo, phi, start))
                     continue
                 room = budget - tl.max(t, start)
                 k = min(phi - plo, room // pb) if room > 0 else 0
                 if k == 0:
                     break
-                run = _Run(wi, plo, plo + k, t)
+                run = Run(wi, plo, plo + k, t)
                 self._prefetch_add(run, +1)
                 self._insert(runs, keys, run)
                 if plo + k == phi:
@@ -246,11 +273,11 @@ class _Planner:
                 else:
                     wait[-1][1] = plo + k
         for wi, plo, phi in wait:  # still waiting at the end: moved when their window starts
-            self._insert(runs, keys, _Run(wi, plo, phi, wins[wi].start))
+            self._insert(runs, keys, Run(wi, plo, phi, wins[wi].start))
         self.runs = runs
 
     @staticmethod
-    def _insert(runs: list[_Run], keys: list[int], run: _Run) -> None:
+    def _insert(runs: list[Run], keys: list[int], run: Run) -> None:
         i = bisect.bisect_right(keys, run.w)
         runs.insert(i, run)
         keys.insert(i, run.w)
@@ -299,7 +326,7 @@ class _Planner:
         (a layer's optimizer states counted at ``state_pages``, default its ``optim_pages``)."""
         tl, pb, n = self.gpu, self.pb, self.n
         cached = []
-        by_layer: dict[int, list[_Run]] = {}
+        by_layer: dict[int, list[Run]] = {}
         for run in self.runs:
             by_layer.setdefault(self.wins[run.w].layer, []).append(run)
         for lay in self.layout.layers:
@@ -324,101 +351,3 @@ class _Planner:
                     tl.add(lo, hi, -v)
                 break
         return cached
-
-    # ------------------------------------------------------------------ step 5: cpu and nvme
-
-    def _cpu(self, cached: set[int]) -> dict[int, int]:
-        """Check the cpu (and nvme) budgets; schedule optimizer-state fetches from nvme as early
-        as the cpu budget allows. Returns {layer: fetch trigger}."""
-        n, pb = self.n, self.pb
-        host = [l for l in self.layout.layers if l.index not in cached]
-        base = sum(l.param_pages for l in host) * pb
-        if self.opt_tier == "cpu":
-            base += sum(l.optim_pages for l in host) * pb
-        tl = self.Timeline([base] * (n + 1))
-        order = sorted((self.r[l.index], l.index) for l in host if l.index in self.r)
-        for r, layer in order:
-            lay = self.layout.layers[layer]
-            tl.add(r, r + 1, lay.param_pages * self.taken("offload", "grad", layer, "cpu") * pb)  # the gradient shard
-            if self.opt_tier == "nvme":  # fetched no later than the update
-                tl.add(r, r + 1, self.taken("move_to_cpu", "optim", layer, "cpu") * pb)
-        need = tl.max(0, n + 1)
-        if need > self.b.cpu:
-            at = tl.last_above(0, n + 1, need - 1)
-            raise InfeasiblePlan("cpu", need, self.b.cpu, self.min_gpu, at,
-                                 "parameter shards, offloaded gradients and optimizer states")
-        self.nvme_used = sum(l.optim_pages for l in host) * pb if self.opt_tier == "nvme" else 0
-        if self.nvme_used > self.b.nvme:
-            raise InfeasiblePlan("nvme", self.nvme_used, self.b.nvme, self.min_gpu, 0, "optimizer states")
-        fetch = {}
-        if self.opt_tier == "nvme":
-            for r, layer in order:  # fetch as early as the cpu budget allows, in update order
-                size = self.taken("move_to_cpu", "optim", layer, "cpu") * pb
-                idx = tl.last_above(0, r, self.b.cpu - size)
-                f = idx + 1 if idx >= 0 else 0
-                tl.add(f, r, size)
-                fetch[layer] = f
-        self.cpu_peak = tl.max(0, n + 1)
-        return fetch
-
-    # ------------------------------------------------------------------ the queue
-
-    def _emit(self, gathers, cached: set[int], fetch: dict[int, int]) -> list[Task]:
-        n, W = self.n, self.W
-        starts: list[list[Task]] = [[] for _ in range(n + 1)]
-        ends: list[list[Task]] = [[] for _ in range(n + 1)]
-
-        at_end = {key: e.issued == "end" for key, e in EFFECTS.items()}
-
-        def put(task: Task) -> None:  # the table says when in its trigger op a task is issued
-            (ends if at_end[task.operation, task.target.kind] else starts)[task.trigger_id].append(task)
-
-        layers = self.layout.layers
-        runs_of: dict[int, list[_Run]] = {}
-        for run in self.runs:
-            runs_of.setdefault(run.w, []).append(run)
-        grad_window = {(g.layer, self.usage.windows[g.layer][g.window].start)
-                       for g in self.usage.grads if g is not None}
-        for wi, w in enumerate(self.wins):
-            L = w.layer
-            is_cached = L in cached
-            for run in runs_of.get(wi, []):
-                if not is_cached:
-                    for j in range(run.lo, run.hi):
-                        put(Task("move_to_gpu", Target("param", L, j), run.m, "gpu"))
-                if W > 1:
-                    for glo, ghi, g in gathers[(wi, run.lo)]:
-                        for j in range(glo, ghi):
-                            put(Task("all_gather", Target("param", L, j), g))
-            put(Task("compute", Target("layer", L), w.start, "gpu", end_id=w.end,
-                     produces_grads=(L, w.start) in grad_window))
-            if not is_cached or W > 1:
-                put(Task("release", Target("param", L), w.end, "gpu"))
-        for g in self.usage.grads:
-            if g is None:
-                continue
-            L, r = g.layer, self.r[g.layer]
-            pages = layers[L].param_pages
-            if W > 1:
-                for j in range(pages):
-                    put(Task("reduce_scatter", Target("grad", L, j), r))
-                put(Task("release", Target("fullgrad", L), r, "gpu"))
-            if L in cached:
-                put(Task("update", Target("layer", L), r, "gpu"))
-                put(Task("release", Target("grad", L), r, "gpu"))
-                continue
-            for j in range(pages):
-                put(Task("offload", Target("grad", L, j), r, "cpu"))
-            put(Task("release", Target("grad", L), r, "gpu"))
-            if self.opt_tier == "nvme":
-                put(Task("move_to_cpu", Target("optim", L), fetch[L], "cpu"))
-            put(Task("update", Target("layer", L), r, "cpu"))
-            put(Task("release", Target("grad", L), r, "cpu"))
-            if self.opt_tier == "nvme":
-                put(Task("offload", Target("optim", L), r, "nvme"))
-                put(Task("release", Target("optim", L), r, "cpu"))
-        tasks: list[Task] = []
-        for t in range(n + 1):
-            tasks.extend(starts[t])
-            tasks.extend(ends[t])
-        return tasks

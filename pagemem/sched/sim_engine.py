@@ -73,10 +73,11 @@ class Engine:
         for lay in p.layout.layers:
             if lay.index in p.cached_layers:
                 used["gpu"] += (lay.param_pages + lay.optim_pages) * pb
-            else:
+                continue
+            if p.home_tier == "cpu":  # nvme homes: the cpu holds only what the queue stages there
                 used["cpu"] += lay.param_pages * pb
-                if p.optimizer_tier == "cpu":
-                    used["cpu"] += lay.optim_pages * pb
+            if p.optimizer_tier == "cpu":
+                used["cpu"] += lay.optim_pages * pb
         return used
 
     # ---------------------------------------------------------------- state changes

@@ -159,7 +159,8 @@ class _Builder:
 
     def hold(self, i: int, node: int) -> None:
         for k in self.fx[i].takes:
-            self.held[k] = self.held.get(k, 0) + self.setting.pages(k.name, k.layer) * self.pb
+            if k.tier in TIERS:
+                self.held[k] = self.held.get(k, 0) + self.setting.pages(k.name, k.layer) * self.pb
 
     def start_task(self, i: int, reserve: int) -> int:
         task, fx = self.tasks[i], self.fx[i]
@@ -189,7 +190,8 @@ class _Builder:
         self.node_of[i] = node
         free: dict[str, int] = {}
         for k in self.fx[i].frees:
-            free[k.tier] = free.get(k.tier, 0) + self.held.pop(k, 0)
+            if k.tier in TIERS:  # the simulator accounts gpu and cpu memory (nvme is checked by the planner)
+                free[k.tier] = free.get(k.tier, 0) + self.held.pop(k, 0)
         self.nodes[node].free = free or {task.tier or "gpu": 0}
         executor = executor_cost(task, self.setting)
         seconds = executor[1] / self.hw.rate(executor[0], task.tier, self.W) if executor else 0.0

@@ -21,16 +21,21 @@ compute   the trace's ops in order; ``update`` of      ``op.duration * compute_s
           the op that ends it (the thread that runs    ``window_host_seconds`` per window
           the model runs it)
 h2d       ``move_to_gpu``                              page bytes / ``h2d_bytes_per_s``
-d2h       ``offload`` of a gradient page               page bytes / ``d2h_bytes_per_s``
+d2h       ``offload`` of a gradient page to the cpu    page bytes / ``d2h_bytes_per_s``
 network   ``all_gather``, ``reduce_scatter``           (W - 1) page bytes / ``network_bytes_per_s``
-nvme      ``move_to_cpu`` (read), ``offload`` of       optimizer bytes / the rank's share of the
-          optimizer states (write-back)                server's SSD read / write bandwidth
-io        the CPU's share of each of those (checksums, optimizer bytes / the rank's share of
+nvme      ``move_to_cpu`` (read: optimizer states;     bytes / the rank's share of the server's
+          with parameters homed on nvme, a parameter   SSD read / write bandwidth (a gradient
+          page staged, a layer's gradients fetched),   page to nvme: its d2h time, then its
+          ``offload`` of optimizer states (write-back) write)
+          and of a gradient page to nvme
+io        the CPU's share of each of those (checksums, bytes / the rank's share of
           submission), beside the transfer; the task  ``nvme_host_bytes_per_s``
           is done when both are
 cpu       ``update`` on cpu                            shard elements / the rank's share of the
                                                        server's CPU Adam rate + refresh bytes /
                                                        its share of ``host_memory_bytes_per_s``
+                                                       (parameters homed on nvme: + the param
+                                                       bytes written, at the SSD write share)
 ========  ===========================================  =========================================
 
 An update's refresh is the compute copy written from the new master weights: 4 bytes read and
@@ -55,11 +60,12 @@ waiting for a compute means waiting for the last op of its window, or, for the g
 it takes, for the reservation of its first op.
 
 **Memory in wall time.** The gpu and cpu tiers are accounted in bytes against the plan's
-budgets, starting from the state at rest (parameter shards on cpu, optimizer states on their
-tier, cached layers on gpu). Allocations are those of ``pagemem.sched.tasks``: ``move_to_gpu``
+budgets, starting from the state at rest (parameter shards on the plan's ``home_tier``,
+optimizer states on their tier, cached layers on gpu; what rests on nvme is not accounted here:
+the planner and the validator count it). Allocations are those of ``pagemem.sched.tasks``: ``move_to_gpu``
 +1 page, ``all_gather`` +(W-1) pages, the gradient-producing ``compute`` its gradient buffer,
 ``reduce_scatter`` +1 page, gradient ``offload`` +1 cpu page, ``move_to_cpu`` the optimizer
-pages on cpu; a ``release`` frees what those allocated once everything that touched it is done.
+pages (a staged parameter page, a layer's gradient pages) on cpu; a ``release`` frees what those allocated once everything that touched it is done.
 When the compute stream reaches op t it *reserves* op t's memory: its non-model bytes (replacing
 op t-1's) and any gradient buffer its ``compute`` task allocates. A task's memory is taken when
 it is issued, not when its stream gets to it (a runtime reserves the destination pages, then

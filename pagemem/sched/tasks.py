@@ -16,12 +16,15 @@ model states on one tier, named ``name@tier`` (``.j`` for page j of a paged hold
 ========= ====== ============= ================================================================
 holding   scope  pages each    what it is
 ========= ====== ============= ================================================================
-param     page   1             page j of this rank's fp16 parameter shard; home copy on ``cpu``
-                               (on ``gpu`` for a layer cached there)
+param     page   1             page j of this rank's fp16 parameter shard (the compute copy);
+                               home copy on the plan's ``home_tier`` (``cpu`` or ``nvme``; on
+                               ``gpu`` for a layer cached there)
 gathered  page   W - 1         the other ranks' copies of parameter page j, on ``gpu`` (W > 1)
 fullgrad  group  W x pages     the layer's full gradient buffer on ``gpu`` (W > 1), from the
                                backward compute until ``reduce_scatter`` has consumed it
-grad      page   1             page j of this rank's gradient shard, on ``gpu`` or ``cpu``
+grad      page   1             page j of this rank's gradient shard, on ``gpu``, ``cpu`` or
+                               ``nvme`` (no home copy: taken in backward, given back after the
+                               update)
 optim     group  optim pages   fp32 master weights and Adam moments of the shard; home on the
                                optimizer tier (``cpu``, ``nvme``; ``gpu`` when cached)
 ========= ====== ============= ================================================================
@@ -32,69 +35,106 @@ that takes it to the release that gives it back.
 **Effects** (``EFFECTS``). In the holdings, ``T`` is the task's tier and ``home`` the holding's
 home tier; a paged holding of a task whose target names no page means every page of the layer
 (``.*``). In the tier column, ``home`` means the optimizer states' home tier and ``copy`` any
-other. ``when`` is a condition for the row (``W>1``: only with several ranks); ``grads:`` marks
-what only a ``produces_grads`` compute takes:
+other. ``when`` is a condition (for the row, or for the holding or cost term it follows): ``W>1``
+or ``W=1`` (with several ranks, with one), ``T=gpu`` (the task's tier is ``gpu``), ``H=nvme``
+(the layer's parameters are homed on ``nvme``); ``grads:`` marks what only a ``produces_grads``
+compute takes:
 
-============== ======== ===== ===== ================ ================== ================ ================
-operation      target   tier  when  takes at issue   reads              writes           gives back
-============== ======== ===== ===== ================ ================== ================ ================
-move_to_gpu    param.j  gpu         param@gpu.j      param@home.j
-all_gather     param.j  -     W>1   gathered@gpu.j   param@gpu.j
-compute        layer    gpu         grads: fullgrad  param@gpu.*,
-                                    @gpu (W>1) or    gathered@gpu.*
-                                    grad@gpu.* (W=1) (W>1), from trigger
-                                                     to ``end_id``
-reduce_scatter grad.j   -     W>1   grad@gpu.j       fullgrad@gpu
-offload        grad.j   cpu         grad@T.j         grad@gpu.j
-offload        optim    home                         optim@cpu          optim@T
-move_to_cpu    optim    cpu         optim@cpu        optim@home
-update         layer    cpu,        -                grad@T.*, optim@T  optim@T,
-                        gpu                                             param@home.*
-release        param    gpu                                                              param@gpu.*,
-                                                                                         gathered@gpu.*
-release        fullgrad gpu   W>1                                                        fullgrad@gpu
-release        grad     gpu,                                                             grad@T.*
-                        cpu
-release        optim    copy                                                             optim@T
-============== ======== ===== ===== ================ ================== ================ ================
+============== ======== ===== ====== ================ ================== ================ ================
+operation      target   tier  when   takes at issue   reads              writes           gives back
+============== ======== ===== ====== ================ ================== ================ ================
+move_to_gpu    param.j  gpu          param@gpu.j      param@cpu.j
+move_to_cpu    param.j  cpu   H=nvme param@cpu.j      param@home.j
+all_gather     param.j  -     W>1    gathered@gpu.j   param@gpu.j
+compute        layer    gpu          grads: fullgrad  param@gpu.*,
+                                     @gpu (W>1) or    gathered@gpu.*
+                                     grad@gpu.* (W=1) (W>1), from trigger
+                                                      to ``end_id``
+reduce_scatter grad.j   -     W>1    grad@gpu.j       fullgrad@gpu
+offload        grad.j   cpu,         grad@T.j         grad@gpu.j
+                        nvme
+move_to_cpu    grad     cpu          grad@cpu.*       grad@nvme.*
+offload        optim    home                          optim@cpu          optim@T
+move_to_cpu    optim    cpu          optim@cpu        optim@home
+update         layer    cpu,         -                grad@T.*, optim@T  optim@T,
+                        gpu                                              param@home.*
+release        param    gpu,                                                              param@T.*,
+                        cpu                                                               gathered@gpu.*
+                                                                                          (T=gpu, W>1)
+release        fullgrad gpu   W>1                                                         fullgrad@gpu
+release        grad     gpu,                                                              grad@T.*
+                        cpu,
+                        nvme
+release        optim    copy                                                              optim@T
+============== ======== ===== ====== ================ ================== ================ ================
+
+**Homes on nvme** (issue 31; the plan's ``home_tier``, ``Setting.home_tier``). With
+``home_tier="nvme"`` a layer's compute copy and gradients rest on ``nvme`` and the ``cpu`` tier
+is a working set the plan stages them through. New rows: ``move_to_cpu param.j`` stages page j of
+the compute copy from its nvme home into cpu memory ahead of the window's ``move_to_gpu`` (only
+where ``H=nvme``); ``move_to_cpu grad`` brings the layer's gradient shard back from nvme for the
+update on the cpu. Changed rows: ``move_to_gpu`` reads ``param@cpu`` -- for a cpu home that is
+the home copy, as before; for an nvme home the staged copy, which must be there --; ``release
+param`` may name tier ``cpu`` and then gives back the staged copy only (the gathered pages and
+the executor's window time only where ``T=gpu``); ``offload grad`` may name tier ``nvme`` (the
+gradient page goes through the host to disk); ``release grad`` may name tier ``nvme``; the
+``update`` of a layer homed on nvme writes its refreshed compute copy to disk (the write is
+counted in its cost). Rows and conditions for ``home_tier="cpu"`` are those of before: such plans
+are unchanged.
 
 The other columns of each row: the stream an executor runs it on and what that costs (a
-transfer of some pages, an Adam step over the shard's elements, bytes of memory traffic):
+transfer of some pages, an Adam step over the shard's elements, bytes of memory traffic); a
+``T=``/``H=`` condition before a term limits it to such tasks:
 
 ============== ======== ========================= =============================================
 operation      target   stream                    cost
 ============== ======== ========================= =============================================
 move_to_gpu    param.j  h2d                       h2d: 1 page
+move_to_cpu    param.j  nvme and io               nvme_read: 1 page; nvme_host on io
 all_gather     param.j  network                   network: W - 1 pages
 compute        layer    (the model's own ops)     -
 reduce_scatter grad.j   network                   network: W - 1 pages
-offload        grad.j   d2h                       d2h: 1 page
+offload        grad.j   d2h; T=nvme: nvme and io  d2h: 1 page; T=nvme: then nvme_write: 1 page,
+                                                  and nvme_host on io
+move_to_cpu    grad     nvme and io               nvme_read: the layer's grad pages; nvme_host
+                                                  on io
 offload        optim    nvme (the write-back)     nvme_write: the optim pages; at the same time on
                         and io                    io, nvme_host: the optim pages
 move_to_cpu    optim    nvme and io               nvme_read: the optim pages; nvme_host on io
 update         layer    cpu; compute on the gpu   adam: the shard's elements, then memory: the
                                                   refresh of ``param@home`` (read the fp32 master
                                                   shard, write the parameter shard; none where
-                                                  the layer has no separate compute copy)
-release        param    none; beside it, compute  window: one, the executor's host time for the
-                        (the executor's thread)   window it ends (stage, bind, release), on the
+                                                  the layer has no separate compute copy); H=nvme:
+                                                  then nvme_write: the param pages (the refreshed
+                                                  copy goes home), and nvme_host on io
+release        param    none; beside it, compute  T=gpu: window: one, the executor's host time for
+                        (the executor's thread)   the window it ends (stage, bind, release), on the
                                                   thread that runs the model
 release        other    none (takes no time)      -
 ============== ======== ========================= =============================================
+
+[Note: a disk write on the task's stream] ``offload grad.j @nvme`` runs its d2h copy and its disk
+write one after the other on the ``nvme`` stream (the disk is the scarcer engine; the d2h engine
+is not marked busy meanwhile), and an update's write of the refreshed compute copy to nvme runs
+on the update's own stream after its Adam step: the simulator charges each byte once, where the
+task runs.
 
 The table applied to one task of one plan -- which pages of which layer on which tier -- is
 ``pagemem.sched.holdings.effects``.
 
 **What a task waits for** (``pagemem.sched.deps``, one rule for every row): before it runs, a
 task waits for the last task that took or wrote each holding it reads (the move of a page before its
-all-gather; the moves and all-gathers of a layer before its compute; the reduce-scatter of a
-gradient page before its offload; the offloads and the optimizer fetch before an update; the
-update before the write-back); a task that takes a holding waits for the release that last gave
-it back; a release waits for every task that took, read or wrote what it gives back since it was
-taken (a parameter release for the compute of the window, which finishes with op ``end_id``, and
-the moves and all-gathers; a gradient release for its offloads and the update). A holding read
-before anything in this iteration wrote it (a home copy) was last written by the previous
-iteration: those waits are ``Deps.previous`` (synchronous updates: a layer's moves, and the
+all-gather; the staging of a page on the cpu before its move to the gpu (nvme homes); the moves
+and all-gathers of a layer before its compute; the reduce-scatter of a gradient page before its
+offload; the offloads (through nvme: the gradient fetch) and the optimizer fetch before an
+update; the update before the write-back); a task that takes a holding waits for the release
+that last gave it back (a window's staging for the release of the layer's previous staged copy);
+a release waits for every task that took, read or wrote what it gives back since it was taken (a
+parameter release for the compute of the window, which finishes with op ``end_id``, and the moves
+and all-gathers; the release of a staged copy for its staging and the moves that read it; a
+gradient release for its offloads, fetch and the update). A holding read before anything in this
+iteration wrote it (a home copy) was last written by the previous iteration: those waits are
+``Deps.previous`` (synchronous updates: a layer's moves (nvme homes: its stagings), and the
 compute of a layer cached on the gpu, wait for the last iteration's update of it; an optimizer
 fetch for the last write-back). Two waits are on ops, not tasks: ``reduce_scatter`` and
 ``update`` come after the layer's last gradient access (their trigger is after it), and a
@@ -174,12 +214,29 @@ class Hold:
     """A holding in a row of the table: ``name@tier``, per page of the target or one group.
 
     ``tier`` is a tier, ``"T"`` (the task's tier) or ``"home"``; ``when`` lists conditions that
-    must all hold: ``"W>1"``, ``"W=1"``, ``"grads"`` (a compute with ``produces_grads``)."""
+    must all hold: ``"W>1"``, ``"W=1"``, ``"grads"`` (a compute with ``produces_grads``),
+    ``"T=<tier>"`` (the task's tier), ``"H=<tier>"`` (the layer's parameters' home tier)."""
 
     name: str
     tier: str
     paged: bool = True
     when: str = ""
+
+
+class Term(tuple):
+    """One cost term: the pair ``(resource, unit)``, counted only where ``when`` holds (the
+    conditions of ``Hold.when``; ``""``: always). [Note: a term is still a pair] Readers that
+    take a term apart as ``resource, unit`` keep working; the condition rides along."""
+
+    when: str
+
+    def __new__(cls, resource: str, unit: str, when: str = "") -> "Term":
+        term = super().__new__(cls, (resource, unit))
+        term.when = when
+        return term
+
+    def __repr__(self) -> str:
+        return f"Term({self[0]!r}, {self[1]!r}" + (f", when={self.when!r})" if self.when else ")")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,49 +258,66 @@ class Effect:
     issued: str = "start"
     """``"start"`` or ``"end"`` of the trigger op."""
     when: str = ""
-    """Conditions for the operation to exist at all (``"W>1"``)."""
+    """Conditions for the operation to exist at all (``"W>1"``, ``"H=nvme"``)."""
     after_grads: bool = False
     """Must come after the layer's last gradient access."""
     gates_ops: bool = False
     """The model's ops from ``trigger_id`` to ``end_id`` run under it (``compute``)."""
+    paged: bool = False
+    """Its target names one page (``param.j``): one task per page of the layer."""
     stream: str | None = None
-    gpu_stream: str | None = None
-    """The stream when the task's tier is ``gpu``, if not ``stream``."""
+    stream_on: tuple[tuple[str, str], ...] = ()
+    """``(tier, stream)``: the stream for a task on that tier, where not ``stream``."""
     cost: tuple[tuple[str, str], ...] = ()
-    """``(resource, unit)`` terms, run one after the other: a transfer (``TRANSFERS``) of a
-    holding's pages, ``("adam", "shard")`` (an Adam step over the shard's elements), ``("memory",
-    "refresh")`` (the compute copy written from the master weights)."""
+    """``(resource, unit)`` terms (``Term``: with a condition), run one after the other: a
+    transfer (``TRANSFERS``) of a holding's pages, ``("adam", "shard")`` (an Adam step over the
+    shard's elements), ``("memory", "refresh")`` (the compute copy written from the master
+    weights)."""
     host: tuple[str, str] | None = None
     """A cost on the ``io`` stream at the same time: the CPU's share of a disk transfer
-    (``("nvme_host", holding)``: checksums, submission)."""
+    (``("nvme_host", holding)``: checksums, submission; a ``Term`` with its condition)."""
     executor: tuple[str, str] | None = None
     """A cost on the ``compute`` stream after the trigger op, beside the task: the executor's host
     time on the thread that runs the model (``("window", "window")``: one window of a moved
-    layer)."""
+    layer; a ``Term`` with its condition)."""
 
     @property
     def key(self) -> tuple[str, str]:
         return self.operation, self.kind
 
+    @property
+    def gpu_stream(self) -> str | None:
+        """The stream when the task's tier is ``gpu``, if not ``stream``."""
+        return dict(self.stream_on).get("gpu")
+
     def stream_for(self, tier: str | None) -> str | None:
-        return self.gpu_stream if tier == "gpu" and self.gpu_stream else self.stream
+        for on, stream in self.stream_on:
+            if on == tier:
+                return stream
+        return self.stream
 
 
 _PARAM = Hold("param", "gpu")
 _GATHERED = Hold("gathered", "gpu", when="W>1")
+_NVME = "H=nvme"
 EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
-    Effect("move_to_gpu", "param", ("gpu",), takes=(_PARAM,), reads=(Hold("param", "home"),),
+    Effect("move_to_gpu", "param", ("gpu",), takes=(_PARAM,), reads=(Hold("param", "cpu"),), paged=True,
            stream="h2d", cost=(("h2d", "param"),)),
-    Effect("all_gather", "param", (None,), takes=(_GATHERED,), reads=(_PARAM,), when="W>1",
+    Effect("move_to_cpu", "param", ("cpu",), takes=(Hold("param", "cpu"),), reads=(Hold("param", "home"),),
+           when=_NVME, paged=True, stream="nvme", cost=(("nvme_read", "param"),), host=("nvme_host", "param")),
+    Effect("all_gather", "param", (None,), takes=(_GATHERED,), reads=(_PARAM,), when="W>1", paged=True,
            stream="network", cost=(("network", "gathered"),)),
     Effect("compute", "layer", ("gpu",), reads=(_PARAM, _GATHERED),
            takes=(Hold("fullgrad", "gpu", paged=False, when="grads W>1"), Hold("grad", "gpu", when="grads W=1")),
            gates_ops=True),
     Effect("reduce_scatter", "grad", (None,), takes=(Hold("grad", "gpu"),),
-           reads=(Hold("fullgrad", "gpu", paged=False),), when="W>1", after_grads=True,
+           reads=(Hold("fullgrad", "gpu", paged=False),), when="W>1", after_grads=True, paged=True,
            stream="network", cost=(("network", "gathered"),)),
-    Effect("offload", "grad", ("cpu",), takes=(Hold("grad", "T"),), reads=(Hold("grad", "gpu"),),
-           stream="d2h", cost=(("d2h", "grad"),)),
+    Effect("offload", "grad", ("cpu", "nvme"), takes=(Hold("grad", "T"),), reads=(Hold("grad", "gpu"),), paged=True,
+           stream="d2h", stream_on=(("nvme", "nvme"),),
+           cost=(("d2h", "grad"), Term("nvme_write", "grad", "T=nvme")), host=Term("nvme_host", "grad", "T=nvme")),
+    Effect("move_to_cpu", "grad", ("cpu",), takes=(Hold("grad", "cpu"),), reads=(Hold("grad", "nvme"),),
+           stream="nvme", cost=(("nvme_read", "grad"),), host=("nvme_host", "grad")),
     Effect("offload", "optim", ("home",), reads=(Hold("optim", "cpu", paged=False),),
            writes=(Hold("optim", "T", paged=False),), stream="nvme", cost=(("nvme_write", "optim"),),
            host=("nvme_host", "optim")),
@@ -252,12 +326,14 @@ EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
            host=("nvme_host", "optim")),
     Effect("update", "layer", ("cpu", "gpu"), reads=(Hold("grad", "T"), Hold("optim", "T", paged=False)),
            writes=(Hold("optim", "T", paged=False), Hold("param", "home")), after_grads=True,
-           stream="cpu", gpu_stream="compute", cost=(("adam", "shard"), ("memory", "refresh"))),
-    Effect("release", "param", ("gpu",), frees=(_PARAM, _GATHERED), issued="end",
-           executor=("window", "window")),
+           stream="cpu", stream_on=(("gpu", "compute"),),
+           cost=(("adam", "shard"), ("memory", "refresh"), Term("nvme_write", "param", _NVME)),
+           host=Term("nvme_host", "param", _NVME)),
+    Effect("release", "param", ("gpu", "cpu"), frees=(Hold("param", "T"), Hold("gathered", "gpu", when="W>1 T=gpu")),
+           issued="end", executor=Term("window", "window", "T=gpu")),
     Effect("release", "fullgrad", ("gpu",), frees=(Hold("fullgrad", "gpu", paged=False),), issued="end",
            when="W>1"),
-    Effect("release", "grad", ("gpu", "cpu"), frees=(Hold("grad", "T"),), issued="end"),
+    Effect("release", "grad", ("gpu", "cpu", "nvme"), frees=(Hold("grad", "T"),), issued="end"),
     Effect("release", "optim", ("copy",), frees=(Hold("optim", "T", paged=False),), issued="end"),
 )}
 

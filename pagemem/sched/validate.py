@@ -1,7 +1,8 @@
 """Replay a plan against its trace: memory per tier over logical time, and every violation.
 
 The replay knows nothing of how the planner works. It starts from the state at rest (the home
-copies: parameter shards on cpu, optimizer states on their tier, cached layers on gpu), applies
+copies: parameter shards on the plan's home tier, optimizer states on their tier, cached layers
+on gpu), applies
 each task as the task table of ``pagemem.sched.tasks`` says (what it takes, needs, writes and
 gives back, on which tiers, under which conditions), checks at every op that the parameters the
 trace accesses there are on the gpu inside a compute window of the plan and that the gradients it
@@ -165,7 +166,8 @@ class _Replay:
             self.bad("bad_task", t, tg, f"{op} of a {tg.kind} on tier {task.tier}: the task table allows "
                      f"{', '.join(str(x) for x in eff.tiers)}")
         else:  # the row's own condition does not hold
-            self.bad("bad_task", t, tg, f"{op} with world size {self.W}")
+            self.bad("bad_task", t, tg, f"{op} of a {tg.kind}: the task table has it only where {eff.when} "
+                     f"(world size {self.W}, parameters homed on {self.setting.home('param', L)})")
 
     def _free(self, task: Task, keys: tuple[Key, ...]) -> None:
         t, tg, L = task.trigger_id, task.target, task.target.layer
@@ -181,7 +183,7 @@ class _Replay:
             if k in self.held:
                 self.held.discard(k)
                 self.used[k.tier] -= self.setting.pages(k.name, k.layer)
-                if k.name == "param":
+                if k.name == "param" and k.tier == "gpu":
                     self.released.add(L)
         self.changes[L] += 1
 
