@@ -17,13 +17,14 @@ import torch
 import pagemem
 from pagemem.engine.units.budget_checks import unit_cap
 from pagemem.engine.units.homes import cpu_pages, host_need
-from pagemem.sched import least_gpu_bytes
+from pagemem.sched import least_cpu_bytes, least_gpu_bytes
 from pagemem.tracer import trace
 
 PAGE = 64 * 1024
 HOMES = "+homes"
 """An ``optimizer_tier`` ending in it (``"nvme+homes"``): compute copies and gradient sums on nvme
-too, with the least cpu budget the engine accepts ([Note: homes on nvme])."""
+too, with a cpu budget of the least the scheduler plans with (its staging; ``test_engine_homes``
+trains at the engine's own least, on demand) ([Note: homes on nvme])."""
 HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
@@ -72,10 +73,14 @@ def engine_config(model: torch.nn.Module, loss: Callable, tmp_path, optimizer_ti
     kw.setdefault("optimizer", pagemem.AdamW(**HP))
     kw.setdefault("adam_threads", 2)
     cfg = pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, executor=executor, **kw)
-    if homes:
+    if homes:  # the least the engine accepts, raised to what the scheduler needs to plan (staging)
         need = host_need(model, cfg, unit_cap(store))
         least = cpu_pages(need, optimizer_tier, "nvme", cfg.lock_free) * PAGE
-        cfg = dataclasses.replace(cfg, store=dataclasses.replace(store, cpu_bytes=least))
+        tr = trace(model, lambda: loss(model, model, 0).backward()).with_non_model_peak_reserved()
+        planned = least_cpu_bytes(tr, optimizer_tier=optimizer_tier if optimizer_tier != "gpu" else "cpu",
+                                  page_bytes=PAGE, home_tier="nvme", gpu_bytes=budget)
+        model.zero_grad(set_to_none=True)
+        cfg = dataclasses.replace(cfg, store=dataclasses.replace(store, cpu_bytes=max(least, planned + 4 * PAGE)))
     return cfg
 
 

@@ -3,6 +3,9 @@
 ``Schedule.compile(plan, trace, bank)`` turns a plan into what to do at the start and at the end
 of each op (the task table, ``pagemem.sched.tasks``, says at which edge each task is issued):
 
+- ``move_to_cpu param.j`` (compute copies on nvme) -> ``Residency.stage_host``: start copying a
+  run of the unit's pages from nvme to a cpu copy, which the ``move_to_gpu`` then copies from;
+  ``release param @cpu`` -> ``Residency.release_host`` drops it;
 - ``move_to_gpu param.j`` -> ``Residency.stage``: start copying a run of the unit's pages to the
   gpu (consecutive pages of one layer issued at one op travel as one call);
 - ``compute layer`` -> ``Residency.bind``: wait for that unit's copies only, then point its
@@ -61,11 +64,15 @@ class Handler:
 
 HANDLERS: dict[tuple[str, str], Handler] = {
     ("move_to_gpu", "param"): Handler("stage"),
+    ("move_to_cpu", "param"): Handler("stage_host"),
     ("compute", "layer"): Handler("bind"),
     ("release", "param"): Handler("release"),
     ("move_to_cpu", "optim"): Handler("fetch_optim"),
     ("offload", "grad"): Handler(None, "the gradient hand-off", "autograd's gradient is added into the fp32 "
-                                 "sums in its post-accumulate hook (Gradients.hand_off)"),
+                                 "sums in its post-accumulate hook (Gradients.hand_off); sums on nvme are "
+                                 "written there through the store"),
+    ("move_to_cpu", "grad"): Handler(None, "the updater", "step() brings the sums on nvme to the cpu a batch at a "
+                                     "time, with the states ([Note: homes on nvme])"),
     ("release", "grad"): Handler(None, "the gradient hand-off", "autograd's own gradient is dropped when the hook "
                                  "returns; the sums are the update's"),
     ("update", "layer"): Handler(None, "the updater", "in step(), or during backward where that is exact"),
@@ -88,7 +95,7 @@ def unhandled_rows(world_size: int) -> list[tuple[str, str]]:
 @dataclass(frozen=True)
 class Action:
     kind: str
-    """``stage``, ``bind``, ``release`` or ``fetch_optim``."""
+    """``stage``, ``stage_host``, ``bind``, ``release``, ``release_host`` or ``fetch_optim``."""
     unit: int
     pages: range | None = None
 
@@ -132,7 +139,10 @@ class Schedule:
             if handler.action is None:
                 continue  # carried out elsewhere (see HANDLERS)
             pages = range(target.page, target.page + 1) if target.page is not None else None
-            act = Action(handler.action, to_unit[target.layer], pages if handler.action == "stage" else None)
+            action = handler.action
+            if action == "release" and task.tier == "cpu":  # the cpu copy staged from nvme goes
+                action = "release_host"
+            act = Action(action, to_unit[target.layer], pages if action in ("stage", "stage_host") else None)
             edge = end if task.issued_at_end else start
             _append(edge[task.trigger_id], act)
         expected = tuple((op.event, op.module) for op in trace.ops if op.phase != "step")
@@ -169,10 +179,10 @@ def units_of_layers(trace: Trace, bank: ParamBank) -> dict[int, int]:
 
 def _append(actions: list[Action], act: Action) -> None:
     """Add ``act``, merging a page into the run of the same unit staged just before it."""
-    if actions and act.kind == "stage":
+    if actions and act.kind in ("stage", "stage_host"):
         last = actions[-1]
-        if last.kind == "stage" and last.unit == act.unit and last.pages.stop == act.pages.start:
-            actions[-1] = Action("stage", act.unit, range(last.pages.start, act.pages.stop))
+        if last.kind == act.kind and last.unit == act.unit and last.pages.stop == act.pages.start:
+            actions[-1] = Action(act.kind, act.unit, range(last.pages.start, act.pages.stop))
             return
     actions.append(act)
 
@@ -262,6 +272,10 @@ class Executor:
                 pass  # the compute copies what is missing (a miss); the plan said it fits, so rare
         elif act.kind == "bind":
             res.bind(act.unit)
+        elif act.kind == "stage_host":
+            res.stage_host(act.unit, act.pages)
+        elif act.kind == "release_host":
+            res.release_host(act.unit)
         elif act.kind == "fetch_optim":
             res.bank.stage_states(act.unit)
         else:

@@ -244,7 +244,7 @@ class Pager:
         try:  # the non-model peak reserved at every op (see the Note)
             # the pages are counted once, by the engine, from its units (see executor.unit_layout)
             p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=1, optimizer_tier=self.plan_tier,
-                     page_bytes=pb, layout=unit_layout(trace, self.bank, pb))
+                     page_bytes=pb, layout=unit_layout(trace, self.bank, pb), home_tier=self.bank.home_tier)
             schedule = Schedule.compile(p, trace, self.bank)
         except InfeasiblePlan as exc:
             self.plan_note = str(exc)
@@ -342,7 +342,7 @@ class Pager:
             "gpu_arena_bytes": self._gpu.capacity * self._page_bytes,
             "arena_resizes": self.arena.resizes,
             "fetches": res.fetches, "prefetches": res.prefetches, "evictions": res.evictions,
-            "misses": res.misses, "gpu_wait_seconds": res.wait_seconds,
+            "misses": res.misses, "host_stages": res.host_stages, "gpu_wait_seconds": res.wait_seconds,
             "executor_seconds": self.executor_totals.seconds, "executor_releases": self.executor_totals.releases,
             "plan": None if p is None else {
                 "tasks": len(p.tasks), "counts": dict(p.counts()), "cached_layers": len(p.cached_layers),

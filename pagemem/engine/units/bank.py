@@ -275,17 +275,20 @@ class ParamBank:
         except OutOfMemory:
             pass
 
-    def drop_staged_states(self) -> None:
-        """Give back the cpu copies ``stage_states`` made of optimizer states on nvme (the update
-        needs their room for the units it streams through the cpu)."""
+    def drop_cpu_copies(self) -> None:
+        """Give back the cpu copies staged of what lives on nvme: optimizer states
+        (``stage_states``) and compute copies (``Residency.stage_host``); the update needs their
+        room for what it streams through the cpu ([Note: homes on nvme])."""
         for layer in self.layers:
-            if layer.state_tier == "nvme":
-                staged = [t for t in layer.states() if "cpu" in self.store.tiers_of(t) and self.store.tier_of(t) == "nvme"]
-                if staged:
+            kinds = [layer.states()] if layer.state_tier == "nvme" else []
+            if self.home_tier == "nvme" and not self.compute_is_master:
+                kinds.append(layer.compute)
+            for tensors in kinds:  # pages without a cpu copy are skipped by the store
+                if tensors:
                     try:
-                        self.store.release(staged, "cpu").wait()
+                        self.store.release(tensors, "cpu").wait()
                     except InvalidRequest:
-                        pass  # pinned or in flight: it stays
+                        pass  # pinned, or its only copy on the cpu: it stays
 
     def set_state(self, i: int, kind: str, value: torch.Tensor) -> None:
         """Overwrite parameter ``i``'s ``kind`` state (``master``, ``exp_avg``, ``exp_avg_sq``)

@@ -80,6 +80,8 @@ class Residency(KeepsWrites):
         self.evictions = 0
         self.misses = 0
         """Units a plan's compute found not fully staged (the executor copied the rest)."""
+        self.host_stages = 0
+        """Runs of compute pages staged from nvme to the cpu ahead of their move to the gpu."""
         self._data_taken: set[int] = set()
         self._parked: dict[int, int] = {}
         """Each evicted parameter's placeholder storage: one that moved was given other memory."""
@@ -135,6 +137,33 @@ class Residency(KeepsWrites):
         u.staged.append(handle)
         u.staged_pages += len(pages) if pages is not None else self.store.page_count(layer.compute)
         self.prefetches += 1
+
+    @shielded
+    def stage_host(self, li: int, pages: range | None = None) -> None:
+        """Start copying unit ``li``'s pages (all, or the run ``pages``) from their home on nvme
+        to the cpu, so that staging them to the gpu later reads memory ([Note: homes on nvme]).
+        Nothing where the compute copy is not on nvme, or the unit is on the gpu; no cpu room
+        leaves them to be read from nvme at their ``stage``."""
+        layer, u = self.bank.layers[li], self._units[li]
+        if self.home_on_gpu or self.bank.home_tier != "nvme" or u.bound or u.settled:
+            return
+        try:
+            self.store.copy(layer.compute, "cpu", pages=pages)
+            self.host_stages += 1
+        except OutOfMemory:
+            pass
+
+    @shielded
+    def release_host(self, li: int) -> None:
+        """Drop the cpu copy ``stage_host`` made of unit ``li``'s pages (its home stays on nvme).
+        A page pinned or in flight keeps its copy until the next release."""
+        if self.home_on_gpu or self.bank.home_tier != "nvme":
+            return
+        layer = self.bank.layers[li]
+        try:
+            self.store.release(layer.compute, "cpu")
+        except InvalidRequest:
+            pass
 
     @shielded
     def bind(self, li: int) -> None:

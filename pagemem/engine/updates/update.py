@@ -300,8 +300,8 @@ class Updater(UpdatesInBackward):
             try:
                 handle = self.store.move(disk, "cpu")
             except OutOfMemory:
-                self.flush()  # its pages go back to nvme first, and states staged ahead give way
-                self.bank.drop_staged_states()
+                self.flush()  # its pages go back to nvme first, and copies staged ahead give way
+                self.bank.drop_cpu_copies()
                 handle = self.store.move(disk, "cpu")
             handle.wait()
             self.store.release(disk, "nvme").wait()
