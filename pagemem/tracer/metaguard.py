@@ -11,7 +11,10 @@ model) handles both:
   computed from data (``equal``, ``allclose``), sampling (``multinomial``), copying a meta tensor
   out to a real device, or an op with no meta kernel. Each is refused with a
   :class:`TraceError` that names the op and where it ran, and says to trace on cpu.
-- kernels chosen by device (``scaled_dot_product_attention``): see [Note: meta traces as cpu].
+- where meta and cpu differ (meta kernels follow CUDA): which kernel
+  ``scaled_dot_product_attention`` runs, see [Note: meta traces as cpu], and the dtype of the
+  statistics layer and batch norm save. Those are fixed to cpu's; the meta-vs-cpu trace tests
+  (tests/tracer/test_trace_meta.py) would show another.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ _NEEDS_VALUES: dict[Any, str] = {
         "reads a tensor's value into Python (Tensor.item(), bool(), int(), float(), an `if` on a tensor)",
     _aten.multinomial.default: "draws samples from a tensor's values",
 }
+
+
+_STATS_IN_INPUT_DTYPE = frozenset({_aten.native_layer_norm.default, _aten.native_batch_norm.default})
 
 
 def on_meta(params: Any) -> bool:
@@ -78,7 +84,7 @@ class MetaGuard:
     def __enter__(self) -> "MetaGuard":
         with ExitStack() as modes:
             modes.enter_context(_AsCpu())
-            modes.enter_context(_Refuse(self))
+            modes.enter_context(_MetaOps(self))
             # [Note: meta traces as cpu, in backward] autograd runs backward without the caller's
             # function modes (dispatch modes it keeps), so a checkpointed block recomputing its
             # forward there would run attention as meta does. A module's forward that starts
@@ -124,7 +130,9 @@ def _has_meta(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(a, torch.Tensor) and a.is_meta for a in tree_leaves((args, kwargs)))
 
 
-class _Refuse(TorchDispatchMode):
+class _MetaOps(TorchDispatchMode):
+    """Refuses what needs values; gives normalisation statistics cpu's dtype."""
+
     def __init__(self, guard: MetaGuard) -> None:
         super().__init__()
         self.guard = guard
@@ -137,11 +145,18 @@ class _Refuse(TorchDispatchMode):
         if reason is not None:
             raise self.guard.refuse(f"{func} {reason}")
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         except NotImplementedError as e:  # no meta kernel, or a copy out of meta ("no data")
             text = str(e).strip()
             first = text.splitlines()[0] if text else type(e).__name__
             raise self.guard.refuse(f"{func} cannot run on meta ({first})") from e
+        if func in _STATS_IN_INPUT_DTYPE:
+            # [Note: meta traces as cpu, statistics] the meta kernels of layer and batch norm
+            # keep the saved mean and inverse std in float32 for a bfloat16/float16 input (as
+            # CUDA does); cpu's keep them in the input's dtype, and autograd saves them
+            dtype = args[0].dtype
+            out = tuple(t.to(dtype) if i in (1, 2) and t.dtype != dtype else t for i, t in enumerate(out))
+        return out
 
 
 class _AsCpu(TorchFunctionMode):
@@ -150,8 +165,7 @@ class _AsCpu(TorchFunctionMode):
     picks its flash kernel (which saves the output and the logsumexp): the two traces would
     differ by an attention matrix per layer. So on meta tensors this asks cpu's chooser (it reads
     shapes, dtypes and flags only) and, when cpu would run flash, runs the op cpu's composite runs
-    then, whose meta kernels give the shapes cpu's give. Anything else runs unchanged. The meta
-    vs cpu trace tests (tests/tracer/test_trace_meta.py) catch a torch that routes differently."""
+    then, whose meta kernels give the shapes cpu's give. Anything else runs unchanged."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
