@@ -83,7 +83,7 @@ def _trace_gpt(cfg, batch: int, seq: int, dtype: torch.dtype, device: str, optim
         with torch.device("meta"):
             model = GPT(cfg).to(dtype=dtype)
             idx = torch.empty((batch, seq), dtype=torch.long)
-        tgt = idx
+            tgt = torch.empty((batch, seq), dtype=torch.long)  # its own storage, as on cpu
     else:
         model = GPT(cfg).to(device=dev, dtype=dtype)
         g = torch.Generator().manual_seed(seed + 1)
