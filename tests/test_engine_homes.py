@@ -192,10 +192,10 @@ def test_everything_on_nvme_on_demand_is_exact(tmp_path):
 def test_the_update_streams_through_a_cpu_smaller_than_the_states(tmp_path):
     """The cpu budget is the least working set: far less than the states and gradient sums the
     update reads, which pass through it a batch at a time; the results are exact."""
-    cfg = engine_config(tiny_gpt(), gpt_loss, tmp_path, "nvme" + HOMES)
-    stats = train_both(tiny_gpt, gpt_loss, 3, tmp_path, optimizer_tier="nvme" + HOMES)
+    cpu = least_cpu(tiny_gpt(), optimizer_tier="nvme")
+    stats = train_both(tiny_gpt, gpt_loss, 3, tmp_path, optimizer_tier="nvme", home_tier="nvme", cpu_bytes=cpu)
     state = stats["optimizer_state_bytes"] + stats["grad_bytes"]
-    assert cfg.store.cpu_bytes * 3 < state
+    assert cpu * 3 < state
     assert stats["moved_bytes"]["nvme->cpu"] >= 3 * state  # every step read them all, through the cpu
 
 
