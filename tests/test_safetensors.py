@@ -1,0 +1,272 @@
+"""Weights from and to safetensors files ([Note: values from safetensors], [Note: weights files]):
+a model built on ``meta`` takes its values from one file or Hugging Face's shards, trains bit for
+bit as plain PyTorch from the same weights, and ``save_weights`` writes files that
+``from_pretrained`` (and the engine) load back exactly; bad input is refused naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import safetensors.torch as st
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+from torch import nn
+
+import pagemem
+from exactness import assert_same, engine_config, reference
+from pagemem.engine.checkpoints import safetensors_save
+from pagemem.models.gpt import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+
+V = 128
+_g = torch.Generator().manual_seed(1)
+TOKENS = [torch.randint(0, V, (2, 16), generator=_g) for _ in range(6)]
+GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0)
+
+
+def gpt2_config():
+    return transformers.GPT2Config(**GPT2)
+
+
+def make_gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(gpt2_config())
+
+
+def gpt2_on_meta() -> nn.Module:
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(gpt2_config())
+
+
+def lm_loss(run, model, s):
+    return run(input_ids=TOKENS[s], labels=TOKENS[s]).loss
+
+
+def keys_of(path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def train(engine, model, loss, steps: int) -> None:
+    for s in range(steps):
+        engine.backward(loss(engine, model, s))
+        engine.step()
+
+
+def assert_loads_in_transformers(directory, want: dict[str, torch.Tensor]) -> None:
+    gpt2_config().save_pretrained(directory)  # save_weights writes no config.json
+    back = transformers.GPT2LMHeadModel.from_pretrained(directory)
+    assert_same(want, back.state_dict())
+
+
+# ------------------------------------------------------------------------ a Hugging Face GPT-2
+
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme"])
+def test_a_meta_gpt2_from_a_save_model_file_trains_exactly_and_saves_for_from_pretrained(tmp_path, optimizer_tier):
+    """``save_model`` keeps ``lm_head.weight`` of the tied pair: the alias gives ``wte`` its value."""
+    st.save_model(make_gpt2(), str(tmp_path / "twin.safetensors"))
+    assert "lm_head.weight" in keys_of(tmp_path / "twin.safetensors")
+    assert "transformer.wte.weight" not in keys_of(tmp_path / "twin.safetensors")
+    want = reference(make_gpt2, lm_loss, 4)
+    model = gpt2_on_meta()
+    cfg = engine_config(make_gpt2(), lm_loss, tmp_path, optimizer_tier)
+    with pagemem.Engine(model, cfg, values=tmp_path / "twin.safetensors") as engine:  # an os.PathLike
+        assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+        train(engine, model, lm_loss, 4)
+        assert engine.stats()["iterations"]["planned"] == 3
+        assert_same(want, engine.state_dict())
+        written = engine.save_weights(tmp_path / "out")
+        got = model.state_dict()
+    assert written == [str(tmp_path / "out" / "model.safetensors")]
+    keys = keys_of(tmp_path / "out" / "model.safetensors")
+    assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys  # tied: once, as save_pretrained
+    assert sorted(keys) == sorted(k for k in got if k != "lm_head.weight")
+    assert_loads_in_transformers(tmp_path / "out", got)
+    assert_same(want, got)
+
+
+def test_a_meta_gpt2_from_save_pretrained_shards_trains_exactly_and_saves_shards(tmp_path):
+    src = tmp_path / "hf"
+    make_gpt2().save_pretrained(src, max_shard_size="40KB")
+    index = json.load(open(src / "model.safetensors.index.json"))
+    assert len(set(index["weight_map"].values())) >= 2
+    want = reference(make_gpt2, lm_loss, 4)
+    model = gpt2_on_meta()
+    with pagemem.Engine(model, engine_config(make_gpt2(), lm_loss, tmp_path), values=str(src)) as engine:
+        train(engine, model, lm_loss, 4)
+        assert_same(want, engine.state_dict())
+        written = engine.save_weights(tmp_path / "out", max_shard_bytes="48KiB")
+        got = model.state_dict()
+    names = [os.path.basename(p) for p in written]
+    n = len(names) - 1
+    assert n >= 2 and names == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)] + [
+        "model.safetensors.index.json"]
+    body = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    assert list(body["weight_map"]) == [k for k in got if k != "lm_head.weight"]  # state_dict's order
+    assert body["metadata"]["total_size"] == sum(got[k].numel() * 4 for k in body["weight_map"])
+    assert all(os.path.getsize(p) < 48 * 1024 + 4096 or len(keys_of(p)) == 1 for p in written[:-1])
+    assert_loads_in_transformers(tmp_path / "out", got)
+
+
+def test_save_weights_writes_each_parameter_in_the_dtype_it_came_with(tmp_path):
+    """A bf16 parameter among fp32 ones, under a bf16 compute dtype: the file holds each in the
+    dtype it came with (its fp32 master weights cast: what ``close()`` gives back)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    model[1].to(torch.bfloat16)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with pagemem.Engine(model, small_config(compute_dtype=torch.bfloat16)) as engine:
+        got = st.load_file(engine.save_weights(tmp_path)[0])
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    assert_same(want, got)
+
+
+# ------------------------------------------------------------------------ the project's GPT
+
+GPT_CFG = GPTConfig(layers=2, hidden=64, heads=4, vocab=V, seq=32)
+
+
+def make_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPT_CFG)
+
+
+def gpt_loss(run, model, s):
+    logits = run(TOKENS[s][:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, V), TOKENS[s][:, 1:].reshape(-1))
+
+
+def test_the_projects_gpt_on_meta_trains_exactly_from_its_weights_and_round_trips(tmp_path):
+    st.save_model(make_gpt(), str(tmp_path / "gpt.safetensors"))
+    want = reference(make_gpt, gpt_loss, 4)
+    with torch.device("meta"):
+        model = GPT(GPT_CFG)
+    with pagemem.Engine(model, engine_config(make_gpt(), gpt_loss, tmp_path), values=str(tmp_path / "gpt.safetensors")) as engine:
+        assert model.head.weight is model.wte.weight
+        train(engine, model, gpt_loss, 4)
+        assert_same(want, engine.state_dict())
+        written = engine.save_weights(tmp_path / "out", max_shard_bytes=1)  # one tensor a shard
+        got = model.state_dict()
+    assert len(written) == len(got) - 1 + 1  # head.weight is wte.weight; and the index
+    merged: dict[str, torch.Tensor] = {}
+    for path in written[:-1]:
+        merged.update(st.load_file(path))
+    fresh = GPT(GPT_CFG)  # plain PyTorch reads them: every key but the tied one
+    assert fresh.load_state_dict(merged, strict=False) == ([], []) or (
+        fresh.load_state_dict(merged, strict=False).missing_keys == ["head.weight"])
+    assert_same(got, fresh.state_dict())
+    with torch.device("meta"):
+        again = GPT(GPT_CFG)
+    with pagemem.Engine(again, small_config(), values=tmp_path / "out") as engine:
+        assert_same(got, engine.state_dict())
+
+
+# ------------------------------------------------------------------------ round trips
+
+def small_config(**kw) -> pagemem.EngineConfig:
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=64 << 10, gpu_bytes=16 << 20, cpu_bytes=64 << 20,
+                                copy_threads=0)
+    return pagemem.EngineConfig(store=store, adam_threads=1, **kw)
+
+
+class Net(nn.Module):
+    """Layers of random widths (bf16 ones maybe) between two square ones, tied maybe; a buffer
+    persistent or not."""
+
+    def __init__(self, widths: list[int], tie: bool, bf16: list[bool], persistent: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(widths[0], widths[0])
+        self.layers = nn.ModuleList(nn.Linear(a, b).to(torch.bfloat16 if h else torch.float32)
+                                    for a, b, h in zip(widths, widths[1:] + widths[:1], bf16))
+        self.last = nn.Linear(widths[0], widths[0], bias=False)
+        if tie:
+            self.last.weight = self.first.weight
+        self.register_buffer("count", torch.zeros(widths[0], dtype=torch.int64), persistent=persistent)
+        self.register_buffer("scale", torch.ones(widths[0]))
+
+
+def fill(model: nn.Module, seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in list(model.parameters()) + [model.scale]:
+            t.copy_(torch.randn(t.shape, generator=g))
+        model.count.copy_(torch.randint(0, 100, model.count.shape, generator=g))
+    return model
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(widths=hs.lists(hs.sampled_from([4, 8, 24]), min_size=1, max_size=3),
+       tie=hs.booleans(), bf16=hs.lists(hs.booleans(), min_size=3, max_size=3), persistent=hs.booleans(),
+       shard=hs.one_of(hs.integers(1, 4096), hs.just(1 << 30)), seed=hs.integers(0, 1000))
+def test_save_then_load_round_trips_exactly(tmp_path_factory, widths, tie, bf16, persistent, shard, seed):
+    out = tmp_path_factory.mktemp("w")
+    model = fill(Net(widths, tie, bf16, persistent), seed)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with pagemem.Engine(model, small_config()) as engine:
+        written = engine.save_weights(out, max_shard_bytes=shard)
+    assert written[-1].endswith("model.safetensors" if len(written) == 1 else "model.safetensors.index.json")
+    stored: dict[str, torch.Tensor] = {}
+    for path in written:
+        if path.endswith(".safetensors"):
+            stored.update(st.load_file(path))
+    assert set(stored) <= set(want)
+    for k, v in stored.items():
+        assert v.dtype == want[k].dtype and torch.equal(v, want[k]), k
+    with torch.device("meta"):
+        twin = Net(widths, tie, bf16, persistent)
+    if not persistent:  # in no file: its value is the model's business (on meta the engine refuses it)
+        twin.count = torch.zeros(widths[0], dtype=torch.int64)
+    with pagemem.Engine(twin, small_config(), values=out):
+        back = twin.state_dict()
+        assert (twin.last.weight is twin.first.weight) == tie
+    assert back.keys() == want.keys()
+    for k in want:
+        assert back[k].dtype == want[k].dtype and torch.equal(back[k], want[k]), k
+
+
+def test_a_file_in_another_dtype_is_cast_as_load_state_dict_casts(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    st.save_file(state, str(tmp_path / "w.safetensors"))
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with pagemem.Engine(meta, small_config(), values=str(tmp_path / "w.safetensors")) as engine:
+        got = engine.state_dict()
+    twin = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    twin.load_state_dict(state)
+    assert_same(twin.state_dict(), got)
+    assert all(v.dtype == torch.float32 for v in got.values())
+
+
+def test_saving_again_switches_layouts_and_leaves_other_files(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    out = tmp_path / "w"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    with pagemem.Engine(model, small_config()) as engine:
+        engine.save_weights(out, max_shard_bytes=1024)
+        assert sorted(os.listdir(out)) == ["config.json", *(f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)),
+                                           "model.safetensors.index.json"]
+        engine.save_weights(out, max_shard_bytes=4096 + 128)  # a layer's weight and bias
+        assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00002.safetensors",
+                                           "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+        engine.save_weights(out)
+        assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+        engine.save_weights(out, max_shard_bytes="1KiB")
+        assert sorted(os.listdir(out)) == ["config.json", *(f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)),
+                                           "model.safetensors.index.json"]
+        want = engine.state_dict()
+    assert (out / "config.json").read_text() == "{}"
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    with pagemem.Engine(meta, small_config(), values=out) as engine:
+        assert_same(want, engine.state_dict())
