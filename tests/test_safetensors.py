@@ -270,3 +270,222 @@ def test_saving_again_switches_layouts_and_leaves_other_files(tmp_path):
         meta = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     with pagemem.Engine(meta, small_config(), values=out) as engine:
         assert_same(want, engine.state_dict())
+
+
+# ------------------------------------------------------------------------ bad input, refused by name
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+        self.b.weight = nn.Parameter(torch.zeros(4, 8))
+        self.register_buffer("shift", torch.zeros(8))
+
+
+def small_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in Small().state_dict().items()}
+
+
+def refused(values, match: str, model: nn.Module | None = None) -> None:
+    """``values`` is refused with ``match``, and the model built on meta is untouched (nothing was
+    allocated: its parameters are still on meta)."""
+    if model is None:
+        with torch.device("meta"):
+            model = Small()
+    with pytest.raises(pagemem.ConfigError, match=match):
+        pagemem.Engine(model, small_config(), values=values)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_missing_tensor_is_refused_naming_the_file_and_keys(tmp_path):
+    f = str(tmp_path / "w.safetensors")
+    st.save_file({k: v for k, v in small_state().items() if k not in ("a.bias", "shift")}, f)
+    refused(f, rf"{f} has no tensor for 2 of the model's key\(s\): 'a.bias', 'shift'")
+
+
+def test_many_missing_tensors_are_listed_a_few(tmp_path):
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(6)))
+    f = str(tmp_path / "w.safetensors")
+    st.save_file({"0.weight": torch.zeros(2, 2)}, f)
+    refused(f, r"11 of the model's key\(s\): '0.bias', '1.weight', .* and 6 more$", model)
+
+
+def test_a_tensor_the_model_does_not_have_is_refused_naming_it(tmp_path):
+    f = str(tmp_path / "w.safetensors")
+    st.save_file({**small_state(), "transformer.extra": torch.zeros(1)}, f)
+    refused(f, rf"{f} holds 1 tensor\(s\) the model does not have: 'transformer.extra'")
+
+
+def test_a_shape_mismatch_is_refused_naming_the_file_the_key_and_both_shapes(tmp_path):
+    f = str(tmp_path / "w.safetensors")
+    st.save_file({**small_state(), "b.weight": torch.zeros(8, 4)}, f)
+    refused(f, rf"{f}: 'b.weight' has shape \(8, 4\), the model's 'b.weight' has \(4, 8\)")
+    st.save_file({**small_state(), "shift": torch.zeros(9)}, f)  # a buffer too
+    refused(f, r"'shift' has shape \(9,\)")
+
+
+def test_paths_that_hold_no_weights_are_refused(tmp_path):
+    refused(str(tmp_path / "nowhere"), "nowhere does not exist")
+    refused(tmp_path, "holds neither model.safetensors nor model.safetensors.index.json")
+    refused(42, "must be a state dict .* or the path of safetensors weights, got int")
+
+
+def test_a_corrupt_or_truncated_file_is_refused_naming_it(tmp_path):
+    f = tmp_path / "model.safetensors"
+    st.save_file(small_state(), str(f))
+    whole = f.read_bytes()
+    f.write_bytes(whole[:-16])
+    refused(tmp_path, rf"{f}: not a readable safetensors file \(.*incomplete")
+    f.write_bytes(b"\xff" * 64)
+    refused(str(f), rf"{f}: not a readable safetensors file")
+    f.write_bytes(b"")
+    refused(str(f), rf"{f}: not a readable safetensors file")
+
+
+def write_shards(folder, state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``state`` as two shards and their index (written by hand); returns the weight map."""
+    keys = list(state)
+    halves = {"model-00001-of-00002.safetensors": keys[:2], "model-00002-of-00002.safetensors": keys[2:]}
+    weight_map = {}
+    for name, part in halves.items():
+        st.save_file({k: state[k] for k in part}, str(folder / name))
+        weight_map.update({k: name for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def test_a_sharded_directory_loads_and_its_faults_are_refused_naming_the_file(tmp_path):
+    state = small_state()
+    weight_map = write_shards(tmp_path, state)
+    with torch.device("meta"):
+        model = Small()
+    with pagemem.Engine(model, small_config(), values=tmp_path) as engine:
+        assert_same(state, engine.state_dict())
+    index = tmp_path / "model.safetensors.index.json"
+    os.rename(tmp_path / "model-00002-of-00002.safetensors", tmp_path / "gone")
+    refused(tmp_path, rf"{index} names 1 shard\(s\) that are not there: model-00002-of-00002.safetensors")
+    os.rename(tmp_path / "gone", tmp_path / "model-00002-of-00002.safetensors")
+    assert weight_map["b.bias"] == "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps({"weight_map": dict(weight_map, **{"b.bias": "model-00001-of-00002.safetensors"})}))
+    refused(str(index), r"puts 'b.bias' in model-00001-of-00002.safetensors, which does not hold it")
+    index.write_text(json.dumps({"weight_map": dict(weight_map, shift="../elsewhere.safetensors")}))
+    refused(tmp_path, r"'shift' lies in '../elsewhere.safetensors', not a file name beside the index")
+    index.write_text("{not json")
+    refused(tmp_path, rf"{index}: not a readable JSON index")
+    index.write_text(json.dumps({"metadata": {}}))
+    refused(tmp_path, rf"{index}: no \"weight_map\"")
+
+
+def test_tied_aliases_stored_twice_must_agree(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.emb.weight
+
+    f = str(tmp_path / "w.safetensors")
+    w = torch.randn(8, 4)
+    st.save_file({"emb.weight": w, "head.weight": w.clone()}, f)
+    with torch.device("meta"):
+        model = Tied()
+    with pagemem.Engine(model, small_config(), values=f) as engine:
+        assert torch.equal(engine.state_dict()["head.weight"], w)
+    st.save_file({"emb.weight": w, "head.weight": w + 1}, f)
+    with torch.device("meta"):
+        model = Tied()
+    with pytest.raises(pagemem.ConfigError, match=r"tied tensors 'emb.weight' and 'head.weight' with different"):
+        pagemem.Engine(model, small_config(), values=f)
+
+
+def test_a_model_off_meta_takes_the_files_values_too(tmp_path):
+    state = small_state()
+    st.save_file(state, str(tmp_path / "model.safetensors"))
+    model = Small()
+    with pagemem.Engine(model, small_config(), values=str(tmp_path)) as engine:
+        assert_same(state, engine.state_dict())
+
+
+def test_bad_shard_sizes_are_refused(tmp_path):
+    with pagemem.Engine(Small(), small_config()) as engine:
+        for bad in (0, -1, "lots", 1.5):
+            with pytest.raises(pagemem.ConfigError, match="max_shard_bytes"):
+                engine.save_weights(tmp_path, max_shard_bytes=bad)
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------ a save that fails part-way
+
+@pytest.mark.parametrize("before", ["nothing", "single", "shards"])
+def test_a_save_failing_part_way_leaves_what_was_there_and_the_engine_trains_on(tmp_path, monkeypatch, before):
+    """The writer raises on the 2nd shard: no file that looks like weights appears (no
+    ``model.safetensors``, no index, no shard), what an earlier save wrote is untouched, no
+    temporary directory is left, and the engine trains and saves again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    out = tmp_path / "w"
+    x = torch.randn(4, 16)
+    with pagemem.Engine(model, small_config(optimizer=pagemem.AdamW(lr=1e-2))) as engine:
+        if before != "nothing":
+            engine.save_weights(out, max_shard_bytes=1 << 20 if before == "single" else 1)
+        there = {n: (out / n).read_bytes() for n in os.listdir(out)} if out.exists() else {}
+        real, calls = safetensors_save.write_shard, []
+
+        def fails_second(path, tensors):
+            calls.append(path)
+            if len(calls) == 2:
+                raise pagemem.TierIOError(f"save_weights: writing {path} failed (planted)")
+            real(path, tensors)
+
+        monkeypatch.setattr(safetensors_save, "write_shard", fails_second)
+        with pytest.raises(pagemem.TierIOError, match="planted"):
+            engine.save_weights(out, max_shard_bytes=16 * 16 * 4)
+        assert len(calls) == 2
+        assert {n: (out / n).read_bytes() for n in os.listdir(out)} == there
+        monkeypatch.setattr(safetensors_save, "write_shard", real)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        written = engine.save_weights(out, max_shard_bytes=16 * 16 * 4)
+        want = engine.state_dict()
+    assert sorted(os.listdir(out)) == sorted(os.path.basename(p) for p in written)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    with pagemem.Engine(meta, small_config(), values=out) as engine:
+        assert_same(want, engine.state_dict())
+
+
+def test_a_crashed_saves_temporary_directory_is_removed_by_the_next(tmp_path):
+    (tmp_path / ".save_weights.tmp-0badf00d").mkdir()
+    (tmp_path / ".save_weights.tmp-0badf00d" / "model.safetensors").write_bytes(b"half")
+    with pagemem.Engine(Small(), small_config()) as engine:
+        engine.save_weights(tmp_path)
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+
+
+# ------------------------------------------------------------------------ pagemem train --model.hf DIR
+
+def test_pagemem_train_starts_from_a_directorys_safetensors_weights(tmp_path):
+    from conftest import exit_status
+    from pagemem.commands.train_config import layered, resolve
+
+    d = tmp_path / "tiny-gpt2"
+    torch.manual_seed(11)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=96, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    saved = transformers.GPT2LMHeadModel(cfg)
+    saved.save_pretrained(d, max_shard_size="100KB")  # shards
+    assert (d / "model.safetensors.index.json").exists()
+    flags = {"model.hf": str(d), "data.vocab": "64", "data.seq": "16", "data.batch": "8", "store.page_bytes": "64KiB",
+             "train.progress": "false", "train.runs": str(tmp_path / "runs"), "train.steps": "2", "train.name": "w"}
+    assert exit_status("train", *(a for k, v in flags.items() for a in (f"--{k}", v))) == 0
+    first = json.loads(open(tmp_path / "runs" / "w" / "metrics.jsonl").readline())["loss"]
+    run_cfg = resolve(layered([], flags), str(tmp_path / "runs" / "w"))
+    batch = run_cfg.data.batch_at(0, run_cfg.data.table())
+    with torch.no_grad():
+        want = saved(input_ids=batch, labels=batch).loss.item()
+        torch.manual_seed(0)
+        fresh = transformers.GPT2LMHeadModel(cfg)(input_ids=batch, labels=batch).loss.item()
+    assert first == pytest.approx(want, rel=1e-5) and first != pytest.approx(fresh, rel=1e-3)
