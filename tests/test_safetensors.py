@@ -159,13 +159,42 @@ def test_the_projects_gpt_on_meta_trains_exactly_from_its_weights_and_round_trip
     for path in written[:-1]:
         merged.update(st.load_file(path))
     fresh = GPT(GPT_CFG)  # plain PyTorch reads them: every key but the tied one
-    assert fresh.load_state_dict(merged, strict=False) == ([], []) or (
-        fresh.load_state_dict(merged, strict=False).missing_keys == ["head.weight"])
+    result = fresh.load_state_dict(merged, strict=False)
+    assert result.missing_keys == ["head.weight"] and not result.unexpected_keys
     assert_same(got, fresh.state_dict())
     with torch.device("meta"):
         again = GPT(GPT_CFG)
     with pagemem.Engine(again, small_config(), values=tmp_path / "out") as engine:
         assert_same(got, engine.state_dict())
+
+
+def test_values_are_read_one_module_at_a_time_each_tensor_once(tmp_path, monkeypatch):
+    """When a module's values are read, no other parameter holds memory of its size, and every
+    tensor of the file is read once (the tied one too)."""
+    from pagemem.engine.units import safetensors_values as sv
+
+    f = str(tmp_path / "gpt.safetensors")
+    st.save_model(make_gpt(), f)
+    with torch.device("meta"):
+        model = GPT(GPT_CFG)
+    calls, reads = [], []
+    values, tensor = sv.FromSafetensors.values, sv.FromSafetensors._tensor
+
+    def spy_values(self, mname, module, params):
+        own = {id(p) for p in module.parameters(recurse=False)}
+        for other in model.parameters():
+            if id(other) not in own:
+                assert other.is_meta or other.untyped_storage().nbytes() <= other.element_size(), mname
+        calls.append(mname)
+        return values(self, mname, module, params)
+
+    monkeypatch.setattr(sv.FromSafetensors, "values", spy_values)
+    monkeypatch.setattr(sv.FromSafetensors, "_tensor", lambda self, key: reads.append(key) or tensor(self, key))
+    with pagemem.Engine(model, small_config(), values=f):
+        pass
+    owners = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    assert calls == [n for n in owners if n != "head"]  # head's weight is wte's: read once, for its first owner
+    assert sorted(reads) == sorted(keys_of(f))
 
 
 # ------------------------------------------------------------------------ round trips
@@ -244,6 +273,14 @@ def test_a_file_in_another_dtype_is_cast_as_load_state_dict_casts(tmp_path):
     twin.load_state_dict(state)
     assert_same(twin.state_dict(), got)
     assert all(v.dtype == torch.float32 for v in got.values())
+    # and the other way: fp32 values into a bf16 parameter are rounded to bf16, master weights too
+    st.save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).to(torch.bfloat16)
+    with pagemem.Engine(meta, small_config(), values=str(tmp_path / "w.safetensors")) as engine:
+        got = engine.state_dict()  # the fp32 master weights
+    twin.to(torch.bfloat16).load_state_dict(model.state_dict())
+    assert_same({k: v.float() for k, v in twin.state_dict().items()}, got)
 
 
 def test_saving_again_switches_layouts_and_leaves_other_files(tmp_path):

@@ -30,6 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from pagemem.engine.checkpoints.ckpt_state import persistent_buffers
 from pagemem.engine.checkpoints.safetensors_layout import find_weights
 from pagemem.errors import ConfigError
 
@@ -74,19 +75,21 @@ class FromSafetensors:
         if unexpected:
             raise ConfigError(f"values: {self.where} holds {len(unexpected)} tensor(s) the model does not have: "
                               f"{_listed(unexpected)} (keys must be as model.state_dict() names them)")
-        persistent = set(model.state_dict(keep_vars=True))  # the keys the model saves: parameters, persistent buffers
+        saved = {key for key, _m, _b in persistent_buffers(model)}  # a non-persistent buffer may be absent
         self.key_of: dict[str, str] = {}
         """Each parameter's and buffer's name (every alias) -> the key the files hold it under."""
         self.also: dict[str, list[str]] = {}
         """A key -> the other aliases of its tensor the files hold too (their values must be equal)."""
         missing = []
-        for aliases in dict.fromkeys({**params, **buffers}.values()):
+        groups = [(a, True) for a in dict.fromkeys(params.values())]
+        groups += [(a, any(n in saved for n in a)) for a in dict.fromkeys(buffers.values())]
+        for aliases, required in groups:
             present = [a for a in aliases if a in self.stored]
             if present:
                 self.key_of.update({a: present[0] for a in aliases})
                 if len(present) > 1:
                     self.also[present[0]] = present[1:]
-            elif any(a in persistent for a in aliases):
+            elif required:
                 missing.append(aliases[0])
         if missing:
             raise ConfigError(f"values: {self.where} has no tensor for {len(missing)} of the model's key(s): "
