@@ -454,6 +454,40 @@ def test_bad_shard_sizes_are_refused(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_save_weights_is_one_call_waiting_for_the_running_one(tmp_path, monkeypatch):
+    """[Note: calls from several threads]: a save from a second thread waits for the call that
+    holds the engine, then runs whole, holding the engine's call lock while it writes."""
+    import threading
+
+    with pagemem.Engine(Small(), small_config()) as engine:
+        held, release, done, holding = threading.Event(), threading.Event(), [], []
+        real = safetensors_save.write_shard
+
+        def write_shard(path, tensors):
+            holding.append((engine.calls._owner is threading.current_thread(), engine.calls._what))
+            real(path, tensors)
+
+        monkeypatch.setattr(safetensors_save, "write_shard", write_shard)
+
+        def hold() -> None:
+            with engine.calls.held("another call"):
+                held.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(30)
+        saver = threading.Thread(target=lambda: done.append(engine.save_weights(tmp_path)))
+        saver.start()
+        saver.join(0.5)
+        assert not done and not os.listdir(tmp_path)  # it waits, having written nothing
+        release.set()
+        saver.join(30)
+        holder.join(30)
+        assert done == [[str(tmp_path / "model.safetensors")]]
+        assert holding == [(True, "save_weights")]
+
+
 # ------------------------------------------------------------------------ a save that fails part-way
 
 @pytest.mark.parametrize("before", ["nothing", "single", "shards"])
@@ -526,3 +560,29 @@ def test_pagemem_train_starts_from_a_directorys_safetensors_weights(tmp_path):
         torch.manual_seed(0)
         fresh = transformers.GPT2LMHeadModel(cfg)(input_ids=batch, labels=batch).loss.item()
     assert first == pytest.approx(want, rel=1e-5) and first != pytest.approx(fresh, rel=1e-3)
+
+
+def test_a_directorys_model_is_built_with_its_parameters_on_meta_and_its_buffers_made(tmp_path):
+    """A Llama's rotary ``inv_freq`` is in no weights file: it is made as the model's code makes
+    it, while every parameter waits on meta for the files' values."""
+    from pagemem.commands.models import build
+    from pagemem.commands.train_config import ModelSettings
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    saved = transformers.LlamaForCausalLM(cfg)
+    saved.save_pretrained(tmp_path)
+    built = build(ModelSettings(hf=str(tmp_path)), seed=0)
+    assert built.values == str(tmp_path)
+    assert all(p.is_meta and p.dtype == torch.float32 for p in built.model.parameters())
+    buffers = dict(built.model.named_buffers())
+    assert buffers and not any(b.is_meta for b in buffers.values())
+    assert torch.equal(buffers["model.rotary_emb.inv_freq"], dict(saved.named_buffers())["model.rotary_emb.inv_freq"])
+    with pagemem.Engine(built.model, small_config(), values=built.values) as engine:
+        assert_same(saved.state_dict(), engine.state_dict())
+        tokens = TOKENS[0]
+        with torch.no_grad():
+            assert torch.equal(engine(input_ids=tokens).logits, saved(input_ids=tokens).logits)
+    stand_in = build(ModelSettings(hf=str(tmp_path)), seed=0, weights=False)
+    assert stand_in.values is None and not any(p.is_meta for p in stand_in.model.parameters())
