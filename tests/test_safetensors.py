@@ -539,7 +539,7 @@ def test_a_crashed_saves_temporary_directory_is_removed_by_the_next(tmp_path):
 # ------------------------------------------------------------------------ pagemem train --model.hf DIR
 
 def test_pagemem_train_starts_from_a_directorys_safetensors_weights(tmp_path):
-    from conftest import exit_status
+    from tests.conftest import exit_status
     from pagemem.commands.train_config import layered, resolve
 
     d = tmp_path / "tiny-gpt2"
