@@ -7,6 +7,7 @@ disk that fails part-way through a streamed update."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -254,3 +255,30 @@ def test_a_gpt2_of_16_layers_trains_with_peak_memory_bounded_by_the_budgets_not_
     assert r["training_growth"] <= bound, (r["training_growth"], bound)
     assert r["training_state_bytes"] > 3 * bound
     assert all(l == l and l < 20 for l in r["losses"]) and r["losses"][1] < r["losses"][0]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize("resume_home", ["nvme", "cpu"])
+def test_a_checkpoint_saved_with_everything_on_nvme_resumes_bit_identically_on_meta_with_either_home(resume_home,
+                                                                                                    tmp_path):
+    """Saved while compute copies, gradient sums and states all live on nvme; resumed into a model
+    built on ``meta``, with the homes on nvme again or on the cpu: the same bits as the
+    uninterrupted run (a checkpoint does not depend on where the engine kept things)."""
+    from test_engine_checkpoint import make as ckpt_make, resume_and_compare, tiny_gpt as ckpt_gpt, train
+    model, cfg = ckpt_make(tmp_path)
+    cfg = dataclasses.replace(cfg, home_tier="nvme")
+    with pagemem.Engine(model, cfg) as engine:
+        assert engine.stats()["home_tier"] == "nvme"
+        train(engine, 3)
+        engine.save(str(tmp_path / "ckpt"))
+        train(engine, 6)
+        expected = engine.state_dict()
+    with torch.device("meta"):
+        empty = ckpt_gpt()
+
+    def homed(engine, _model):
+        assert engine.stats()["home_tier"] == resume_home and engine.global_step == 3
+
+    resume_and_compare(str(tmp_path / "ckpt"), empty, dataclasses.replace(cfg, home_tier=resume_home), 6, expected,
+                       homed)
