@@ -282,3 +282,33 @@ def test_a_checkpoint_saved_with_everything_on_nvme_resumes_bit_identically_on_m
 
     resume_and_compare(str(tmp_path / "ckpt"), empty, dataclasses.replace(cfg, home_tier=resume_home), 6, expected,
                        homed)
+
+
+@pytest.mark.parametrize("executor", ["plan", "demand"])
+@pytest.mark.parametrize("op,kind", [("write", "enospc"), ("read", "eio")])
+def test_a_disk_failing_during_a_backward_with_everything_on_nvme_loses_nothing(executor, op, kind, tmp_path):
+    """A gradient written to its nvme sums, or a compute page read from nvme, fails once in the
+    second step's iteration: either the iteration raises ``TierIOError`` and training goes on as if
+    its batch was skipped, or the failed read was a staging the bind then made good, and training
+    is as if nothing happened. Never silently different."""
+    from test_step_io_errors import faulty
+    model = tiny_gpt()
+    cfg = engine_config(tiny_gpt(), gpt_loss, tmp_path, "nvme" + HOMES, executor=executor)
+    with pagemem.Engine(model, cfg) as engine:
+        faults = faulty(engine)
+        engine.backward(gpt_loss(engine, model, 0))
+        engine.step()
+        faults.fail_next(op, kind, count=1)
+        try:
+            engine.backward(gpt_loss(engine, model, 1))
+            engine.step()
+            batches = [0, 1, 2]
+        except pagemem.TierIOError as exc:
+            assert ("ENOSPC" if kind == "enospc" else "EIO") in str(exc)
+            batches = [0, 2]
+        assert faults.injected == 1
+        engine.backward(gpt_loss(engine, model, 2))
+        engine.step()
+        got = engine.state_dict()
+    expected = reference(tiny_gpt, lambda run, m, s: gpt_loss(run, m, batches[s]), len(batches))
+    assert_same(expected, got)
