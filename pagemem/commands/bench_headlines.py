@@ -165,6 +165,28 @@ def offload(d: Results) -> list[Headline]:
     return rows
 
 
+def homes(d: Results) -> list[Headline]:
+    rows = []
+    runs = [r for r in d["rows"] if "refused" not in r]
+    on_cpu = {r["multiple"]: r for r in runs if r["home"] == "cpu"}
+    mib = 1 << 20
+    for r in runs:
+        if r["home"] != "nvme":
+            continue
+        what = f"homes on nvme, state {r['multiple']}x cpu_bytes"
+        rows.append(Headline(f"{what}: peak RSS growth", r["growth"] / mib, "gpu + cpu + 4 layers + 256 MiB",
+                             r["bound_bytes"] / mib, "MiB"))
+        if r.get("sim_seconds"):
+            rows.append(Headline(f"{what}: iteration", r["iteration_seconds"], "the simulator's prediction",
+                                 r["sim_seconds"], "s"))
+        elif r["multiple"] in on_cpu:
+            rows.append(Headline(f"{what}: iteration", r["iteration_seconds"], "homes on cpu, same model",
+                                 on_cpu[r["multiple"]]["iteration_seconds"], "s"))
+    if not rows:
+        raise NoFigure("no row ran")
+    return rows
+
+
 def _last_error(result: dict[str, Any] | None) -> str:
     """The last line of a failed run's error (bench_offload joins its last lines with " | ")."""
     if not result:
@@ -184,5 +206,6 @@ HEADLINES: dict[str, Callable[[Results], list[Headline]]] = {
     "bench_gpu_moves": gpu_moves,
     "bench_lockfree": lockfree,
     "bench_offload": offload,
+    "bench_homes": homes,
 }
 """benchmark -> its headline rows. A benchmark in ``benchmarks/run_all.py``'s ``SUITE`` needs a row here."""
