@@ -124,7 +124,7 @@ def _model(run: str) -> torch.nn.Module:
     from pagemem.commands.models import build
     from pagemem.commands.train_config import resolve
 
-    return build(resolve(json.load(open(os.path.join(run, "config.json"))), run).model, 0)[0]
+    return build(resolve(json.load(open(os.path.join(run, "config.json"))), run).model, 0).model
 
 
 def _weights(run: str) -> dict[str, torch.Tensor]:
@@ -132,7 +132,7 @@ def _weights(run: str) -> dict[str, torch.Tensor]:
     from pagemem.commands.train_config import resolve
 
     cfg = resolve(json.load(open(os.path.join(run, "config.json"))), run)
-    model = build(cfg.model, 0)[0]
+    model = build(cfg.model, 0).model
     with pagemem.Engine.load(os.path.join(run, "checkpoints"), model, cfg.engine) as engine:
         return engine.state_dict()
 

@@ -7,6 +7,7 @@ disk that fails part-way through a streamed update."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -263,10 +264,10 @@ def test_everything_on_nvme_on_demand_is_exact(tmp_path):
 def test_the_update_streams_through_a_cpu_smaller_than_the_states(tmp_path):
     """The cpu budget is the least working set: far less than the states and gradient sums the
     update reads, which pass through it a batch at a time; the results are exact."""
-    cfg = engine_config(tiny_gpt(), gpt_loss, tmp_path, "nvme" + HOMES)
-    stats = train_both(tiny_gpt, gpt_loss, 3, tmp_path, optimizer_tier="nvme" + HOMES)
+    cpu = least_cpu(tiny_gpt(), optimizer_tier="nvme")
+    stats = train_both(tiny_gpt, gpt_loss, 3, tmp_path, optimizer_tier="nvme", home_tier="nvme", cpu_bytes=cpu)
     state = stats["optimizer_state_bytes"] + stats["grad_bytes"]
-    assert cfg.store.cpu_bytes * 3 < state
+    assert cpu * 3 < state
     assert stats["moved_bytes"]["nvme->cpu"] >= 3 * state  # every step read them all, through the cpu
 
 
@@ -326,3 +327,60 @@ def test_a_gpt2_of_16_layers_trains_with_peak_memory_bounded_by_the_budgets_not_
     assert r["training_growth"] <= bound, (r["training_growth"], bound)
     assert r["training_state_bytes"] > 3 * bound
     assert all(l == l and l < 20 for l in r["losses"]) and r["losses"][1] < r["losses"][0]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize("resume_home", ["nvme", "cpu"])
+def test_a_checkpoint_saved_with_everything_on_nvme_resumes_bit_identically_on_meta_with_either_home(resume_home,
+                                                                                                    tmp_path):
+    """Saved while compute copies, gradient sums and states all live on nvme; resumed into a model
+    built on ``meta``, with the homes on nvme again or on the cpu: the same bits as the
+    uninterrupted run (a checkpoint does not depend on where the engine kept things)."""
+    from test_engine_checkpoint import make as ckpt_make, resume_and_compare, tiny_gpt as ckpt_gpt, train
+    model, cfg = ckpt_make(tmp_path)
+    cfg = dataclasses.replace(cfg, home_tier="nvme")
+    with pagemem.Engine(model, cfg) as engine:
+        assert engine.stats()["home_tier"] == "nvme"
+        train(engine, 3)
+        engine.save(str(tmp_path / "ckpt"))
+        train(engine, 6)
+        expected = engine.state_dict()
+    with torch.device("meta"):
+        empty = ckpt_gpt()
+
+    def homed(engine, _model):
+        assert engine.stats()["home_tier"] == resume_home and engine.global_step == 3
+
+    resume_and_compare(str(tmp_path / "ckpt"), empty, dataclasses.replace(cfg, home_tier=resume_home), 6, expected,
+                       homed)
+
+
+@pytest.mark.parametrize("executor", ["plan", "demand"])
+@pytest.mark.parametrize("op,kind", [("write", "enospc"), ("read", "eio")])
+def test_a_disk_failing_during_a_backward_with_everything_on_nvme_loses_nothing(executor, op, kind, tmp_path):
+    """A gradient written to its nvme sums, or a compute page read from nvme, fails once in the
+    second step's iteration: either the iteration raises ``TierIOError`` and training goes on as if
+    its batch was skipped, or the failed read was a staging the bind then made good, and training
+    is as if nothing happened. Never silently different."""
+    from test_step_io_errors import faulty
+    model = tiny_gpt()
+    cfg = engine_config(tiny_gpt(), gpt_loss, tmp_path, "nvme" + HOMES, executor=executor)
+    with pagemem.Engine(model, cfg) as engine:
+        faults = faulty(engine)
+        engine.backward(gpt_loss(engine, model, 0))
+        engine.step()
+        faults.fail_next(op, kind, count=1)
+        try:
+            engine.backward(gpt_loss(engine, model, 1))
+            engine.step()
+            batches = [0, 1, 2]
+        except pagemem.TierIOError as exc:
+            assert ("ENOSPC" if kind == "enospc" else "EIO") in str(exc)
+            batches = [0, 2]
+        assert faults.injected == 1
+        engine.backward(gpt_loss(engine, model, 2))
+        engine.step()
+        got = engine.state_dict()
+    expected = reference(tiny_gpt, lambda run, m, s: gpt_loss(run, m, batches[s]), len(batches))
+    assert_same(expected, got)

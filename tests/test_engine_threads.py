@@ -1,7 +1,7 @@
 """Calls from a second thread while the training loop runs ([Note: calls from several threads]).
 
 The loop trains; another thread calls ``state_dict()``, ``model.state_dict()``, ``save()``,
-``step()`` or ``close()`` over and over, or at a random moment. Every weight set it gets back
+``save_weights()``, ``step()`` or ``close()`` over and over, or at a random moment. Every weight set it gets back
 must be the weights of plain PyTorch after some whole number of steps (never a mix of before
 and after one), and every refusal must say what runs. Nothing hangs: each thread is joined with
 a timeout.
@@ -150,6 +150,23 @@ def test_saves_from_another_thread_hold_whole_steps(by_habit, tmp_path):
             assert again.global_step == k
         finally:
             again.close()
+
+
+@pytest.mark.parametrize("by_habit", [False, True], ids=["engine.backward", "loss.backward"])
+def test_weights_saved_from_another_thread_hold_whole_steps(by_habit, tmp_path):
+    """``save_weights`` is one call: its files hold the weights after a whole number of steps,
+    with updates during backward too."""
+    from safetensors.torch import load_file
+
+    model = make()
+    with pagemem.Engine(model, config(tmp_path, "cpu", True)) as engine:
+        count = iter(range(1 << 30))
+        results, errors = run_beside(engine, by_habit,
+                                     lambda: engine.save_weights(tmp_path / f"w{next(count)}")[0])
+        assert all(refused_for_a_reason(e) for e in errors), errors[:3]
+    assert results, "the saver never got in"
+    seen = sorted({which_step(load_file(path)) for path in results})
+    assert seen[0] >= 0 and seen[-1] <= STEPS
 
 
 def test_two_threads_stepping_update_once_each_backward(tmp_path):

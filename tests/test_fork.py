@@ -278,6 +278,7 @@ def test_every_engine_entry_point_raises_in_a_child(tmp_path, io_engine):
         "state_dict": engine.state_dict,
         "model.state_dict": model.state_dict,
         "save": lambda: engine.save(str(tmp_path / "child-ckpt")),
+        "save_weights": lambda: engine.save_weights(tmp_path / "child-weights"),
         "stats": engine.stats,
         "clip_grad_norm_": lambda: engine.clip_grad_norm_(1.0),
         "clip_grad_norm_ inf": lambda: engine.clip_grad_norm_(1.0, float("inf")),
@@ -289,6 +290,7 @@ def test_every_engine_entry_point_raises_in_a_child(tmp_path, io_engine):
     }
     got = calls_in_child(calls)
     assert_all_refused(got, calls)
+    assert not (tmp_path / "child-weights").exists()  # refused before it touched anything
     assert all(os.path.exists(p) for p in paths)
     engine.backward(loss)
     engine.step()

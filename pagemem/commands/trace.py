@@ -24,7 +24,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per batch (default 2)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's seq)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda[:N], or meta: the cpu trace without memory for the model's values, "
+                             "for a model larger than host memory (default cpu)")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "modelled", "none"),
                         help="trace a real AdamW step, model Adam's states, or no step (default adamw)")
     parser.add_argument("--synthetic", action="store_true",
@@ -77,10 +79,16 @@ def _trace_gpt(cfg, batch: int, seq: int, dtype: torch.dtype, device: str, optim
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device: CUDA is not available here")
     torch.manual_seed(seed)
-    model = GPT(cfg).to(device=dev, dtype=dtype)
-    g = torch.Generator().manual_seed(seed + 1)
-    idx = torch.randint(0, cfg.vocab, (batch, seq), generator=g).to(dev)
-    tgt = torch.randint(0, cfg.vocab, (batch, seq), generator=g).to(dev)
+    if dev.type == "meta":  # nothing is allocated or drawn: shapes are all a meta trace reads
+        with torch.device("meta"):
+            model = GPT(cfg).to(dtype=dtype)
+            idx = torch.empty((batch, seq), dtype=torch.long)
+            tgt = torch.empty((batch, seq), dtype=torch.long)  # its own storage, as on cpu
+    else:
+        model = GPT(cfg).to(device=dev, dtype=dtype)
+        g = torch.Generator().manual_seed(seed + 1)
+        idx = torch.randint(0, cfg.vocab, (batch, seq), generator=g).to(dev)
+        tgt = torch.randint(0, cfg.vocab, (batch, seq), generator=g).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer == "adamw" else None
     options = TraceOptions(optimizer_model="none" if optimizer == "none" else "adam")
 

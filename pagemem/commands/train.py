@@ -60,7 +60,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--help_config", action="store_true", help="list every setting with its default, and exit")
     for name in known_settings():
         parser.add_argument(f"--{name}", dest=SET + name, metavar="VALUE", default=None, help=argparse.SUPPRESS)
-    parser.epilog = "Every config field is a flag: --SECTION.FIELD VALUE (see --help_config)."
+    parser.epilog = ("Every config field is a flag: --SECTION.FIELD VALUE (see --help_config). --model.hf takes a "
+                     "model type (fresh weights) or a directory with config.json; safetensors weights there "
+                     "(model.safetensors, or shards with model.safetensors.index.json) are the starting values, "
+                     "read into the engine a module at a time.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,22 +85,25 @@ def run(args: argparse.Namespace) -> int:
         if on_disk and plain.get("store", {}).get("nvme_path") is None:
             os.makedirs(os.path.join(rd.path, "nvme"), exist_ok=True)  # where resolve() puts the page files
         cfg = resolve(plain, rd.path)
-        model, loss_of, vocab, longest = build(cfg.model, cfg.data.seed)
-        if cfg.model.hf is not None and (cfg.data.vocab > vocab or cfg.data.seq > longest):
+        built = build(cfg.model, cfg.data.seed)
+        model, loss_of = built.model, built.loss_of
+        if cfg.model.hf is not None and (cfg.data.vocab > built.vocab or cfg.data.seq > built.longest):
             raise ConfigError(f"data: vocab {cfg.data.vocab} and seq {cfg.data.seq} must be at most the model's "
-                              f"({vocab} and {longest})")
+                              f"({built.vocab} and {built.longest})")
         table = cfg.data.table()
         probe = "gpu_bytes" in cfg.auto and (cfg.engine.store.gpu_backend == "host" or not _cuda())
-        cfg = _sized(cfg, model, lambda: loss_of(model, cfg.data.batch_at(0, table)).backward())
+        # a model on meta (its values in files) is sized through a stand-in of the same shapes
+        sizing = build(cfg.model, cfg.data.seed, weights=False).model if probe and built.values else model
+        cfg = _sized(cfg, sizing, lambda: loss_of(sizing, cfg.data.batch_at(0, table)).backward())
         if probe and not args.resume:
             cfg = _tried(cfg, loss_of, table)
-            model = build(cfg.model, cfg.data.seed)[0]  # the tries trained a copy: start afresh
+            model = build(cfg.model, cfg.data.seed).model  # the tries trained a copy: start afresh
         os.makedirs(rd.path, exist_ok=True)
         if args.resume:
             engine = Engine.load(rd.checkpoints, model, cfg.engine)
             rd.keep_metrics_until(engine.global_step)
         else:
-            engine = Engine(model, cfg.engine)
+            engine = Engine(model, cfg.engine, values=built.values)
             rd.write_config(cfg.to_plain(), to_toml(cfg.to_plain()))
     except BaseException:
         if created:  # nothing of this run exists yet: leave nothing behind
@@ -146,7 +152,7 @@ def _tried(cfg: TrainConfig, loss_of: Any, table: Any, attempts: int = 4) -> Tra
     """``cfg`` whose ``auto`` gpu budget held two iterations (traced, then planned) of a fresh
     copy of the model, grown to the least the engine names where it did not (``auto_sizes``)."""
     for _ in range(attempts):
-        model = build(cfg.model, cfg.data.seed)[0]
+        model = build(cfg.model, cfg.data.seed, weights=False).model  # the budget depends on shapes only
         try:
             with Engine(model, cfg.engine) as engine:
                 for step in range(2):

@@ -71,8 +71,11 @@ class ModelSettings(GPTConfig):
     """The ``[model]`` section: the project's GPT (its shape), or a Hugging Face causal LM."""
 
     hf: str | None = None
-    """A model type (``"gpt2"``, ``"llama"``: its default config) or a local directory holding a
-    ``config.json`` (and weights, which are loaded when present); needs ``transformers``."""
+    """A model type (``"gpt2"``, ``"llama"``: its default config, freshly initialised) or a local
+    directory holding a ``config.json``; its weights, when present, are the starting values:
+    safetensors (``model.safetensors``, or shards and ``model.safetensors.index.json``) are read
+    into the engine one module at a time, the model built on ``meta``
+    (``pagemem.commands.models``); needs ``transformers``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

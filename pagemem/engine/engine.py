@@ -34,7 +34,8 @@ from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.budget_checks import check_units_fit, unit_cap
 from pagemem.engine.units.homes import choose_home_tier
 from pagemem.engine.checkpoints.ckpt_state import engine_dtype
-from pagemem.engine.units.values import FromCheckpoint, FromInit, FromModule, FromStateDict, ModuleInit
+from pagemem.engine.units.safetensors_values import FromSafetensors
+from pagemem.engine.units.values import FromCheckpoint, FromStateDict, ModuleInit, ValueSource, source_of
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.updates.groups import checked_groups
 from pagemem.engine.gradients.grad_ledger import GradLedger
@@ -71,9 +72,15 @@ class Engine(BackwardMixin, ResultsMixin):
         values of one module's own parameters in place, and is called on each module that owns
         parameters, one at a time, so host memory never holds the whole model (for example
         ``lambda name, m: m.reset_parameters()``, or ``pagemem.models.gpt.init_module(cfg)``).
-        Or build it on ``meta`` and resume it with :meth:`load`. ``values``: a state dict (keys as
-        ``model.state_dict()``) to take the first values from instead of the module (buffers in it
-        too); the model may be on ``meta`` then. See [Note: first values] in ``values.py``."""
+        Or build it on ``meta`` and resume it with :meth:`load`. ``values``: where the first values
+        come from instead of the module (buffers too), the model may be on ``meta`` then: a state
+        dict (keys as ``model.state_dict()``), or the path (``str`` or ``os.PathLike``) of
+        safetensors weights: a ``.safetensors`` file, or a directory in Hugging Face's layout
+        (``model.safetensors``, or shards with ``model.safetensors.index.json``), read one module
+        at a time; the files must hold exactly the keys ``model.state_dict()`` has (one alias of
+        tied weights suffices), else ``ConfigError`` naming the file and keys, before anything is
+        allocated (see [Note: first values] in ``values.py`` and [Note: values from safetensors]).
+        :meth:`save_weights` writes them."""
         if init is not None and values is not None:
             raise ConfigError("init, values: give the first values one way, not both")
         if not isinstance(model, nn.Module):
@@ -94,22 +101,24 @@ class Engine(BackwardMixin, ResultsMixin):
         """One public call at a time, from any thread ([Note: calls from several threads], ``calls.py``)."""
         check_units_fit(model, config)  # [Note: gpu budgets refused early], before anything is made
         self._home_tier = choose_home_tier(model, config, unit_cap(config.store))  # [Note: homes on nvme]
-        self.store = PageStore(config.store)
+        source = source_of(model, init, values, _values)  # a path's files are checked here, before the store
         try:
-            self._build(model, config, groups, init, values, _values)
-        except BaseException:
-            self._undo_build(model, restore=init is None and values is None and _values)
-            raise
+            self.store = PageStore(config.store)
+            try:
+                self._build(model, config, groups, source)
+            except BaseException:
+                self._undo_build(model, restore=init is None and values is None and _values)
+                raise
+        finally:
+            if isinstance(source, FromSafetensors):
+                source.close()
         hold_interrupts()
 
-    def _build(self, model: nn.Module, config: EngineConfig, groups: list | None, init: ModuleInit | None,
-               values: Any, from_module: bool) -> None:
-        source = (FromInit(init) if init is not None else FromStateDict(values) if values is not None
-                  else FromModule() if from_module else FromCheckpoint())
+    def _build(self, model: nn.Module, config: EngineConfig, groups: list | None, source: ValueSource) -> None:
         self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
                               unit_bytes=unit_cap(config.store), source=source, states_apart=config.lock_free,
                               home_tier=self._home_tier)
-        if isinstance(source, FromStateDict):
+        if isinstance(source, (FromStateDict, FromSafetensors)):
             source.set_buffers(model, self.store.tier("gpu").device)
         if not isinstance(source, FromCheckpoint):
             check_no_meta_buffers(model)

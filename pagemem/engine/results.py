@@ -4,6 +4,7 @@ values, and ``stats()``. A mixin of ``Engine``, as ``backward.py`` is: these met
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -11,10 +12,11 @@ import torch
 from torch import nn
 
 from pagemem.checks import check_int
-from pagemem.engine.checkpoints import checkpoint
+from pagemem.engine.checkpoints import checkpoint, safetensors_save
 from pagemem.engine.config import EngineConfig
 from pagemem.engine.calls import CallLock, engine_call
-from pagemem.errors import InvalidRequest
+from pagemem.errors import ConfigError, InvalidRequest
+from pagemem.units import parse_size
 
 if TYPE_CHECKING:
     from pagemem.engine.gradients.gradients import Gradients
@@ -52,7 +54,7 @@ class ResultsMixin:
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
 
-        def _before_reading_weights(self) -> None: ...
+        def _before_reading_weights(self, what: str = "state_dict") -> None: ...
 
         @property
         def group_of(self) -> list[int | None]: ...
@@ -96,6 +98,29 @@ class ResultsMixin:
         if keep is not None:
             check_int("keep", keep, 1)
         return checkpoint.save(self.checkpointed(), directory, keep)
+
+    @engine_call("save_weights")
+    def save_weights(self, directory: str | os.PathLike,
+                     max_shard_bytes: int | str = safetensors_save.DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+        """Write the model's current weights into ``directory`` as safetensors files in Hugging
+        Face's layout: ``model.safetensors``, or shards ``model-0000k-of-0000N.safetensors`` of at
+        most ``max_shard_bytes`` each (``"2GiB"`` style or bytes; default 2 GiB) with
+        ``model.safetensors.index.json``. Keys are those ``model.state_dict()`` has, tied weights
+        once; parameters in the dtype they came with (from the fp32 master weights), persistent
+        buffers as they are. Read one shard at a time (host memory holds at most one shard),
+        written atomically: a failure leaves the files that were there. It does not write
+        ``config.json``: for ``from_pretrained``, save the model's config there too
+        (``model.config.save_pretrained(directory)``). ``Engine(model, config, values=directory)``
+        reads them back. Returns the paths written, the index last (see
+        ``engine/checkpoints/safetensors_save.py``)."""
+        self._usable("save_weights")
+        self.updater.refuse_if_unfinished("save_weights")
+        limit = parse_size(max_shard_bytes, "max_shard_bytes")
+        if limit < 1:
+            raise ConfigError(f"max_shard_bytes: must be at least 1 byte, got {max_shard_bytes!r}")
+        self._before_reading_weights("save_weights")
+        entries = safetensors_save.weight_entries(self.module, self.bank)
+        return safetensors_save.save_weights(entries, directory, limit)
 
     def checkpointed(self) -> checkpoint.Checkpointed:
         """What a checkpoint reads and writes of this engine (``checkpoint.Checkpointed``)."""

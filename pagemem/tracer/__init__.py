@@ -29,6 +29,9 @@ Design, in short (details in each module):
   a modelled ``step`` op (:mod:`~pagemem.tracer.optstate`), as synthetic traces do.
 - Layers (:mod:`~pagemem.tracer.layers`): transformer blocks and other parameter groups, ordered
   by first use; tied weights belong to the layer that uses them first.
+- On ``meta`` (:mod:`~pagemem.tracer.metaguard`): a model built under ``torch.device("meta")``
+  traces as its cpu twin does, without memory for its values (storages are told apart by
+  identity, :mod:`~pagemem.tracer.storages`); code that needs values raises :class:`TraceError`.
 - Synthetic traces (:mod:`~pagemem.tracer.synthetic`): ANGEL-PTM Table 1 mapped onto
   :class:`pagemem.models.GPT`, same op sequence and model states as tracing it, with or without
   activation checkpointing (``checkpoint_activations=True``: block inputs kept, blocks recomputed in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -17,6 +18,7 @@ from pagemem.tracer.errors import TraceError
 from pagemem.tracer.layers import candidate_layers
 from pagemem.tracer.clock import OpClock
 from pagemem.tracer.live import LiveSession, SavedTensor, dtype_name
+from pagemem.tracer.metaguard import MetaGuard, on_meta
 from pagemem.tracer.optstate import OPTIMIZER_MODELS, modelled_states
 from pagemem.tracer.tracedata import Trace
 
@@ -56,9 +58,15 @@ def trace(model: nn.Module, step: Callable[[], object], optimizer: torch.optim.O
     traced) afterwards. Optimizer steps inside ``step()`` are traced whether or not ``optimizer``
     is passed. Without any traced step, optimizer states follow ``options.optimizer_model``.
 
+    A model on ``meta`` (built under ``torch.device("meta")``, no memory for its values) gives
+    the trace its cpu twin gives: the same tensors, accesses and layers, activation bytes from
+    shapes. What needs values there (``.item()``, an ``if`` on a tensor, ``nonzero``, sampling,
+    an op without a meta kernel) raises :class:`TraceError` naming it, even if ``step()``
+    catches it (see :mod:`pagemem.tracer.metaguard`): trace such a model on cpu.
+
     Every hook is removed before this returns or raises; an exception from ``step()`` propagates
     unchanged. Raises :class:`ConfigError` for bad arguments and :class:`TraceError` when the
-    iteration cannot be traced (no parameters, no forward, no backward).
+    iteration cannot be traced (no parameters, no forward, no backward, a refused op on meta).
     """
     global _tracing
     options = options or TraceOptions()
@@ -85,18 +93,25 @@ def trace(model: nn.Module, step: Callable[[], object], optimizer: torch.optim.O
     device = devices.most_common(1)[0][0]
     cuda = _cuda_device_of(devices)
     session = LiveSession(model, params, cuda)
+    guard = MetaGuard(lambda: _where(session)) if on_meta(p for _, p in params) else None
     _tracing = True
     t0 = time.perf_counter()
     try:
         session.start(optimizer)
-        with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack), guard or nullcontext():
             step()
             if optimizer is not None and not session.stepped and _ran_backward(session):
                 optimizer.step()
         session.rec.finish()
+    except Exception as e:
+        if guard is not None and guard.refused is not None and e is not guard.refused:
+            raise guard.refused from e  # step() caught the refusal and failed later
+        raise
     finally:
         session.stop()
         _tracing = False
+    if guard is not None and guard.refused is not None:
+        raise guard.refused  # step() caught it: what it recorded after is not the cpu trace
     wall = time.perf_counter() - t0
     return _build(model, session, params, device, cuda, options, wall)
 
@@ -104,6 +119,15 @@ def trace(model: nn.Module, step: Callable[[], object], optimizer: torch.optim.O
 def _cuda_device_of(devices: Counter) -> torch.device | None:
     """The CUDA device holding parameters (timed with CUDA events), or None."""
     return next((d for d in devices if d.type == "cuda"), None)
+
+
+def _where(session: LiveSession) -> str:
+    """The op being traced, for an error message."""
+    rec = session.rec
+    if not rec.op_event:
+        return "the start of step(), before the model's first op"
+    return (f"op {rec.n_ops - 1} ({rec.op_event[-1]} of {rec.op_module[-1] or '<model>'}, "
+            f"{rec.op_phase[-1]} phase)")
 
 
 def _ran_backward(session: LiveSession) -> bool:

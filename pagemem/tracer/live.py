@@ -7,8 +7,10 @@ autograd nodes of each module invocation, gradient-ready hooks, optimizer step h
 which windows opened or closed. An op ends, for the recorder, when the next one begins (one
 boundary, one timestamp), or at the end of an optimizer step. Besides the clock:
 
-- saved-tensor hooks: a saved parameter is an access to it, anything else is an activation
-  (deduplicated by storage; released when autograd frees it);
+- saved-tensor hooks: a saved parameter (a tensor on a parameter's storage, the parameter itself
+  or a view of it) is an access to it, anything else is an activation (deduplicated by storage,
+  storages told apart by identity, see :mod:`pagemem.tracer.storages`; released when autograd
+  frees it);
 - at the end of an optimizer step, the optimizer's state tensors for this model's parameters.
 """
 
@@ -21,6 +23,7 @@ from torch import nn
 
 from pagemem.tracer.clock import Op, OpClock, iter_tensors
 from pagemem.tracer.recorder import Recorder
+from pagemem.tracer.storages import StorageIds, storage_of
 
 __all__ = ["LiveSession", "SavedTensor", "dtype_name", "iter_tensors"]
 
@@ -75,12 +78,13 @@ class LiveSession:
         self.stepped = False
         self.optimizer_names: set[str] = set()
         self.states: dict[tuple[int, str], tuple[str, tuple[int, ...], int, list[int]]] = {}
-        self._param_ptr: dict[int, tuple[int, ...]] = {}
+        self.storages = StorageIds()
+        self._param_of: dict[int, tuple[int, ...]] = {}  # storage serial -> parameters on it
         for i, (_, p) in enumerate(self.params):
-            if p.numel():
-                ptr = p.untyped_storage().data_ptr()
-                self._param_ptr[ptr] = self._param_ptr.get(ptr, ()) + (i,)
-        self._buffer_ptr = {b.untyped_storage().data_ptr() for b in model.buffers()}
+            serial = self.storages.of(p) if p.numel() else None
+            if serial is not None:
+                self._param_of[serial] = self._param_of.get(serial, ()) + (i,)
+        self._buffers = {s for s in map(self.storages.of, model.buffers()) if s is not None}
         self._cuda = cuda_device
         self._track_outputs = cuda_device is None
         if cuda_device is not None:
@@ -115,25 +119,35 @@ class LiveSession:
         if not self.active or not rec.op_event:  # nothing to attribute a save to before the first op
             return SavedTensor(t.detach(), None, None, rec, self)
         with rec.lock:
-            try:
-                storage = t.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            except (RuntimeError, NotImplementedError, TypeError):
-                ptr, nbytes = None, t.numel() * t.element_size()
+            storage = storage_of(t)
+            serial = None if storage is None else self.storages.serial(storage)
+            owners = self._param_of.get(serial) if serial is not None else None
+            if owners is None:
+                owners = self._param_object(t)
+            if owners is not None:
+                rec.touch_params(owners)
+                return SavedTensor(t.detach(), None, owners, rec, self)
             key: object
-            if ptr is not None:
-                owners = self._param_ptr.get(ptr)
-                if owners is not None:
-                    rec.touch_params(owners)
-                    return SavedTensor(t.detach(), None, owners, rec, self)
-                if ptr in self._buffer_ptr or nbytes == 0:
+            if storage is not None:  # bytes from sizes alone: nothing here reads data (meta)
+                nbytes = storage.nbytes()
+                if serial in self._buffers or nbytes == 0:
                     return SavedTensor(t.detach(), None, None, rec, self)
-                key = ptr
+                key = serial
             else:
-                key = object()
+                key, nbytes = object(), t.numel() * t.element_size()
             module = rec.op_module[-1] if rec.op_module else ""
             rec.save_activation(key, module, dtype_name(t.dtype), tuple(t.shape), nbytes)
             return SavedTensor(t.detach(), key, None, rec, self)
+
+    def _param_object(self, t: torch.Tensor) -> tuple[int, ...] | None:
+        """The parameter ``t`` is, or is a view of, whatever storage it has now (a parameter
+        whose ``.data`` was replaced after the session started)."""
+        index = self.param_index
+        i = index.get(id(t))
+        if i is None:
+            base = t._base
+            i = index.get(id(base)) if base is not None else None
+        return (i,) if i is not None else None
 
     def unpack(self, packed: SavedTensor) -> torch.Tensor:
         if self.active:
@@ -186,13 +200,12 @@ class LiveSession:
         seen: set[int] = set()
         extra = 0
         for t in iter_tensors(output):
-            try:
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError, TypeError):
+            storage = storage_of(t)
+            if storage is None:
                 continue
-            ptr = storage.data_ptr()
-            if ptr not in seen and not live(ptr):
-                seen.add(ptr)
+            serial = self.storages.serial(storage)
+            if serial not in seen and not live(serial):
+                seen.add(serial)
                 extra += storage.nbytes()
         if extra:
             self.rec.transient(extra)

@@ -63,3 +63,15 @@ def test_registered_in_the_pagemem_command():
         pytest.skip(str(e))
     args = parser.parse_args(["trace", "--model", "tiny", "--synthetic"])
     assert args._run is trace_cli.run
+
+
+def test_trace_command_on_meta_writes_the_cpu_trace(tmp_path):
+    """``--device meta`` allocates nothing for the model and writes what ``--device cpu`` writes."""
+    from trace_canon import assert_same_trace
+
+    common = ["--model", "tiny", "--layers", "2", "--batch", "2", "--seq", "16", "--dtype", "bfloat16"]
+    assert _run(common + ["--device", "meta", "--out_dir", str(tmp_path / "meta")]) == 0
+    assert _run(common + ["--out_dir", str(tmp_path / "cpu")]) == 0
+    meta, cpu = Trace.load(tmp_path / "meta" / "trace.json"), Trace.load(tmp_path / "cpu" / "trace.json")
+    assert meta.meta["device"] == "meta" and meta.meta["optimizer"] == "traced AdamW"
+    assert_same_trace(cpu, meta)

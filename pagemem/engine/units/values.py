@@ -11,6 +11,8 @@ beyond what the source itself holds. The sources:
   module's own parameters, given cpu memory for them (``pagemem.models.gpt.init_module``);
 - ``FromStateDict(state)``: a state dict keyed as ``model.state_dict()`` (buffers in it are set
   too), for a model built on ``meta`` or not;
+- ``FromSafetensors(path, model)``: safetensors files, one or Hugging Face's shards (buffers in
+  them too), read a module at a time ([Note: values from safetensors], ``safetensors_values.py``);
 - ``FromCheckpoint``: nothing yet: the pages start as zeros and ``Engine.load`` writes the
   checkpoint's states over them.
 
@@ -20,11 +22,13 @@ A parameter on ``meta`` first becomes a one-element shell on the gpu tier's devi
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol
+import os
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import nn
 
+from pagemem.engine.units.safetensors_values import FromSafetensors
 from pagemem.errors import ConfigError, InvalidRequest
 
 ModuleInit = Callable[[str, nn.Module], None]
@@ -89,8 +93,8 @@ class FromStateDict:
 
     def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
         if not isinstance(state, Mapping):
-            raise ConfigError(f"values: must be a state dict (a mapping of names to tensors), got "
-                              f"{type(state).__name__}")
+            raise ConfigError(f"values: must be a state dict (a mapping of names to tensors) or the path of "
+                              f"safetensors weights, got {type(state).__name__}")
         self.state = state
 
     def values(self, mname: str, module: nn.Module, params: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
@@ -115,6 +119,19 @@ class FromStateDict:
                 if tuple(v.shape) != tuple(b.shape):
                     raise ConfigError(f"values[{key!r}]: shape {tuple(v.shape)}, the buffer's is {tuple(b.shape)}")
                 module._buffers[bname] = v.detach().to(device=device, dtype=b.dtype)
+
+
+def source_of(model: nn.Module, init: ModuleInit | None, values: Any, from_module: bool) -> ValueSource:
+    """The source ``Engine(init=, values=)`` asks for: ``init``, else ``values`` (a state dict,
+    or a path: a ``.safetensors`` file, an index JSON or a directory in Hugging Face's layout),
+    else the module's own values (``from_module``), else a checkpoint's (``Engine.load``)."""
+    if init is not None:
+        return FromInit(init)
+    if isinstance(values, (str, os.PathLike)):
+        return FromSafetensors(values, model)
+    if values is not None:
+        return FromStateDict(values)
+    return FromModule() if from_module else FromCheckpoint()
 
 
 def materialize_meta(model: nn.Module, device: torch.device) -> None:
