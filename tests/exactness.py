@@ -23,8 +23,9 @@ from pagemem.tracer import trace
 PAGE = 64 * 1024
 HOMES = "+homes"
 """An ``optimizer_tier`` ending in it (``"nvme+homes"``): compute copies and gradient sums on nvme
-too, with a cpu budget of the least the scheduler plans with (its staging; ``test_engine_homes``
-trains at the engine's own least, on demand) ([Note: homes on nvme])."""
+too, with a cpu budget of the least the engine accepts raised to the least the scheduler plans
+with from the trace alone (whole layers' updates), unless ``cpu_bytes=`` says otherwise
+([Note: homes on nvme])."""
 HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
@@ -66,14 +67,15 @@ def engine_config(model: torch.nn.Module, loss: Callable, tmp_path, optimizer_ti
         optimizer_tier = optimizer_tier[:-len(HOMES)]
         kw["home_tier"] = "nvme"
     disk = optimizer_tier == "nvme" or kw.get("home_tier") == "nvme"
+    asked = kw.pop("cpu_bytes", None)
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget,
-                                cpu_bytes=kw.pop("cpu_bytes", 40 * nbytes + 64 * PAGE),
+                                cpu_bytes=40 * nbytes + 64 * PAGE if asked is None else asked,
                                 nvme_bytes=40 * nbytes + 64 * PAGE if disk else 0,
                                 nvme_path=str(tmp_path) if disk else None)
     kw.setdefault("optimizer", pagemem.AdamW(**HP))
     kw.setdefault("adam_threads", 2)
     cfg = pagemem.EngineConfig(store=store, optimizer_tier=optimizer_tier, executor=executor, **kw)
-    if homes:  # the least the engine accepts, raised to what the scheduler needs to plan (staging)
+    if homes and asked is None:  # the least the engine accepts, raised to what the scheduler plans with
         need = host_need(model, cfg, unit_cap(store))
         least = cpu_pages(need, optimizer_tier, "nvme", cfg.lock_free) * PAGE
         tr = trace(model, lambda: loss(model, model, 0).backward()).with_non_model_peak_reserved()

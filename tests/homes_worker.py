@@ -54,7 +54,8 @@ def main() -> None:
                       "training_growth": trained - before, "growth": after - before,
                       "training_state_bytes": state, "losses": losses, "seconds": seconds,
                       "home_tier": stats["home_tier"], "params": sum(p.numel() for p in model.parameters()),
-                      "moved_bytes": stats["moved_bytes"], "layer_bytes": 12 * int(hidden) ** 2 * 4}))
+                      "moved_bytes": stats["moved_bytes"], "layer_bytes": 12 * int(hidden) ** 2 * 4,
+                      "iterations": stats["iterations"]}))
 
 
 if __name__ == "__main__":

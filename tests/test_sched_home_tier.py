@@ -126,13 +126,19 @@ def test_the_new_rows_take_read_and_cost_what_the_table_says():
         s.holds("X=1")
 
 
-def test_dependencies_run_through_the_staged_copies():
-    p = nvme_plan(world_size=1, optimizer_tier="nvme")
+@pytest.mark.parametrize("tight", [False, True])
+def test_dependencies_run_through_the_staged_copies(tight):
+    cpu = least_cpu_bytes(SMALL, 1, "nvme", PAGE, home_tier="nvme", cache_optimizer=False) if tight else "1GiB"
+    p = nvme_plan(world_size=1, optimizer_tier="nvme", cpu=cpu)
     T, D = p.tasks, p.deps
+    assert any(t.source == "nvme" for t in T) == tight
     for i, (t, d) in enumerate(zip(T, D)):
         L, before = t.target.layer, [T[j] for j in d.same]
-        if t.operation == "move_to_gpu":  # the staging of its page
+        if t.operation == "move_to_gpu" and t.source is None:  # the staging of its page
             assert any(u.operation == "move_to_cpu" and u.target == t.target for u in before) and not d.previous
+        if t.operation == "move_to_gpu" and t.source == "nvme":  # its home copy: last iteration's update
+            assert {(u.operation, u.tier) for u in before} <= {("release", "gpu")}
+            assert [T[j].operation for j in d.previous] in (["update"], [])
         if t.operation == "move_to_cpu" and t.target.kind == "param":  # last iteration's update of the layer
             assert [T[j].operation for j in d.previous] in (["update"], [])
         if t.operation == "release" and t.tier == "cpu" and t.target.kind == "param":
@@ -181,7 +187,7 @@ def test_nvme_home_plans_validate_and_the_cpu_and_nvme_needs_are_exact(tr, world
 
 def test_the_cpu_is_a_working_set_smaller_than_the_parameters():
     """Parameters homed on the cpu need all their pages there plus an update's gradients and
-    states; homed on nvme, the cpu needs no more than a few layers' worth at once."""
+    states; homed on nvme, the cpu needs only an update's (pages reach the gpu without it)."""
     tr = synthetic_transformer(layers=12, hidden=64, ffn=256, heads=4, seq=16, batch=2, vocab=128)
     kw = dict(optimizer_tier="nvme", page_bytes=PAGE, cache_optimizer=False)
     on_cpu = least_cpu_bytes(tr, **kw)
@@ -190,28 +196,32 @@ def test_the_cpu_is_a_working_set_smaller_than_the_parameters():
     params = sum(l.param_pages for l in layers) * PAGE
     update = max(l.param_pages + l.optim_pages for l in layers) * PAGE  # one layer's gradients and states
     assert on_cpu == params + update
-    assert update <= working < params
+    assert working == update < params
     with pytest.raises(InfeasiblePlan, match="the cpu tier needs at least") as err:
         plan(tr, {"gpu": least_gpu_bytes(tr, 1, PAGE), "cpu": working - 1, "nvme": "1GiB"}, home_tier="nvme", **kw)
-    assert err.value.min_bytes == working and "staged parameter pages" in str(err.value)
+    assert err.value.min_bytes == working and "an update holds on the cpu" in str(err.value)
 
 
-def test_each_window_is_staged_before_its_moves_as_early_as_the_cpu_allows():
+def test_each_window_stages_what_the_cpu_holds_as_early_as_it_allows_and_moves_the_rest_from_nvme():
     tight = nvme_plan(optimizer_tier="nvme", cpu=least_cpu_bytes(SMALL, 1, "nvme", PAGE, home_tier="nvme",
                                                                  cache_optimizer=False))
     roomy = nvme_plan(optimizer_tier="nvme")
 
-    def lead(p):  # ops from each page's staging to its move, summed
-        staged, total = {}, 0
+    def lead(p):  # ops from each page's staging to its move, summed; and the moves from nvme
+        staged, total, direct = {}, 0, 0
         for t in p.tasks:
             if t.operation == "move_to_cpu" and t.target.kind == "param":
                 staged[t.target] = t.trigger_id
+            elif t.operation == "move_to_gpu" and t.source == "nvme":
+                assert t.target not in staged  # a staged page is moved from its staged copy
+                direct += 1
             elif t.operation == "move_to_gpu":
-                assert staged[t.target] <= t.trigger_id
+                assert t.source is None and staged[t.target] <= t.trigger_id
                 total += t.trigger_id - staged.pop(t.target)
-        return total
+        return total, direct
 
-    assert lead(roomy) > lead(tight)
+    (roomy_lead, roomy_direct), (tight_lead, tight_direct) = lead(roomy), lead(tight)
+    assert roomy_lead > tight_lead and roomy_direct == 0 < tight_direct
     # the staged copy is given back at the end of the op of the window's last move
     for p in (tight, roomy):
         moves: dict[int, int] = {}
@@ -221,6 +231,22 @@ def test_each_window_is_staged_before_its_moves_as_early_as_the_cpu_allows():
             if t.operation == "release" and t.tier == "cpu" and t.target.kind == "param":
                 assert t.trigger_id == moves.pop(t.target.layer)
 
+
+def test_a_window_stages_as_many_pages_as_the_cpu_holds():
+    """Partway: a budget a few pages over the least stages part of a run (the rest of it moves
+    from nvme), and whatever the budget, every staged page lies within it."""
+    least = least_cpu_bytes(SMALL, 1, "nvme", PAGE, home_tier="nvme", cache_optimizer=False)
+    for extra in (0, 1, 3, 7, 30):
+        p = nvme_plan(optimizer_tier="nvme", cpu=least + extra * PAGE)
+        r = validate(p, SMALL)
+        assert r.ok and r.peak["cpu"] <= least + extra * PAGE, r.summary()
+        by_op: dict[tuple[int, int], set] = {}
+        for t in p.tasks:
+            if t.operation == "move_to_gpu":
+                by_op.setdefault((t.target.layer, t.trigger_id), set()).add(t.source)
+        mixed = [k for k, sources in by_op.items() if sources == {None, "nvme"}]
+        if extra in (1, 3):  # a run a page or three of which fit
+            assert mixed, extra
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"home_tier": "disk"}, r"home_tier: must be one of .*'cpu'.*'nvme'.*'disk'"),

@@ -191,16 +191,21 @@ def test_deps_follow_the_tasks():
 
 # ---------------------------------------------------------------- the plan format
 
-def test_plan_format_3_round_trip_and_versions_2_and_1(tmp_path):
+def test_plan_format_4_round_trip_and_versions_3_2_and_1(tmp_path):
     p = tight(world_size=2, optimizer_tier="nvme")
     path = tmp_path / "plan.json"
     p.save(path)
     data = json.loads(path.read_text())
-    assert data["version"] == 3 and data["home_tier"] == "cpu" and len(data["tasks"][0]) == 10
+    assert data["version"] == 4 and data["home_tier"] == "cpu" and len(data["tasks"][0]) == 11
     q = Plan.load(path)
-    assert q.tasks == p.tasks and q.deps == p.deps and q.home_tier == "cpu"
+    assert q.tasks == p.tasks and q.deps == p.deps and q.home_tier == "cpu" and q.layout == p.layout
+    # version 3: no task sources, no stream pages (tasks copy from the cpu, updates hold whole layers)
+    v3 = dict(data, version=3, tasks=[row[:10] for row in data["tasks"]],
+              layout=dict(data["layout"], layers=[row[:9] for row in data["layout"]["layers"]]))
+    q3 = Plan.from_dict(v3)
+    assert q3.tasks == p.tasks and q3.deps == p.deps and q3.layout == p.layout and validate(q3, SMALL).ok
     # version 2: the same rows, no home_tier: parameters homed on the cpu
-    v2 = {k: v for k, v in data.items() if k != "home_tier"}
+    v2 = {k: v for k, v in v3.items() if k != "home_tier"}
     v2["version"] = 2
     q2 = Plan.from_dict(v2)
     assert q2.tasks == p.tasks and q2.deps == p.deps and q2.home_tier == "cpu" and validate(q2, SMALL).ok
@@ -209,7 +214,7 @@ def test_plan_format_3_round_trip_and_versions_2_and_1(tmp_path):
     assert [t.end_id for t in q.tasks] == [t.end_id for t in p.tasks]
     assert [t.produces_grads for t in q.tasks] == [t.produces_grads for t in p.tasks]
     # version 1: the same rows without window ends, gradient flags and dependencies
-    old = dict(data, version=1, tasks=[row[:6] for row in data["tasks"]])
+    old = dict(v3, version=1, tasks=[row[:6] for row in data["tasks"]])
     (tmp_path / "v1.json").write_text(json.dumps(old))
     with pytest.raises(ConfigError, match="version 1.*trace"):
         Plan.load(tmp_path / "v1.json")
@@ -224,8 +229,8 @@ def test_plan_format_3_round_trip_and_versions_2_and_1(tmp_path):
     row[8] = []
     with pytest.raises(ConfigError, match="waits for"):
         Plan.from_dict(bad)
-    with pytest.raises(ConfigError, match="version 4"):
-        Plan.from_dict(dict(data, version=4))
+    with pytest.raises(ConfigError, match="version 5"):
+        Plan.from_dict(dict(data, version=5))
 
 
 # ---------------------------------------------------------------- the validator, tier by tier

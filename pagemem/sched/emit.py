@@ -61,21 +61,27 @@ def emit(d: Decisions) -> list[Task]:
         runs_of.setdefault(run.w, []).append(run)
     grad_window = {(g.layer, d.usage.windows[g.layer][g.window].start)
                    for g in d.usage.grads if g is not None}
-    # nvme homes: each window's pages staged on the cpu first (queued before the moves that
-    # read them, also at one op), the staged copy given back after the window's last move
+    # nvme homes: the pages of each window that the cpu holds are staged there first (queued
+    # before the moves that read them, also at one op), the staged copy given back after the
+    # window's last move; the others move straight from nvme
+    staged: dict[int, set[int]] = {}
     for wi, runs in host.stage.items():
         L = d.windows[wi].layer
         for lo, hi, f in runs:
             for j in range(lo, hi):
                 put(Task("move_to_cpu", Target("param", L, j), f, "cpu"))
+            staged.setdefault(wi, set()).update(range(lo, hi))
         put(Task("release", Target("param", L), host.unstage[wi], "cpu"))
+    direct = "nvme" if d.home_tier == "nvme" else None
     for wi, w in enumerate(d.windows):
         L = w.layer
         is_cached = L in cached
+        mine = staged.get(wi, set())
         for run in runs_of.get(wi, []):
             if not is_cached:
                 for j in range(run.lo, run.hi):
-                    put(Task("move_to_gpu", Target("param", L, j), run.m, "gpu"))
+                    put(Task("move_to_gpu", Target("param", L, j), run.m, "gpu",
+                             source=None if j in mine else direct))
             if W > 1:
                 for glo, ghi, g in d.gathers[(wi, run.lo)]:
                     for j in range(glo, ghi):

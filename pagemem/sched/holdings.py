@@ -69,7 +69,8 @@ class Setting:
         return None
 
     def pages(self, name: str, layer: int) -> int:
-        """Pages one holding of ``name`` (one page of it, for a paged holding) occupies."""
+        """Pages one holding of ``name`` (one page of it, for a paged holding) is made of: what a
+        transfer of it moves, and what it occupies except where ``held_pages`` says less."""
         memo = self._memo
         n = memo.get((name, layer))
         if n is None:
@@ -78,6 +79,42 @@ class Setting:
             n = memo[(name, layer)] = {"param": 1, "grad": 1, "gathered": self.world_size - 1,
                                        "fullgrad": self.layout.grad_buffer_pages(layer), "optim": optim}[name]
         return n
+
+    def streams(self, name: str, layer: int) -> bool:
+        """Whether ``layer``'s update brings its ``name`` (``optim`` or ``grad``) from nvme through
+        the cpu: not cached on the gpu, and its states rest on nvme (``optim``) or its gradients go
+        through nvme, where its parameters rest there (``grad``)."""
+        if layer in self.cached_layers:
+            return False
+        if name == "optim":
+            return self.optimizer_tier == "nvme"
+        return name == "grad" and self.home_tier == "nvme"
+
+    def held_pages(self, key: Key) -> int:
+        """Pages holding ``key`` occupies on its tier. [Note: a streamed update] in ``tasks.py``:
+        the cpu copies of what a layer's update brings from nvme -- its states, then its gradient
+        pages in order -- fill its ``update_pages``, each occupying what is left of them; every
+        other holding occupies its ``pages``."""
+        name, tier, L, page = key
+        own = self.pages(name, L)
+        if tier != "cpu" or not self.streams(name, L):
+            return own
+        memo = self._memo
+        mk = ("held", name, L, page)
+        n = memo.get(mk)
+        if n is None:
+            room = self.layout.layers[L].update_pages
+            if name == "grad":  # after the states (where they stream too) and the pages before it
+                room -= min(self.pages("optim", L), room) if self.streams("optim", L) else 0
+                room -= page or 0
+            n = memo[mk] = max(0, min(own, room))
+        return n
+
+    def group_pages(self, name: str, tier: str, layer: int) -> int:
+        """Pages every page of holding ``name@tier`` of ``layer`` occupies together."""
+        if name in ("optim", "fullgrad"):
+            return self.held_pages(Key(name, tier, layer, None))
+        return sum(self.held_pages(Key(name, tier, layer, j)) for j in range(self.layout.layers[layer].param_pages))
 
     def at_rest(self) -> Iterator[Key]:
         """The home copies, which exist before the iteration and after it."""
@@ -100,6 +137,8 @@ class Setting:
                 ok = task is not None and task.tier == c[2:]
             elif c.startswith("H="):
                 ok = task is not None and self.home("param", task.target.layer) == c[2:]
+            elif c.startswith("F="):
+                ok = task is not None and (task.source or "cpu") == c[2:]
             else:
                 raise ValueError(f"the task table has an unknown condition {c!r}")
             if not ok:
@@ -123,10 +162,10 @@ class TaskEffects(NamedTuple):
     """Whether the task's tier is one its row allows."""
 
     def pages(self, which: str, setting: Setting) -> dict[str, int]:
-        """Pages per tier of ``takes`` or ``frees``."""
+        """Pages per tier ``takes`` or ``frees`` occupy (``Setting.held_pages``)."""
         out: dict[str, int] = {}
         for k in getattr(self, which):
-            out[k.tier] = out.get(k.tier, 0) + setting.pages(k.name, k.layer)
+            out[k.tier] = out.get(k.tier, 0) + setting.held_pages(k)
         return out
 
 
@@ -145,7 +184,7 @@ def paused_gc() -> Iterator[None]:
 
 def tier_allowed(task: Task, setting: Setting) -> bool:
     eff = effect_of(task)
-    if eff is None:
+    if eff is None or task.source is not None and task.source not in eff.sources:
         return False
     home = setting.home("optim", task.target.layer)
     return any(task.tier == t or (t == "home" and task.tier == home) or (t == "copy" and task.tier not in (None, home))
@@ -174,7 +213,7 @@ def effects(task: Task, setting: Setting) -> TaskEffects | None:
 
 def _row(task: Task, setting: Setting) -> "_Row | None":
     tg = task.target
-    rk = (task.operation, tg.kind, tg.layer, task.tier, task.produces_grads)
+    rk = (task.operation, tg.kind, tg.layer, task.tier, task.produces_grads, task.source)
     memo = setting._memo
     row = memo.get(rk)
     if row is None:
@@ -207,7 +246,7 @@ class _Row:
                 if h.when and not setting.holds(h.when, task):
                     continue
                 home = setting.home(h.name, L)
-                tier = task.tier if h.tier == "T" else home if h.tier == "home" else h.tier
+                tier = _tier_of(h.tier, task, home)
                 if tier is None or which == 3 and tier == home:  # home copies are never given back
                     continue
                 pk = ("keys", h.name, tier, L, h.paged)
@@ -223,7 +262,7 @@ class _Row:
     def _taken(self, takes: tuple[Key, ...]) -> tuple[tuple[str, int], ...]:
         taken: dict[str, int] = {}
         for k in takes:
-            taken[k.tier] = taken.get(k.tier, 0) + self.setting.pages(k.name, k.layer)
+            taken[k.tier] = taken.get(k.tier, 0) + self.setting.held_pages(k)
         return tuple(taken.items())
 
     def make(self, page: int | None) -> TaskEffects:
@@ -314,8 +353,8 @@ def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]
 
 def pages_taken(operation: str, kind: str, setting: Setting, layer: int, *, tier: str | None = None,
                 produces_grads: bool = False) -> dict[str, int]:
-    """Pages per tier one task takes at issue (for a row whose target is a page, ``Effect.paged``:
-    one page of it; else every page of the layer)."""
+    """Pages per tier one task takes at issue, as they are held (``Setting.held_pages``; for a
+    row whose target is a page, ``Effect.paged``: its first page; else every page of the layer)."""
     task = Task(operation, Target(kind, layer), 0, tier, produces_grads=produces_grads)  # type: ignore[arg-type]
     eff = effect_of(task)
     out: dict[str, int] = {}
@@ -323,10 +362,24 @@ def pages_taken(operation: str, kind: str, setting: Setting, layer: int, *, tier
         return out
     for h in eff.takes:
         if not h.when or setting.holds(h.when, task):
-            t = tier if h.tier == "T" else setting.home(h.name, layer) if h.tier == "home" else h.tier
+            t = _tier_of(h.tier, task, setting.home(h.name, layer))
             if t is not None:
-                pages = setting.pages(h.name, layer)
-                if h.paged and not eff.paged:  # a group target takes every page
-                    pages *= setting.layout.layers[layer].param_pages
+                if not h.paged:
+                    pages = setting.held_pages(Key(h.name, t, layer, None))
+                elif eff.paged:
+                    pages = setting.held_pages(Key(h.name, t, layer, 0))
+                else:  # a group target takes every page
+                    pages = setting.group_pages(h.name, t, layer)
                 out[t] = out.get(t, 0) + pages
     return out
+
+
+def _tier_of(symbol: str, task: Task, home: str | None) -> str | None:
+    """The tier a holding's ``tier`` symbol stands for in ``task`` (see ``Hold``)."""
+    if symbol == "T":
+        return task.tier
+    if symbol == "home":
+        return home
+    if symbol == "F":
+        return task.source or "cpu"
+    return symbol

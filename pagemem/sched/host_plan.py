@@ -8,14 +8,18 @@ constrain:
 - **At rest.** The home copies: parameter shards on ``home_tier`` and optimizer states on the
   optimizer tier, for every layer not cached on the gpu.
 - **What must be there.** During op ``r`` of each updated layer, its gradient shard and (states
-  on nvme) its optimizer states on the cpu; with ``home_tier="nvme"``, its gradient shard on nvme
-  too (offloaded there, fetched back for the update, both given back at the end of op ``r``),
-  and each window's parameter pages staged on the cpu from the op that moves them to the gpu until
-  the window's last move (see the Note). The peak of each timeline is the smallest budget of
-  its tier that works; below it ``InfeasiblePlan`` names the tier and that figure.
-- **As early as the cpu budget allows.** Each staging starts as early as the cpu budget allows
-  (in window order, after the previous staged copy of the layer is given back), then each
-  optimizer-state fetch from nvme (in update order), each no later than the move it feeds.
+  on nvme) its optimizer states on the cpu, as they are held there: a streamed update (states or
+  gradients on nvme) holds no more than the layer's ``update_pages`` at once ([Note: a streamed
+  update] in ``tasks.py``; ``Setting.held_pages``); with ``home_tier="nvme"``, its gradient shard
+  on nvme too (offloaded there, fetched back for the update, both given back at the end of op
+  ``r``). The peak of each timeline is the smallest budget of its tier that works; below it
+  ``InfeasiblePlan`` names the tier and that figure.
+- **As much as the cpu budget allows, as early as it allows.** With ``home_tier="nvme"``, each
+  run of a window's pages is staged on the cpu, as many of its pages as fit from the run's move to
+  the window's last move (in window order, after the previous staged copy of the layer is given
+  back), as early as they fit; the others move to the gpu straight from nvme ([Note: staging is
+  optional] in ``tasks.py``). Then each optimizer-state fetch from nvme (in update order), as
+  early as it fits, no later than its update.
 
 [Note: when a staged copy is given back] A window's staged cpu copy (``move_to_cpu param.j``,
 per run of pages moved together) is given back by one ``release param @cpu`` at the end of the
@@ -50,9 +54,10 @@ class HostPlan:
     fetch: dict[int, int] = field(default_factory=dict)
     """Per layer whose optimizer states are on nvme: the trigger of their fetch to the cpu."""
     stage: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
-    """Per window (nvme homes): ``(lo, hi, trigger)`` of each ``move_to_cpu param`` run."""
+    """Per window that stages any (nvme homes): ``(lo, hi, trigger)`` of each ``move_to_cpu
+    param`` run; its other pages move to the gpu straight from nvme."""
     unstage: dict[int, int] = field(default_factory=dict)
-    """Per window (nvme homes): the op at whose end its staged copy is given back."""
+    """Per window that stages any (nvme homes): the op at whose end its staged copy is given back."""
     cpu_need: int = 0
     """The smallest cpu budget that works: the peak of what must be there."""
     nvme_need: int = 0
@@ -85,35 +90,18 @@ def plan_host(setting: Setting, budgets: Budgets, n: int, timeline: Callable, ca
                 nvme_base += pages * pb
     cpu = timeline([cpu_base] * (n + 1))
     nvme = timeline([nvme_base] * (n + 1))
-    # what must be there during op r of each update
+    # what must be there during op r of each update, as the cpu holds it
     order = sorted((updates[l.index], l.index) for l in host if l.index in updates)
-    grad_tier = "nvme" if home == "nvme" else "cpu"
     for r, layer in order:
-        pages = layout.layers[layer].param_pages
-        cpu.add(r, r + 1, pages * taken("offload", "grad", layer, "cpu"))  # the gradient shard
-        if grad_tier == "nvme":  # offloaded to nvme, fetched back for the update
-            nvme.add(r, r + 1, pages * taken("offload", "grad", layer, "nvme"))
+        cpu.add(r, r + 1, setting.group_pages("grad", "cpu", layer) * pb)  # the gradient shard
+        if home == "nvme":  # offloaded to nvme, fetched back for the update
+            nvme.add(r, r + 1, layout.layers[layer].param_pages * taken("offload", "grad", layer, "nvme"))
         if opt == "nvme":  # fetched no later than the update
             cpu.add(r, r + 1, taken("move_to_cpu", "optim", layer, "cpu"))
-    # what must be there for each window's moves: its pages staged from their move to its last
-    staged: list[tuple[int, int, int, int, int, int]] = []  # (window, bytes a page, lo, hi, move, earliest)
-    if home == "nvme":
-        given_back: dict[int, int] = {}  # layer -> the op at whose end its last staged copy went
-        for mv in moves:
-            if mv.layer in cached or not mv.runs:
-                continue
-            last = max(m for _, _, m in mv.runs)
-            page = taken("move_to_cpu", "param", mv.layer, "cpu")
-            earliest = given_back.get(mv.layer, -1) + 1
-            for lo, hi, m in mv.runs:
-                cpu.add(m, last + 1, (hi - lo) * page)
-                staged.append((mv.window, page, lo, hi, m, earliest))
-            out.unstage[mv.window] = last
-            given_back[mv.layer] = last
     out.cpu_need = need = cpu.max(0, n + 1)
     if need > budgets.cpu:
         at = cpu.last_above(0, n + 1, need - 1)
-        what = ("staged parameter pages, gradients and optimizer states" if home == "nvme"
+        what = ("gradients and optimizer states an update holds on the cpu" if home == "nvme"
                 else "parameter shards, offloaded gradients and optimizer states")
         raise InfeasiblePlan("cpu", need, budgets.cpu, min_gpu, at, what)
     out.nvme_need = nvme.max(0, n + 1)
@@ -121,13 +109,9 @@ def plan_host(setting: Setting, budgets: Budgets, n: int, timeline: Callable, ca
         at = next(t for t in range(n + 1) if nvme.max(t, t + 1) == out.nvme_need)
         what = "parameter shards, gradients and optimizer states" if home == "nvme" else "optimizer states"
         raise InfeasiblePlan("nvme", out.nvme_need, budgets.nvme, min_gpu, at, what)
-    # as early as the cpu budget allows: stagings in window order, then optimizer-state fetches
-    for w, page, lo, hi, m, earliest in staged:
-        size = (hi - lo) * page
-        f = _earliest(cpu, earliest, m, budgets.cpu - size)
-        cpu.add(f, m, size)
-        out.stage.setdefault(w, []).append((lo, hi, f))
-    if opt == "nvme":
+    if home == "nvme":
+        _stage(out, cpu, budgets.cpu, moves, cached, taken)
+    if opt == "nvme":  # each fetch as early as the cpu allows
         for r, layer in order:
             size = taken("move_to_cpu", "optim", layer, "cpu")
             f = _earliest(cpu, 0, r, budgets.cpu - size)
@@ -135,6 +119,33 @@ def plan_host(setting: Setting, budgets: Budgets, n: int, timeline: Callable, ca
             out.fetch[layer] = f
     out.cpu_peak = cpu.max(0, n + 1)
     return out
+
+
+def _stage(out: HostPlan, cpu, budget: int, moves: Sequence[Moves], cached: set[int], taken: Callable) -> None:
+    """Stage as many of each run's pages as the cpu holds from its move to the window's last, each
+    as early as it fits, in window order (see the module docs); fills ``out.stage`` and
+    ``out.unstage`` for the windows that stage any."""
+    given_back: dict[int, int] = {}  # layer -> the op at whose end its last staged copy went
+    for mv in moves:
+        if mv.layer in cached or not mv.runs:
+            continue
+        last = max(m for _, _, m in mv.runs)
+        page = taken("move_to_cpu", "param", mv.layer, "cpu")
+        earliest = given_back.get(mv.layer, -1) + 1
+        runs = []
+        for lo, hi, m in mv.runs:
+            room = budget - cpu.max(m, last + 1)
+            count = min(hi - lo, room // page) if room > 0 and page else 0
+            if count <= 0:
+                continue  # moved straight from nvme
+            size = count * page
+            f = _earliest(cpu, earliest, m, budget - size)
+            cpu.add(f, last + 1, size)
+            runs.append((lo, lo + count, f))
+        if runs:
+            out.stage[mv.window] = runs
+            out.unstage[mv.window] = last
+            given_back[mv.layer] = last
 
 
 def _earliest(tl, lo: int, hi: int, limit: int) -> int:

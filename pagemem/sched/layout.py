@@ -34,9 +34,21 @@ class LayerLayout:
     states (None: ``optim_pages``; an engine that keeps gradient sums beside them, or each kind
     on pages of its own, says more)."""
 
+    stream_pages: int | None = None
+    """The most cpu pages the layer's update holds at once where it is streamed (its states or
+    gradients rest on nvme: [Note: a streamed update] in ``tasks.py``); None: the whole layer's
+    gradient and optimizer pages (a trace alone cannot say more; an engine that brings its
+    parameters through the cpu one at a time says what its largest one takes)."""
+
     @property
     def pages_when_cached(self) -> int:
         return self.optim_pages if self.cached_pages is None else self.cached_pages
+
+    @property
+    def update_pages(self) -> int:
+        """Cpu pages a streamed update of the layer holds at once: ``stream_pages``, by default
+        the whole layer's gradient and optimizer pages."""
+        return self.param_pages + self.optim_pages if self.stream_pages is None else self.stream_pages
 
 
 @dataclass(frozen=True)

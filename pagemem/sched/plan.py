@@ -18,9 +18,11 @@ from pagemem.units import format_bytes, parse_size
 FORMAT = "pagemem-plan"
 HOME_TIERS: tuple[str, ...] = ("cpu", "nvme")
 """Where a plan may home the compute copies of the layers it does not cache on the gpu."""
-VERSION = 3
-"""Version 3 adds the plan's ``home_tier``; version 2 plans load with ``home_tier="cpu"`` (their
-tasks mean what they meant). Version 2 added to each task its compute window's end, whether it
+VERSION = 4
+"""Version 4 adds each task's ``source`` (a move to the gpu straight from nvme) and each layer's
+``stream_pages``; version 3 plans load with neither (their tasks copy from the cpu, their updates
+hold whole layers). Version 3 added the plan's ``home_tier``; version 2 plans load with
+``home_tier="cpu"`` (their tasks mean what they meant). Version 2 added to each task its compute window's end, whether it
 produces gradients, and what it waits for; version 1 plans load when given the trace they were
 made from."""
 
@@ -164,7 +166,7 @@ class Plan:
             "layout": {"page_bytes": self.layout.page_bytes, "world_size": self.layout.world_size,
                        "layers": [list(_layer_fields(l)) for l in self.layout.layers]},
             "tasks": [[t.operation, t.target.kind, t.target.layer, t.target.page, t.trigger_id, t.tier,
-                       t.end_id, t.produces_grads, list(d.same), list(d.previous)]
+                       t.end_id, t.produces_grads, list(d.same), list(d.previous), t.source]
                       for t, d in zip(self.tasks, self.deps)],
         }
 
@@ -176,9 +178,9 @@ class Plan:
         if data.get("format") != FORMAT:
             raise ConfigError(f"not a pagemem plan (format {data.get('format')!r})")
         version = data.get("version")
-        if version not in (1, 2, VERSION):
+        if version not in (1, 2, 3, VERSION):
             raise ConfigError(f"plan version {version!r} is not supported (this pagemem reads 1 to {VERSION})")
-        home_tier = data.get("home_tier", "cpu") if version == VERSION else "cpu"
+        home_tier = data.get("home_tier", "cpu") if version >= 3 else "cpu"
         if home_tier not in HOME_TIERS:
             raise ConfigError(f"plan: home_tier must be one of {', '.join(HOME_TIERS)}, got {home_tier!r}")
         lay = data["layout"]
@@ -192,14 +194,15 @@ class Plan:
             tasks = _complete(
                 [Task(op, Target(kind, layer, page), trig, tier) for op, kind, layer, page, trig, tier in rows], trace)
         else:
-            tasks = [Task(r[0], Target(r[1], r[2], r[3]), r[4], r[5], r[6], bool(r[7])) for r in rows]
+            tasks = [Task(r[0], Target(r[1], r[2], r[3]), r[4], r[5], r[6], bool(r[7]), r[10] if version >= 4 else None)
+                     for r in rows]
         p = cls(tasks, layout, Budgets(**data["budgets"]), data["world_size"], data["optimizer_tier"],
                 data["n_ops"], tuple(data["cached_layers"]), data["min_gpu_bytes"],
                 dict(data["predicted_peak"]), data["trace_fingerprint"], tuple(data["non_model"]),
                 data["planning_seconds"], dict(data.get("meta", {})), home_tier)
         if version == 1 and trace.fingerprint != p.trace_fingerprint:
             raise ConfigError("plan version 1: the trace given is not the one the plan was made from")
-        if version != 1:  # version 2 and 3 rows are alike
+        if version != 1:  # version 2 to 4 rows are alike (4 adds a task's source after its waits)
             stored = tuple(Deps(tuple(r[8]), tuple(r[9])) for r in rows)
             if stored != p.deps:
                 bad = next(i for i, (a, b) in enumerate(zip(stored, p.deps)) if a != b)
@@ -237,4 +240,4 @@ def _complete(tasks: list[Task], trace) -> list[Task]:
 
 def _layer_fields(layer: LayerLayout) -> tuple:
     return (layer.index, layer.name, layer.param_bytes, layer.shard_elements, layer.shard_bytes,
-            layer.param_pages, layer.optim_bytes, layer.optim_pages, layer.cached_pages)
+            layer.param_pages, layer.optim_bytes, layer.optim_pages, layer.cached_pages, layer.stream_pages)

@@ -19,9 +19,10 @@ Per rank, in logical time (the trace's ops, plus op ``n`` for the end of the ite
 5. **Gradients, updates and the host tiers** (``host_plan``). After a layer's last gradient
    access: ``reduce_scatter``, the ``offload`` of its gradient shard to CPU (``home_tier="nvme"``:
    to NVMe, fetched back to CPU for the update), the ``update``; with optimizer states on NVMe
-   they are fetched to CPU as early as the CPU budget allows and written back after the update.
-   With parameters homed on NVMe, each window's pages are staged on the CPU as early as its
-   budget allows, before they move to the GPU.
+   they are fetched to CPU as early as the CPU budget allows and written back after the update;
+   an update that streams from NVMe holds at most the layout's ``stream_pages`` on the CPU. With
+   parameters homed on NVMe, as many of each window's pages as the CPU budget holds are staged
+   there as early as it allows, before they move to the GPU; the others move straight from NVMe.
 
 Every "how much room is there" question is a query on a ``SegmentTimeline`` (O(log n)). How many
 pages each kind of task takes, and whether it is issued at its trigger op's start or end, come
@@ -92,9 +93,10 @@ def least_cpu_bytes(trace: Trace, world_size: int = 1, optimizer_tier: str = "cp
     """The smallest per-rank cpu budget with which ``plan`` (same arguments) finds a plan for
     ``trace`` with a gpu budget of ``gpu_bytes`` (default ``least_gpu_bytes``, the tightest):
     what ``InfeasiblePlan.min_bytes`` reports for the cpu, without placing any task. With
-    ``home_tier="nvme"`` it is the working set: what the stagings, gradients and optimizer states
-    need at once. (It depends on the gpu budget: a roomier gpu caches layers and moves pages
-    earlier.)"""
+    ``home_tier="nvme"`` it is the working set: what the updates hold at once (parameter pages need
+    none: those the cpu cannot hold move straight from nvme), each streamed update no more than
+    its layer's ``stream_pages`` (``layout=``). (It depends on the gpu budget: a roomier gpu
+    caches layers.)"""
     gpu = least_gpu_bytes(trace, world_size, page_bytes) if gpu_bytes is None else gpu_bytes
     big = 1 << 62
     planner = _checked(trace, {"gpu": gpu, "cpu": big, "nvme": big}, world_size, optimizer_tier, page_bytes,

@@ -160,14 +160,14 @@ class _Builder:
     def hold(self, i: int, node: int) -> None:
         for k in self.fx[i].takes:
             if k.tier in TIERS:
-                self.held[k] = self.held.get(k, 0) + self.setting.pages(k.name, k.layer) * self.pb
+                self.held[k] = self.held.get(k, 0) + self.setting.held_pages(k) * self.pb
 
     def start_task(self, i: int, reserve: int) -> int:
         task, fx = self.tasks[i], self.fx[i]
         seconds = sum(amount / self.hw.rate(resource, task.tier, self.W)
                       for resource, amount in costs(task, self.setting) if amount)
         alloc = {tier: pages * self.pb for tier, pages in fx.pages("takes", self.setting).items() if tier in TIERS}
-        node = self.add(Node(_name(task), fx.effect.stream_for(task.tier), seconds,
+        node = self.add(Node(_name(task), fx.effect.stream_of(task), seconds,
                              alloc, {}, [], True), (reserve, 0))
         self.nodes[node].deps.extend(self.waits(i))
         self.node_of[i] = node

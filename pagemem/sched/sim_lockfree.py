@@ -69,7 +69,7 @@ def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile) -> Lo
     busy: dict[str, float] = {}
     for task in mine:
         effect = effect_of(task)
-        stream = effect.stream_for(task.tier) if effect is not None else None
+        stream = effect.stream_of(task) if effect is not None else None
         seconds = sum(amount / profile.rate(resource, task.tier, plan.world_size)
                       for resource, amount in costs(task, setting) if amount)
         if stream and seconds:

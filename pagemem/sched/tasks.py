@@ -32,18 +32,31 @@ optim     group  optim pages   fp32 master weights and Adam moments of the shard
 Home copies exist at rest and are never given back; every other holding exists from the task
 that takes it to the release that gives it back.
 
+[Note: a streamed update] A layer not cached on the gpu whose optimizer states rest on ``nvme``,
+or whose gradients go through it (``H=nvme``), is updated *streamed*: the runtime brings what
+rests on nvme through the cpu a piece at a time, so its update needs at most the layer's
+``stream_pages`` (``LayerLayout.update_pages``: what an engine says its largest parameter's
+states and gradient sums take; by default the whole layer's ``grad`` and ``optim`` pages) on the
+cpu at once, not every page of both. The holdings keep their names and the rows below are those
+of an update that is not streamed; only what the cpu copies *occupy* changes
+(``Setting.held_pages``, the one place this rule lives): the cpu copy of the streamed states
+(``optim@cpu``) and then the streamed gradient pages (``grad@cpu.0``, ``.1``, ...) fill the
+stream in that order, each occupying what is left of it (a page beyond it occupies none). A
+transfer still moves every page (the costs below count ``pages``, not what is held).
+
 **Effects** (``EFFECTS``). In the holdings, ``T`` is the task's tier and ``home`` the holding's
 home tier; a paged holding of a task whose target names no page means every page of the layer
 (``.*``). In the tier column, ``home`` means the optimizer states' home tier and ``copy`` any
 other. ``when`` is a condition (for the row, or for the holding or cost term it follows): ``W>1``
 or ``W=1`` (with several ranks, with one), ``T=gpu`` (the task's tier is ``gpu``), ``H=nvme``
-(the layer's parameters are homed on ``nvme``); ``grads:`` marks what only a ``produces_grads``
-compute takes:
+(the layer's parameters are homed on ``nvme``), ``F=nvme`` (the task copies from ``nvme``:
+its ``source``); ``grads:`` marks what only a ``produces_grads`` compute takes; in the holdings,
+``F`` is the tier the task copies from (its ``source``, else ``cpu``):
 
 ============== ======== ===== ====== ================ ================== ================ ================
 operation      target   tier  when   takes at issue   reads              writes           gives back
 ============== ======== ===== ====== ================ ================== ================ ================
-move_to_gpu    param.j  gpu          param@gpu.j      param@cpu.j
+move_to_gpu    param.j  gpu          param@gpu.j      param@F.j
 move_to_cpu    param.j  cpu   H=nvme param@cpu.j      param@home.j
 all_gather     param.j  -     W>1    gathered@gpu.j   param@gpu.j
 compute        layer    gpu          grads: fullgrad  param@gpu.*,
@@ -74,7 +87,9 @@ is a working set the plan stages them through. New rows: ``move_to_cpu param.j``
 the compute copy from its nvme home into cpu memory ahead of the window's ``move_to_gpu`` (only
 where ``H=nvme``); ``move_to_cpu grad`` brings the layer's gradient shard back from nvme for the
 update on the cpu. Changed rows: ``move_to_gpu`` reads ``param@cpu`` -- for a cpu home that is
-the home copy, as before; for an nvme home the staged copy, which must be there --; ``release
+the home copy, as before; for an nvme home the staged copy, which must be there -- or, with
+``source="nvme"`` (a *direct* move: ``F=nvme``), the home copy on nvme itself (see the Note
+below); ``release
 param`` may name tier ``cpu`` and then gives back the staged copy only (the gathered pages and
 the executor's window time only where ``T=gpu``); ``offload grad`` may name tier ``nvme`` (the
 gradient page goes through the host to disk); ``release grad`` may name tier ``nvme``; the
@@ -82,14 +97,24 @@ gradient page goes through the host to disk); ``release grad`` may name tier ``n
 counted in its cost). Rows and conditions for ``home_tier="cpu"`` are those of before: such plans
 are unchanged.
 
+[Note: staging is optional] A runtime copies a page between nvme and the gpu through transfer
+buffers of its own, outside the cpu budget (pagemem's store bounces each page through a pinned
+staging page), so a page homed on nvme needs no cpu page to reach the gpu: staging it
+(``move_to_cpu param.j``) only lets its move read memory instead of the disk. A plan stages as
+many of a window's pages as the cpu budget holds and moves the others directly
+(``move_to_gpu param.j`` with ``source="nvme"``, which reads the home copy on nvme, costs a disk
+read before the h2d copy and runs on the ``nvme`` stream); the cpu a plan needs for parameters
+homed on nvme is then nothing, and its least cpu budget is what its updates hold at once.
+
 The other columns of each row: the stream an executor runs it on and what that costs (a
 transfer of some pages, an Adam step over the shard's elements, bytes of memory traffic); a
-``T=``/``H=`` condition before a term limits it to such tasks:
+``T=``/``H=``/``F=`` condition before a term limits it to such tasks:
 
 ============== ======== ========================= =============================================
 operation      target   stream                    cost
 ============== ======== ========================= =============================================
-move_to_gpu    param.j  h2d                       h2d: 1 page
+move_to_gpu    param.j  h2d; F=nvme: nvme and io  h2d: 1 page; F=nvme: first nvme_read: 1 page,
+                                                  and nvme_host on io
 move_to_cpu    param.j  nvme and io               nvme_read: 1 page; nvme_host on io
 all_gather     param.j  network                   network: W - 1 pages
 compute        layer    (the model's own ops)     -
@@ -114,7 +139,8 @@ release        other    none (takes no time)      -
 ============== ======== ========================= =============================================
 
 [Note: a disk write on the task's stream] ``offload grad.j @nvme`` runs its d2h copy and its disk
-write one after the other on the ``nvme`` stream (the disk is the scarcer engine; the d2h engine
+write one after the other on the ``nvme`` stream (a direct ``move_to_gpu`` its disk read and its
+h2d copy) (the disk is the scarcer engine; the d2h engine
 is not marked busy meanwhile), and an update's write of the refreshed compute copy to nvme runs
 on the update's own stream after its Adam step: the simulator charges each byte once, where the
 task runs.
@@ -193,12 +219,16 @@ class Task:
     ``trigger_id`` to the end of op ``end_id``, when the compute finishes."""
     produces_grads: bool = False
     """For ``compute``: the window whose ops write the layer's gradients; it takes their buffer."""
+    source: str | None = None
+    """For ``move_to_gpu``: the tier it copies from where not the cpu (``"nvme"``: a page homed
+    there that the plan did not stage, read straight from its home; [Note: staging is optional])."""
 
     def __str__(self) -> str:
         where = f" @{self.tier}" if self.tier else ""
         until = f" ..{self.end_id}" if self.end_id is not None else ""
         grads = " +grads" if self.produces_grads else ""
-        return f"{self.trigger_id:>6} {self.operation:<14} {self.target}{where}{until}{grads}"
+        source = f" from {self.source}" if self.source else ""
+        return f"{self.trigger_id:>6} {self.operation:<14} {self.target}{where}{until}{grads}{source}"
 
     @property
     def issued_at_end(self) -> bool:
@@ -213,9 +243,10 @@ class Task:
 class Hold:
     """A holding in a row of the table: ``name@tier``, per page of the target or one group.
 
-    ``tier`` is a tier, ``"T"`` (the task's tier) or ``"home"``; ``when`` lists conditions that
-    must all hold: ``"W>1"``, ``"W=1"``, ``"grads"`` (a compute with ``produces_grads``),
-    ``"T=<tier>"`` (the task's tier), ``"H=<tier>"`` (the layer's parameters' home tier)."""
+    ``tier`` is a tier, ``"T"`` (the task's tier), ``"home"`` or ``"F"`` (the tier the task copies
+    from: its ``source``, else ``cpu``); ``when`` lists conditions that must all hold: ``"W>1"``,
+    ``"W=1"``, ``"grads"`` (a compute with ``produces_grads``), ``"T=<tier>"`` (the task's tier),
+    ``"H=<tier>"`` (the layer's parameters' home tier), ``"F=<tier>"`` (the tier it copies from)."""
 
     name: str
     tier: str
@@ -247,6 +278,8 @@ class Effect:
     kind: str
     tiers: tuple[str | None, ...]
     """Tiers the task may name; ``"home"``: the optimizer states' home tier; ``"copy"``: any other."""
+    sources: tuple[str, ...] = ()
+    """Tiers other than the cpu a task may name as its ``source`` (none: it names none)."""
     takes: tuple[Hold, ...] = ()
     """Holdings it creates when issued: the pages it takes."""
     reads: tuple[Hold, ...] = ()
@@ -268,6 +301,8 @@ class Effect:
     stream: str | None = None
     stream_on: tuple[tuple[str, str], ...] = ()
     """``(tier, stream)``: the stream for a task on that tier, where not ``stream``."""
+    stream_from: tuple[tuple[str, str], ...] = ()
+    """``(source, stream)``: the stream for a task copying from that tier (before ``stream_on``)."""
     cost: tuple[tuple[str, str], ...] = ()
     """``(resource, unit)`` terms (``Term``: with a condition), run one after the other: a
     transfer (``TRANSFERS``) of a holding's pages, ``("adam", "shard")`` (an Adam step over the
@@ -296,13 +331,21 @@ class Effect:
                 return stream
         return self.stream
 
+    def stream_of(self, task: "Task") -> str | None:
+        """The stream ``task`` runs on: by its ``source``, else by its tier."""
+        for source, stream in self.stream_from:
+            if source == task.source:
+                return stream
+        return self.stream_for(task.tier)
+
 
 _PARAM = Hold("param", "gpu")
 _GATHERED = Hold("gathered", "gpu", when="W>1")
 _NVME = "H=nvme"
 EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
-    Effect("move_to_gpu", "param", ("gpu",), takes=(_PARAM,), reads=(Hold("param", "cpu"),), paged=True,
-           stream="h2d", cost=(("h2d", "param"),)),
+    Effect("move_to_gpu", "param", ("gpu",), takes=(_PARAM,), reads=(Hold("param", "F"),), paged=True,
+           sources=("nvme",), stream="h2d", stream_from=(("nvme", "nvme"),),
+           cost=(Term("nvme_read", "param", "F=nvme"), ("h2d", "param")), host=Term("nvme_host", "param", "F=nvme")),
     Effect("move_to_cpu", "param", ("cpu",), takes=(Hold("param", "cpu"),), reads=(Hold("param", "home"),),
            when=_NVME, paged=True, stream="nvme", cost=(("nvme_read", "param"),), host=("nvme_host", "param")),
     Effect("all_gather", "param", (None,), takes=(_GATHERED,), reads=(_PARAM,), when="W>1", paged=True,

@@ -81,7 +81,7 @@ class _Replay:
         self.held: set[Key] = set(self.homes)
         self.used = dict.fromkeys(TIERS, 0)  # pages
         for k in self.homes:
-            self.used[k.tier] += self.setting.pages(k.name, k.layer)
+            self.used[k.tier] += self.setting.held_pages(k)
         self.dirty: set[tuple[str, int]] = set()  # copies written since their home copy was
         self.released: set[int] = set()  # layers whose parameter pages were given back once
         self.windows: dict[int, tuple[int, frozenset[Key]]] = {}  # layer -> (end op, what it reads)
@@ -141,7 +141,7 @@ class _Replay:
                 for k in fx.takes:
                     if k not in dup:
                         held.add(k)
-                        self.used[k.tier] += self.setting.pages(k.name, k.layer)
+                        self.used[k.tier] += self.setting.held_pages(k)
             self.changes[L] += 1
         for k in fx.writes:
             if k.tier == self.setting.home(k.name, k.layer):
@@ -182,7 +182,7 @@ class _Replay:
         for k in keys:
             if k in self.held:
                 self.held.discard(k)
-                self.used[k.tier] -= self.setting.pages(k.name, k.layer)
+                self.used[k.tier] -= self.setting.held_pages(k)
                 if k.name == "param" and k.tier == "gpu":
                     self.released.add(L)
         self.changes[L] += 1

@@ -7,12 +7,15 @@ of each op (the task table, ``pagemem.sched.tasks``, says at which edge each tas
   run of the unit's pages from nvme to a cpu copy, which the ``move_to_gpu`` then copies from;
   ``release param @cpu`` -> ``Residency.release_host`` drops it;
 - ``move_to_gpu param.j`` -> ``Residency.stage``: start copying a run of the unit's pages to the
-  gpu (consecutive pages of one layer issued at one op travel as one call);
+  gpu (consecutive pages of one layer issued at one op travel as one call), from the cpu copy
+  where there is one, else (``source="nvme"``: a page the plan did not stage) straight from nvme
+  through the store's staging pages, which the cpu budget does not count;
 - ``compute layer`` -> ``Residency.bind``: wait for that unit's copies only, then point its
   parameters at them;
 - ``release param`` -> ``Residency.release``;
 - ``move_to_cpu optim`` (optimizer states on nvme) -> ``ParamBank.stage_states``: a cpu copy
-  started during backward, which the update then finds in memory.
+  (of as many pages as the unit's streamed update holds) started during backward, which the update
+  then finds in memory.
 
 [Note: what the executor leaves to the updater] Every row of the task table has its handler in
 ``HANDLERS``; gradient offloads, optimizer-state write-backs and updates are the updater's
@@ -154,12 +157,14 @@ class Schedule:
 def unit_layout(trace: Trace, bank: ParamBank, page_bytes: int) -> Layout:
     """The pages of every trace layer as the engine lays out its unit (computed once, here, from
     the store's layout, and handed to the planner: ``plan(layout=)``): the compute pages it moves,
-    and the gpu pages its optimizer states and gradient sums take where a plan caches it
-    (``ParamBank.gpu_state_pages``). The rest (optimizer bytes, elements) is the trace's."""
+    the gpu pages its optimizer states and gradient sums take where a plan caches it
+    (``ParamBank.gpu_state_pages``), and the cpu pages its update holds at once where it streams
+    them from nvme (``ParamBank.stream_pages``: one parameter at a time). The rest (optimizer
+    bytes, elements) is the trace's."""
     to_unit = units_of_layers(trace, bank)
     base = Layout.from_trace(trace, 1, page_bytes)
-    layers = tuple(dataclasses.replace(lay, param_pages=bank.compute_pages(to_unit[lay.index]),
-                                       cached_pages=bank.gpu_state_pages(to_unit[lay.index]))
+    layers = tuple(dataclasses.replace(lay, param_pages=bank.compute_pages(u := to_unit[lay.index]),
+                                       cached_pages=bank.gpu_state_pages(u), stream_pages=bank.stream_pages(u))
                    for lay in base.layers)
     return Layout(page_bytes, 1, layers)
 

@@ -13,7 +13,12 @@ gradient sums too (``home_tier="nvme"``). The cpu tier is then a *working set*, 
   the cpu holds one batch, not the model.
 The least working set is the largest parameter's states and gradient sums, which must be on the
 cpu at once during its update (``host_need``); a budget below it is refused at construction
-naming it.
+naming it. Plans count the same: the layout the engine hands the planner gives each unit's
+update that many cpu pages (``ParamBank.stream_pages``, ``LayerLayout.stream_pages``, one count:
+``records.streamed_pages``), and the pages a forward or backward reads from nvme need no cpu
+page (a plan stages on the cpu only as many as fit: [Note: staging is optional] in
+``pagemem/sched/tasks.py``): with everything on nvme the planner's least cpu budget is the
+engine's, where no two units' updates fall at one op of the trace.
 
 ``home_tier="auto"`` (the default) keeps the homes on the cpu where the cpu budget holds them
 with the optimizer states it must hold (and the update's working set), and moves them to nvme
@@ -28,7 +33,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from pagemem.engine.config import EngineConfig
-from pagemem.engine.units.records import compute_dtype_of, compute_is_master, owning_layers, paging_units
+from pagemem.engine.units.records import (compute_dtype_of, compute_is_master, owning_layers, paging_units,
+                                          streamed_pages)
 from pagemem.errors import OutOfMemory
 from pagemem.store.layout import pack
 from pagemem.units import format_bytes
@@ -72,8 +78,8 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int) -> HostNeed
     states = kinds * pack([fp32[i] for i in order], pb).pages
     grads = pack([fp32[i] for i in order], pb).pages
     best, name = 0, ""
-    for i in trained:  # chained states start mid-page: one more page of each kind at most
-        pages = (kinds + 1) * (pack([fp32[i]], pb).pages + 1)
+    for i in trained:  # its states and gradient sums
+        pages = streamed_pages(params[i][1].numel(), kinds + 1, pb)
         if pages > best:
             best, name = pages, params[i][0]
     apart = max((kinds * pack(sizes, pb).pages for _, idx in units

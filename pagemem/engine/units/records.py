@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagemem.ownership import owning_modules
+from pagemem.store.layout import pack
 
 
 def compute_dtype_of(asked: torch.dtype | None, held: torch.dtype) -> torch.dtype:
@@ -102,6 +103,15 @@ def grad_tier_beside(state_tier: str, home_tier: str = "cpu") -> str:
     states there (a GPU's fused AdamW needs all its tensors on the device), else at the units'
     home (``home_tier``: the cpu, or nvme: [Note: homes on nvme] in ``homes.py``)."""
     return "gpu" if state_tier == "gpu" else home_tier
+
+
+def streamed_pages(numel: int, kinds: int, page_bytes: int) -> int:
+    """Cpu pages one parameter of ``numel`` elements takes at once while its update brings
+    ``kinds`` fp32 arrays of it from nvme (master weights, moments, gradient sums: [Note: homes
+    on nvme] in ``homes.py``): each array is chained after another one's, so it may start
+    mid-page and take one page more than its bytes. The one count of it: the engine's least cpu
+    budget (``homes.host_need``) and the planner's (``ParamBank.stream_pages``) both use it."""
+    return kinds * (pack([numel * 4], page_bytes).pages + 1) if kinds else 0
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from pagemem.engine.units.records import grad_tier_beside
+from pagemem.engine.units.records import grad_tier_beside, streamed_pages
 from pagemem.errors import InvalidRequest, OutOfMemory
 from pagemem.store import PagedTensor
 from pagemem.store.layout import pack
@@ -30,14 +30,31 @@ class StatesMoved:
 
     def stage_states(self, li: int) -> None:
         """Start copying unit ``li``'s optimizer states to the cpu ahead of their update (the
-        plan's ``move_to_cpu optim``); no room on the cpu leaves them to be read at the update."""
+        plan's ``move_to_cpu optim``): as many of their pages as its streamed update holds at once
+        (``stream_pages``; the plan counts no more); no room on the cpu leaves them to be read at
+        the update."""
         layer = self.layers[li]
         if self.layers[li].state_tier != "nvme" or self.states_apart:  # the lock-free updater fetches its own
             return
+        states = layer.states()
+        count = min(self.store.page_count(states), self.stream_pages(li) or 0)
         try:
-            self.store.copy(layer.states(), "cpu")
+            self.store.copy(states, "cpu", pages=range(count))
         except OutOfMemory:
             pass
+
+    def stream_pages(self, li: int) -> int | None:
+        """The most cpu pages unit ``li``'s update holds at once where it is streamed
+        ([Note: homes on nvme] in ``homes.py``): its largest parameter's optimizer states and
+        gradient sums that rest on nvme when the unit is not kept on the gpu, counted as the
+        engine's least budget counts them (``records.streamed_pages``). None where nothing of it
+        rests on nvme, or it has nothing to update."""
+        kinds = 3 if self.optimizer_tier == "nvme" else 0
+        kinds += grad_tier_beside(self.optimizer_tier, self.home_tier) == "nvme"
+        sizes = [self.params[i][1].numel() for i in self.layers[li].params if self.records[i].trainable]
+        if not kinds or not sizes:
+            return None
+        return max(streamed_pages(n, kinds, self.store.page_bytes) for n in sizes)
 
     def drop_cpu_copies(self) -> None:
         """Give back the cpu copies staged of what lives on nvme: optimizer states

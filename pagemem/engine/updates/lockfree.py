@@ -321,8 +321,8 @@ class LockFreeUpdater:
         """Start reading unit ``u``'s states from nvme into cpu memory (None where they are not
         on nvme). No cpu room: the pass's write-backs are waited for (their cpu pages go), then
         the states fetched for units that were not updated go back (their nvme copy is still
-        good): the cpu holds two units' states, as the budget check counted ([Note: homes on
-        nvme])."""
+        good), and the compute copies a plan staged ahead on the cpu (their home is nvme): the
+        cpu holds two units' states, as the budget check counted ([Note: homes on nvme])."""
         if self.bank.layers[u].state_tier != "nvme":
             return None
         states = self.bank.layers[u].states()
@@ -342,6 +342,7 @@ class LockFreeUpdater:
                 if layer.index != u and layer.state_tier == "nvme" and kept and self.store.tier_of(kept[0]) == "cpu" \
                         and "nvme" in self.store.tiers_of(kept[0]):
                     self.store.move(kept, "nvme").wait()  # the nvme copy is current: nothing is written
+            self.bank.drop_cpu_copies()  # a plan stages compute pages in whatever room it finds
         return self.store.move(states, "cpu")
 
     def _update(self, u: int, fetched: Any) -> Any:
