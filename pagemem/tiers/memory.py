@@ -93,6 +93,12 @@ class MemoryTier(Tier):
             raise ValueError(f"{self.name}: slot {top} is in use; cannot shrink to {pages} slots")
         old = self.arena
         keep = (top + 1) * self.page_bytes  # the bytes of every used slot
+        if keep < pages * self.page_bytes // 2:
+            # [Note: resizing a full device] holds the old arena and the used bytes, not two
+            # arenas: the engine shrinks a whole-budget arena to its plan's with few pages in use
+            # (a transient second arena was the largest peak of a run with everything on nvme)
+            self._resize_parked(pages, keep)
+            return
         try:
             new = self._new_arena(pages)
         except MemoryError:
