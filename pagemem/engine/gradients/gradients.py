@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagemem.checks import check_rate
+from pagemem.engine.interrupts import shielded
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import GradLedger
 from pagemem.engine.gradients.grads import GradHandles
@@ -127,10 +128,13 @@ class Gradients:
         self.last_norm = 0.0
         """The global norm last computed (``global_norm``, ``clip``)."""
 
+    @shielded
     def hand_off(self, i: int, p: torch.Tensor) -> None:
         """Parameter ``i``'s post-accumulate hook: autograd's gradient goes to the updater;
         ``p.grad`` is dropped at once, unless hooks of the user's run after this one (they see
-        it until the end of the backward)."""
+        it until the end of the backward). Shielded: a Ctrl-C lands between two hand-offs, never
+        inside one (a gradient written through to nvme is store I/O that must not be cut short:
+        [Note: Ctrl-C inside the engine])."""
         if p.grad is None:
             return
         self.destination.accept(i, p.grad)

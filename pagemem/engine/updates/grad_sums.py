@@ -1,5 +1,6 @@
 """Each parameter's fp32 gradient sum, read and changed in place: its norm, scaled, zeroed, set
-from a tensor assigned to ``p.grad``, taken as a copy. What ``p.grad`` handles and clipping do
+from a tensor assigned to ``p.grad``, taken as a copy (each shielded from signals: sums on nvme
+are store I/O that a Ctrl-C must not cut short). What ``p.grad`` handles and clipping do
 ([Note: gradient handles] in ``gradients/grads.py``); the ledger says which sums are readable
 ([Note: gradient states]): one whose update ran during backward is not."""
 
@@ -10,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from pagemem.engine.gradients.grad_ledger import GradLedger, GradState
+from pagemem.engine.interrupts import shielded
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.updates.state_pieces import norm_of_pieces
 from pagemem.errors import InvalidRequest
@@ -24,6 +26,7 @@ class GradSums:
         self.store = store
         self.ledger = ledger
 
+    @shielded
     def take(self, i: int) -> torch.Tensor:
         """A flat copy of parameter ``i``'s gradient sum (the lock-free updater takes it)."""
         return self._grad_view(i, lambda views: torch.cat(views) if len(views) > 1 else views[0].clone())
@@ -40,10 +43,12 @@ class GradSums:
         with self.bank.grad_pieces(i) as pieces:
             return fn([v for _, v in pieces])
 
+    @shielded
     def norm(self, i: int) -> torch.Tensor:
         """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""
         return self._grad_view(i, norm_of_pieces)
 
+    @shielded
     def scale(self, i: int, coef: float, divide: bool = False) -> None:
         """Multiply (``divide``: divide) parameter ``i``'s gradient sum by ``coef`` in place."""
         def scale_views(views: list[torch.Tensor]) -> None:
@@ -52,6 +57,7 @@ class GradSums:
                     v.div_(coef) if divide else v.mul_(coef)
         self._grad_view(i, scale_views)
 
+    @shielded
     def set(self, i: int, grad: torch.Tensor) -> None:
         """Parameter ``i``'s gradient sum becomes ``grad`` (a gradient assigned to ``p.grad``)."""
         name = self.bank.params[i][0]
@@ -66,6 +72,7 @@ class GradSums:
         self.bank.accumulate_grad(i, grad, first=True)
         self.ledger.move(i, _SUMMED)
 
+    @shielded
     def zero(self, i: int) -> None:
         """Parameter ``i``'s gradient becomes zero (``p.grad.zero_()``): it is still updated. One
         a step already applied (``zero_grad(set_to_none=False)`` after ``optimizer.step()``) is a
