@@ -211,6 +211,22 @@ def clip_by_habit(run, model, opt, s, loss):
     opt.step()
 
 
+def grad_ops_reading_the_parameter(run, model, opt, s, loss):
+    """Decay and friends written by hand on p.grad, each reading p itself (evicted by then in a
+    planned iteration: it must be fetched, never its placeholder read)."""
+    opt.zero_grad()
+    loss(run, model, s).backward()
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            if k % 3 == 0:
+                p.grad.add_(p, alpha=0.01)
+            elif k % 3 == 1:
+                p.grad.addcmul_(p, p, value=0.01)
+            else:
+                p.grad.lerp_(p, 0.01)
+    opt.step()
+
+
 def zero_grad_between_backwards(run, model, opt, s, loss):
     loss(run, model, s).backward()
     opt.zero_grad()  # discards the first backward's gradients
@@ -284,7 +300,7 @@ def logging_norms(run, model, opt, s, loss):
             h.remove()
 
 
-LOOPS = {f.__name__: f for f in (clip_by_habit, zero_grad_between_backwards, model_zero_grad, never_zero_grad,
+LOOPS = {f.__name__: f for f in (clip_by_habit, grad_ops_reading_the_parameter, zero_grad_between_backwards, model_zero_grad, never_zero_grad,
                                  zero_grad_keeping_zeros, accumulate_by_habit, grads_by_autograd_grad,
                                  assigned_then_backward)}
 

@@ -72,6 +72,7 @@ class GradHandles:
         ``scale(i, c, divide)``: multiply it by ``c`` (divide: by ``c``) in place; ``zero(i)``:
         make it zero; ``read(i)``: a copy of it (fp32, flat); ``write(i, g)``: make ``g`` the sum."""
         self.params = [p for _, p in params]
+        self._param_ids = {id(p) for p in self.params}
         self.names = [n for n, _ in params]
         self.owner_pid = current_pid()
         """The engine's process: ops on a handle in any other are refused (``guard.intercept``)."""
@@ -165,6 +166,8 @@ class GradHandles:
 
         def real(x: Any) -> Any:
             if not isinstance(x, GradHandle):
+                if id(x) in self._param_ids:  # a parameter read beside its gradient (p.grad.add_(p)):
+                    return x.detach()         # read through the guard, which fetches it if evicted
                 return x
             i = self._index(x)
             if i not in values:
