@@ -18,7 +18,7 @@ from pagemem.tracer.errors import TraceError
 from pagemem.tracer.layers import candidate_layers
 from pagemem.tracer.clock import OpClock
 from pagemem.tracer.live import LiveSession, SavedTensor, dtype_name
-from pagemem.tracer.metaguard import MetaGuard, on_meta
+from pagemem.tracer.metaguard import MetaGuard, on_meta, refuse_differing
 from pagemem.tracer.optstate import OPTIMIZER_MODELS, modelled_states
 from pagemem.tracer.tracedata import Trace
 
@@ -92,8 +92,11 @@ def trace(model: nn.Module, step: Callable[[], object], optimizer: torch.optim.O
     devices = Counter(p.device for _, p in params)
     device = devices.most_common(1)[0][0]
     cuda = _cuda_device_of(devices)
+    meta = on_meta(p for _, p in params)
+    if meta:
+        refuse_differing(model)  # before anything is hooked
     session = LiveSession(model, params, cuda)
-    guard = MetaGuard(lambda: _where(session)) if on_meta(p for _, p in params) else None
+    guard = MetaGuard(lambda: _where(session)) if meta else None
     _tracing = True
     t0 = time.perf_counter()
     try:

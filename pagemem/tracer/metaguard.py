@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from pagemem.tracer.errors import TraceError
 
-__all__ = ["MetaGuard", "on_meta"]
+__all__ = ["MetaGuard", "on_meta", "refuse_differing"]
 
 _aten = torch.ops.aten
 _SDP_CHOICE = _aten._fused_sdp_choice.default
@@ -48,6 +48,20 @@ _NEEDS_VALUES: dict[Any, str] = {
 
 
 _STATS_IN_INPUT_DTYPE = frozenset({_aten.native_layer_norm.default, _aten.native_batch_norm.default})
+
+
+DIFFER_ON_META: tuple[type, ...] = (torch.nn.RNNBase, torch.nn.EmbeddingBag, torch.nn.MultiheadAttention)
+"""Modules whose meta trace differs from their cpu trace (their kernels keep other tensors for
+backward on meta: an LSTM's meta trace had twice the tensors and a quarter of the activation
+bytes): a model holding one is refused on meta, never traced wrong."""
+
+
+def refuse_differing(model: torch.nn.Module) -> None:
+    """``TraceError`` naming the first module of ``model`` whose meta trace is known to differ."""
+    for name, m in model.named_modules():
+        if isinstance(m, DIFFER_ON_META):
+            raise TraceError(f"{name or 'the model'} ({type(m).__name__}): its trace on meta differs from its trace on "
+                             "cpu (its kernels keep other tensors for backward there); trace this model on cpu")
 
 
 def on_meta(params: Any) -> bool:

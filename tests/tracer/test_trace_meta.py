@@ -289,3 +289,17 @@ def test_on_cpu_a_new_storage_at_a_dead_parameters_address_is_not_the_parameter(
     assert [t.shape for t in reused.of_kind("activation")].count((16,)) == 1  # `other`
     w = reused.tensor("w")
     assert len(w.accesses) >= 2  # saved by the matmul, unpacked in its backward
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.LSTM(16, 16), lambda: torch.nn.GRU(16, 16),
+                                  lambda: torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0),
+                                  lambda: torch.nn.EmbeddingBag(10, 8)])
+def test_modules_whose_meta_trace_differs_are_refused_on_meta_and_trace_on_cpu(make):
+    """An LSTM's meta trace had twice the tensors and a quarter of the activation bytes of its cpu
+    trace (found by attacking issue 31): refused on meta, before anything is hooked."""
+    from pagemem.tracer import TraceError, trace as trace_fn
+    with torch.device("meta"):
+        model = make()
+    with pytest.raises(TraceError, match="trace this model on cpu"):
+        trace_fn(model, lambda: None)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
