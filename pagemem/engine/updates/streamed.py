@@ -54,18 +54,34 @@ class StreamedUpdate:
             except OutOfMemory:
                 self.flush()  # its pages go back to nvme first, and copies staged ahead give way
                 self.bank.drop_cpu_copies()
-                handle = self.store.move(disk, "cpu")
+                try:
+                    handle = self.store.move(disk, "cpu")
+                except OutOfMemory as exc:  # one parameter's states and sums do not fit the cpu at all
+                    pb = exc.page_bytes
+                    least = self.store.tier("cpu").capacity * pb + (exc.requested_pages - exc.free_pages) * pb
+                    raise OutOfMemory("cpu", exc.requested_pages, exc.free_pages, pb,
+                                      "cpu_bytes: the update brings these parameters' optimizer states and gradient "
+                                      "sums from nvme at once (a parameter unfrozen after the engine was made counts "
+                                      "only from then on); nothing was updated", least_bytes=least,
+                                      least_is_bound=True) from None
             handle.wait()
             self.store.release(disk, "nvme").wait()
 
     def _batches(self, params: list[int]) -> list[list[int]]:
         """``params`` in batches whose states and gradient sums on nvme take at most half the cpu
         room (the other half takes the last batch's write-back meanwhile), in unit order, one
-        parameter at least; those with nothing on nvme go in the first."""
+        parameter at least; those with nothing to read from nvme go in the first."""
         room = self.store.tier("cpu").free_pages // 2
-        batches: list[list[int]] = [[i for i in params if not self.bank.on_disk([i])]]
+        staged = [i for i in params if self.bank.on_disk([i])
+                  and all("cpu" in self.store.tiers_of(t) for t in self.bank.on_disk([i]))]
+        # in memory, or copied to the cpu during backward (the plan's move_to_cpu optim): moving
+        # their home there takes no new page, so they go first, whatever the room (dropping those
+        # copies to make room for others read them twice: 3x the disk traffic, measured)
+        batches: list[list[int]] = [[i for i in params if not self.bank.on_disk([i])] + staged]
+        taken = set(staged)
         disk: list = []  # the last batch's tensors on nvme (neighbours share pages: counted once)
-        for i in sorted((i for i in params if self.bank.on_disk([i])), key=lambda i: (self.bank.layer_of[i], i)):
+        for i in sorted((i for i in params if self.bank.on_disk([i]) and i not in taken),
+                        key=lambda i: (self.bank.layer_of[i], i)):
             mine = self.bank.on_disk([i])
             if disk and self.store.page_count(disk + mine) > room:
                 batches.append([])
