@@ -61,8 +61,17 @@ def write_durable(path: str, data: bytes) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    with io_errors("syncing directory", path):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync(path, os.O_DIRECTORY, "syncing directory")
+
+
+def fsync_file(path: str) -> None:
+    """Flush a written file to disk (``TierIOError`` naming it when that fails)."""
+    _fsync(path, os.O_CLOEXEC, "syncing")
+
+
+def _fsync(path: str, flags: int, what: str) -> None:
+    with io_errors(what, path):
+        fd = os.open(path, os.O_RDONLY | flags)
         try:
             os.fsync(fd)
         finally:

@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
-from pagemem.engine.checkpoints.ckpt_io import fsync_dir, io_errors, remove, write_durable
+from pagemem.engine.checkpoints.ckpt_io import fsync_dir, fsync_file, io_errors, remove, write_durable
 from pagemem.engine.checkpoints.safetensors_layout import INDEX, SHARD, SINGLE, index_body, shard_name, split_shards
 from pagemem.errors import InvalidRequest, TierIOError
 
@@ -113,12 +113,7 @@ def write_shard(path: str, tensors: dict[str, torch.Tensor]) -> None:
         save_file(tensors, path, metadata={"format": "pt"})
     except SafetensorError as exc:
         raise TierIOError(f"save_weights: writing {path} failed ({exc})", errno.EIO) from None
-    with io_errors("syncing", path):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_file(path)
 
 
 def _move_in(root: str, tmp: str, names: list[str]) -> None:

@@ -73,7 +73,8 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int) -> HostNeed
     fp32 = [p.numel() * 4 for _, p in params]
     trained = [i for i, (_, p) in enumerate(params) if p.requires_grad]
     compute = 0 if is_master else sum(pack([nbytes[i] for i in idx], pb).pages for _, idx in units)
-    order = [i for _, idx in units for i in idx if i in set(trained)]
+    is_trained = set(trained)
+    order = [i for _, idx in units for i in idx if i in is_trained]
     kinds = 2 if is_master else 3
     states = kinds * pack([fp32[i] for i in order], pb).pages
     grads = pack([fp32[i] for i in order], pb).pages
