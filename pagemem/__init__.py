@@ -7,6 +7,7 @@ pinned ``cpu`` memory and ``nvme`` files) and moves them asynchronously. Subpack
 
 from pagemem.config import StoreConfig
 from pagemem.errors import (ConfigError, CorruptCheckpoint, CorruptPage, InvalidRequest, OutOfMemory, PageMemError,
+                            RankFailed,
                             StepFailed, StepIOError, TierIOError, TornPage,
                             WeightsNotGivenBack, WrongProcess)
 from pagemem.store import Lease, MoveHandle, PagedTensor, PageStore, StoreStats
@@ -27,6 +28,7 @@ __all__ = [
     "StoreStats",
     "InvalidRequest",
     "PageMemError",
+    "RankFailed",
     "ConfigError",
     "OutOfMemory",
     "CorruptPage",

@@ -142,6 +142,18 @@ class StepFailed(PageMemError):
     a checkpoint."""
 
 
+class RankFailed(PageMemError, RuntimeError):
+    """Another rank of the process group died, raised, or did not reach a collective within the
+    engine's ``collective_timeout_s``. ``ranks`` names the ranks found dead or behind (empty
+    when they could not be told apart); the engine refuses every call after it (the group's
+    collectives are out of step): exit and restart from the last checkpoint (``torchrun
+    --max-restarts`` does)."""
+
+    def __init__(self, message: str, ranks: "tuple[int, ...]" = ()) -> None:
+        self.ranks = tuple(ranks)
+        super().__init__(message)
+
+
 class StepIOError(StepFailed, TierIOError):
     """``step()`` could not read the optimizer states from nvme, or the write-back of the last
     update's failed. Nothing of the update was lost: the message says what failed, and that the

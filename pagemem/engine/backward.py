@@ -14,6 +14,7 @@ import torch
 from pagemem.engine.calls import CallLock, engine_call
 from pagemem.engine.interrupts import shielded
 from pagemem.engine.phase import EnginePhase, PhaseMachine
+from pagemem.engine.ranks.average import average_gradients
 from pagemem.engine.updates.lockfree import SHARED_SUMS
 from pagemem.errors import InvalidRequest, warn
 from pagemem.process import require_owner
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from pagemem.engine.updates.lockfree import LockFreeUpdater
     from pagemem.engine.paging.pager import Pager
     from pagemem.engine.updates.update import Updater
+    from pagemem.engine.gradients.grad_ledger import GradLedger
+    from pagemem.engine.ranks import Collectives
 
 
 class BackwardMixin:
@@ -46,6 +49,8 @@ class BackwardMixin:
     _phase_seconds: dict[str, float]
     failed_backwards: int
     owner_pid: int
+    collectives: "Collectives | None"
+    ledger: "GradLedger"
 
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
@@ -160,6 +165,9 @@ class BackwardMixin:
             self.gradients.end_backward()
             self.pager.end_backward()
             self.updater.end_backward()
+            if self.collectives is not None and self.phase.micro + 1 >= self.config.accumulation_steps:
+                # [Note: data parallel over the process group]: the step's last backward
+                average_gradients(self.bank, self.ledger, self.updater.zero_grad, self.collectives)
         except BaseException as exc:
             self._abort_backward(exc, guard_held=False)
             raise

@@ -40,7 +40,10 @@ class EngineConfig:
     ``loss_scale``: ``"dynamic"`` (as ``torch.amp.GradScaler``), a number (static), or None;
     ``"default"`` is ``"dynamic"`` for float16 and None otherwise, resolved when used
     (``effective_loss_scale``), so ``dataclasses.replace(cfg, compute_dtype=...)`` follows it.
-    ``rank`` / ``world_size``: this process's place in data parallelism (1 process for now). ``adam_threads``: CPU Adam
+    Ranks are the process group's, never the config's ([Note: data parallel over the process
+    group] in ``ranks/average.py``); ``collective_timeout_s``: how long a collective may wait for
+    the other ranks before ``RankFailed`` names the ranks that did not come (the first
+    iteration's collective waits for every rank's tracing and planning). ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
     means on when the gpu tier is CUDA (backward runs on the GPU while the CPU updates) or the
@@ -67,8 +70,7 @@ class EngineConfig:
     max_grad_norm: float | None = None
     accumulation_steps: int = 1
     loss_scale: str | float | None = "default"
-    rank: int = 0
-    world_size: int = 1
+    collective_timeout_s: float = 600.0
     adam_threads: int | None = None
     overlap_update: bool | None = None
     executor: str = "plan"
@@ -94,10 +96,7 @@ class EngineConfig:
         check_int("accumulation_steps", self.accumulation_steps, 1, 1 << 20)
         if self.loss_scale not in (None, "default", "dynamic"):  # "default" is kept as given (see the docstring)
             object.__setattr__(self, "loss_scale", check_rate("loss_scale", self.loss_scale))
-        check_int("world_size", self.world_size, 1, 65536)
-        check_int("rank", self.rank, 0, self.world_size - 1)
-        if self.world_size != 1:
-            raise ConfigError("world_size: data parallelism is not built yet; must be 1")
+        object.__setattr__(self, "collective_timeout_s", check_rate("collective_timeout_s", self.collective_timeout_s))
         if self.adam_threads is not None:
             check_int("adam_threads", self.adam_threads, 1, 1024)
         if self.overlap_update is not None:
@@ -150,5 +149,12 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
         """The inverse of :meth:`to_dict`, validated like any construction (missing keys take
-        their defaults, so older checkpoints load)."""
+        their defaults, so older checkpoints load; ``rank`` and ``world_size``, which configs
+        before data parallelism held, are dropped when they say one process)."""
+        if isinstance(d, dict) and ("rank" in d or "world_size" in d):
+            if (d.get("rank", 0), d.get("world_size", 1)) != (0, 1):
+                raise ConfigError("rank, world_size: no longer configured: the process group gives them "
+                                  f"(Engine(process_group=...)); got rank={d.get('rank')!r}, "
+                                  f"world_size={d.get('world_size')!r}")
+            d = {k: v for k, v in d.items() if k not in ("rank", "world_size")}
         return from_plain(cls, d)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -48,6 +49,7 @@ from pagemem.engine.updates.lockfree import LockFreeUpdater
 from pagemem.engine.units.model_checks import check_no_meta_buffers, check_parameters
 from pagemem.engine.updates.optimizer_states import OptimizerStates
 from pagemem.engine.paging.pager import Pager
+from pagemem.engine.ranks import Collectives, RankGroup
 from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.units.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.updates.update import Updater
@@ -59,7 +61,8 @@ from pagemem.tracer.clock import OpClock
 
 class Engine(BackwardMixin, ResultsMixin):
     def __init__(self, model: nn.Module, config: EngineConfig, *, param_groups: Any = None,
-                 init: ModuleInit | None = None, values: Any = None, _values: bool = True) -> None:
+                 init: ModuleInit | None = None, values: Any = None, process_group: Any = None,
+                 _values: bool = True) -> None:
         """Take over ``model``'s parameters: from here on they live in the store's pages.
 
         ``param_groups``: as ``torch.optim`` takes them (see ``pagemem/engine/updates/groups.py`` and
@@ -80,7 +83,12 @@ class Engine(BackwardMixin, ResultsMixin):
         at a time; the files must hold exactly the keys ``model.state_dict()`` has (one alias of
         tied weights suffices), else ``ConfigError`` naming the file and keys, before anything is
         allocated (see [Note: first values] in ``values.py`` and [Note: values from safetensors]).
-        :meth:`save_weights` writes them."""
+        :meth:`save_weights` writes them.
+
+        ``process_group``: the ``torch.distributed`` group to be data parallel over (default: the
+        default group, when one is initialised; else one process). Every rank makes its engine
+        over the same model and config; budgets are per rank ([Note: data parallel over the
+        process group] in ``ranks/average.py``)."""
         if init is not None and values is not None:
             raise ConfigError("init, values: give the first values one way, not both")
         if not isinstance(model, nn.Module):
@@ -102,9 +110,14 @@ class Engine(BackwardMixin, ResultsMixin):
         check_units_fit(model, config)  # [Note: gpu budgets refused early], before anything is made
         self._home_tier = choose_home_tier(model, config, unit_cap(config.store))  # [Note: homes on nvme]
         source = source_of(model, init, values, _values)  # a path's files are checked here, before the store
+        self.collectives: Collectives | None = None
+        """The collectives over the ranks (None: one process)."""
         try:
             self.store = PageStore(config.store)
             try:
+                self.ranks = RankGroup.resolve(process_group, self.store.tier("gpu").device)
+                """The process group's ranks this engine is data parallel over."""
+                self._join_ranks(model, config)
                 self._build(model, config, groups, source)
             except BaseException:
                 self._undo_build(model, restore=init is None and values is None and _values)
@@ -113,6 +126,40 @@ class Engine(BackwardMixin, ResultsMixin):
             if isinstance(source, FromSafetensors):
                 source.close()
         hold_interrupts()
+
+    def _join_ranks(self, model: nn.Module, config: EngineConfig) -> None:
+        """With several ranks: refuse what cannot run data parallel, start the collectives, and
+        check with one collective that every rank made its engine over the same parameters and
+        with the same training arithmetic (else every rank raises, none hangs)."""
+        if not self.ranks.data_parallel:
+            return
+        if config.lock_free:
+            raise ConfigError("lock_free: must be False with several ranks (the updating thread would update from a "
+                              "rank's own gradients before they are averaged); data-parallel lock-free updates are not "
+                              "built yet")
+        if config.overlap_update is True:
+            raise ConfigError("overlap_update: must not be True with several ranks (gradients are averaged at the "
+                              "end of backward, before any update); leave it None")
+        self.collectives = Collectives(self.ranks, config.collective_timeout_s)
+        shape = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()])
+        arithmetic = repr((config.optimizer, config.compute_dtype, config.max_grad_norm, config.accumulation_steps,
+                           config.effective_loss_scale, config.optimizer_tier))
+        digests = [zlib.crc32(shape.encode()), zlib.crc32(arithmetic.encode())]
+        if not self.collectives.same_everywhere(digests, "checking every rank's model and config"):
+            raise ConfigError("process_group: the ranks made their engines over different models (parameter names, "
+                              "shapes, dtypes or requires_grad) or with a different optimizer, compute_dtype, "
+                              "max_grad_norm, accumulation_steps, loss_scale or optimizer_tier; every rank must "
+                              "make the same engine")
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the engine's process group (0 for one process)."""
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the engine is data parallel over (1 for one process)."""
+        return self.ranks.world_size
 
     def _build(self, model: nn.Module, config: EngineConfig, groups: list | None, source: ValueSource) -> None:
         self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
@@ -151,7 +198,7 @@ class Engine(BackwardMixin, ResultsMixin):
         """Each parameter's gradient state ([Note: gradient states] in ``grad_ledger.py``)."""
         self.bank.copies.record_in(self.ledger)
         self.updater = Updater(self.bank, self.store, config, lambda g: check_no_amsgrad(self.optimizer.hyper(g)),
-                               self.ledger)
+                               self.ledger, data_parallel=self.ranks.data_parallel)
         self.phase = PhaseMachine()
         """Where the engine stands between backward and the update, with the backwards since the
         last update ([Note: engine phases], ``phase.py``)."""
@@ -222,6 +269,8 @@ class Engine(BackwardMixin, ResultsMixin):
             self.lockfree.close()
         if getattr(self, "updater", None) is not None:
             self.updater.close()
+        if self.collectives is not None:
+            self.collectives.close()
         bank = getattr(self, "bank", None)
         try:
             if bank is not None and restore:
@@ -411,6 +460,8 @@ class Engine(BackwardMixin, ResultsMixin):
                 step(self.updater.flush)
                 step(give_weights_back, self.bank, self.guard)
             step(self.updater.close)
+            if self.collectives is not None:
+                step(self.collectives.close)
             step(self.store.close)
             step(release_interrupts)
             self.calls.closed = True

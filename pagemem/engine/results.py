@@ -4,6 +4,8 @@ values, and ``stats()``. A mixin of ``Engine``, as ``backward.py`` is: these met
 
 from __future__ import annotations
 
+import functools
+
 import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -13,6 +15,7 @@ from torch import nn
 
 from pagemem.checks import check_int
 from pagemem.engine.checkpoints import checkpoint, safetensors_save
+from pagemem.engine.ranks.checkpoints import save_over_ranks
 from pagemem.engine.config import EngineConfig
 from pagemem.engine.calls import CallLock, engine_call
 from pagemem.errors import ConfigError, InvalidRequest
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from pagemem.engine.updates.adam import PagedOptimizer
     from pagemem.engine.updates.lockfree import LockFreeUpdater
     from pagemem.engine.updates.update import Updater
+    from pagemem.engine.ranks import Collectives, RankGroup
     from pagemem.store import PageStore
 
 
@@ -50,6 +54,8 @@ class ResultsMixin:
     guard: "Guard"
     failed_backwards: int
     _phase_seconds: dict[str, float]
+    collectives: "Collectives | None"
+    ranks: "RankGroup"
 
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
@@ -97,6 +103,8 @@ class ResultsMixin:
         self.pager.residency.keep_writes()
         if keep is not None:
             check_int("keep", keep, 1)
+        if self.collectives is not None:  # [Note: checkpoints over ranks]
+            return save_over_ranks(self.checkpointed(), self.collectives, directory, keep, self.global_step)
         return checkpoint.save(self.checkpointed(), directory, keep)
 
     @engine_call("save_weights")
@@ -126,11 +134,11 @@ class ResultsMixin:
         """What a checkpoint reads and writes of this engine (``checkpoint.Checkpointed``)."""
         return checkpoint.Checkpointed(self.module, self.config, self.bank, self.store, self.device,
                                        self.training_state, self.restore_training_state,
-                                       lambda: self.updater.scaler.scale)
+                                       lambda: self.updater.scaler.scale, rank=self.ranks.rank)
 
     @classmethod
     def load(cls: type[_E], directory: str, model: nn.Module, config: EngineConfig | None = None, *,
-             param_groups: Any = None) -> _E:
+             param_groups: Any = None, process_group: Any = None) -> _E:
         """An engine over ``model`` resumed from the checkpoint ``directory`` names (or its
         ``latest``): weights, buffers, optimizer states, counters, loss scale, optimizer groups
         (which parameters each holds, and their hyperparameters), RNG. ``config`` defaults to the
@@ -141,8 +149,11 @@ class ResultsMixin:
         after this resets the learning rates, as torch's does when made after an optimizer state
         is loaded: load its state, then set each group's ``lr`` from ``get_last_lr()``. A damaged
         checkpoint raises a PageMemError naming the file, and a refused load leaves ``model`` as it
-        was; compute dtype and loss scaling are ``config``'s (``engine/checkpoints/checkpoint.py``)."""
-        return checkpoint.load(cls, directory, model, config, param_groups)
+        was; compute dtype and loss scaling are ``config``'s (``engine/checkpoints/checkpoint.py``).
+        ``process_group``: as ``Engine``'s; any number of ranks loads a checkpoint saved by any
+        number ([Note: checkpoints over ranks])."""
+        make = functools.partial(cls, process_group=process_group) if process_group is not None else cls
+        return checkpoint.load(make, directory, model, config, param_groups)
 
     def training_state(self) -> dict[str, Any]:
         """Counters, loss scale and optimizer groups as JSON-ready values (for checkpoints)."""
@@ -192,4 +203,7 @@ class ResultsMixin:
             "home_tier": self.bank.home_tier,  # [Note: homes on nvme]: where compute copies and gradient sums live
             "optimizer_tier": self.config.optimizer_tier,
             "loss_scale": self.updater.scaler.scale,
+            "ranks": (self.collectives.stats() if self.collectives is not None else  # [Note: collectives]
+                      {"rank": 0, "world_size": 1, "backend": self.ranks.backend, "collectives": 0, "sent_bytes": 0,
+                       "collective_wait_seconds": 0.0}),
         }

@@ -9,7 +9,8 @@ Layout of ``save(root)``::
                              params, per-page XXH3 checksums, where each tensor lies; written last
         master.pages         fp32 master weights, page after page as they lie in the store
         exp_avg.pages, exp_avg_sq.pages, compute.pages
-        rng.bin              torch's CPU generator state
+        rng.bin              torch's CPU generator state (rank 0's, with several ranks)
+        rng-ranks.bin        with several ranks: every rank's CPU generator state, in rank order
         buffers.bin          the model's persistent buffers (BatchNorm statistics, counters)
 
 [Note: atomic and durable] Everything is written into ``step-N.tmp-<random>``, each file
@@ -43,6 +44,13 @@ scaled the same way (both ``"dynamic"``, or the same static scale); otherwise th
 as the given config says. From the checkpoint come the values: fp32 master weights, Adam
 moments, step counts, ``global_step``, skipped steps, the groups' hyperparameters (learning
 rates as a scheduler left them), RNG and buffers.
+
+[Note: checkpoints over ranks] Data parallel ranks hold replicas of every page ([Note: data
+parallel over the process group]), so one rank's pages are the whole training state: rank 0
+writes the checkpoint (every rank's RNG state gathered to it), the others wait for its verdict,
+and the manifest's ``ranks`` records the world size and that layout. Any number of ranks loads
+it (one included): every rank reads the same files, rank ``r`` takes the RNG state of saved
+rank ``r`` (of ``r`` modulo the saved world size where it had fewer ranks).
 """
 
 from __future__ import annotations
@@ -94,6 +102,8 @@ class Checkpointed:
     training_state: Callable[[], dict[str, Any]]
     restore_training_state: Callable[[dict[str, Any]], None]
     loss_scale: Callable[[], float | None]
+    rank: int = 0
+    """This process's rank ([Note: checkpoints over ranks]): the RNG state it loads."""
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -129,8 +139,9 @@ def _write_pages(engine: Checkpointed, kind: str, path: str) -> tuple[list[dict 
     return tensors, digests
 
 
-def _write_files(engine: Checkpointed, tmp: str, state: dict[str, Any]) -> None:
-    """Every file of a checkpoint into the directory ``tmp``, the manifest last."""
+def _write_files(engine: Checkpointed, tmp: str, state: dict[str, Any], rank_rngs: list[bytes] | None) -> None:
+    """Every file of a checkpoint into the directory ``tmp``, the manifest last (``rank_rngs``:
+    every rank's RNG state, [Note: checkpoints over ranks])."""
     layout, digests = {}, {}
     for kind in KINDS:
         layout[kind], digests[kind] = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"))
@@ -150,14 +161,20 @@ def _write_files(engine: Checkpointed, tmp: str, state: dict[str, Any]) -> None:
         "buffers": {"file": "buffers.bin", "xxh3": xxhash.xxh3_64_intdigest(buffers), "nbytes": len(buffers),
                     "entries": entries},
     }
+    if rank_rngs is not None:
+        joined = b"".join(rank_rngs)
+        write_durable(os.path.join(tmp, "rng-ranks.bin"), joined)
+        body["ranks"] = {"world_size": len(rank_rngs), "layout": "replicated",
+                         "rng": {"file": "rng-ranks.bin", "xxh3": xxhash.xxh3_64_intdigest(joined), "nbytes": len(joined)}}
     mf.validate(body)  # what a load would refuse is never written
     write_durable(os.path.join(tmp, MANIFEST), mf.encode(body))
 
 
-def save(engine: Checkpointed, root: str, keep: int | None = None) -> str:
+def save(engine: Checkpointed, root: str, keep: int | None = None, rank_rngs: list[bytes] | None = None) -> str:
     """Write a checkpoint of ``engine`` under ``root`` (see the module docs); returns its path.
     ``keep``: then remove all but the newest ``keep`` checkpoints (never the one ``latest``
-    names)."""
+    names). ``rank_rngs``: every rank's RNG state, written by rank 0 ([Note: checkpoints over
+    ranks])."""
     engine.store.synchronize()
     with io_errors("creating", root):
         os.makedirs(root, exist_ok=True)
@@ -169,7 +186,7 @@ def save(engine: Checkpointed, root: str, keep: int | None = None) -> str:
     try:
         with io_errors("creating", tmp):
             os.mkdir(tmp)
-        _write_files(engine, tmp, state)
+        _write_files(engine, tmp, state, rank_rngs)
         fsync_dir(tmp)
         final = os.path.join(root, name)
         if os.path.lexists(final):  # saved at this step before (maybe what ``latest`` names): keep it
@@ -259,11 +276,11 @@ def check_files(ckpt: str, manifest: dict[str, Any]) -> None:
         want, size = len(manifest["page_digests"][kind]) * pb, file_size(path)
         if size != want:
             raise CorruptCheckpoint(path, f"{size} bytes, the manifest says {want}")
-    for what in ("rng", "buffers"):
-        path = os.path.join(ckpt, manifest[what]["file"])
+    for what in [manifest["rng"], manifest["buffers"]] + ([manifest["ranks"]["rng"]] if "ranks" in manifest else []):
+        path = os.path.join(ckpt, what["file"])
         size = file_size(path)
-        if size != manifest[what]["nbytes"]:
-            raise CorruptCheckpoint(path, f"{size} bytes, the manifest says {manifest[what]['nbytes']}")
+        if size != what["nbytes"]:
+            raise CorruptCheckpoint(path, f"{size} bytes, the manifest says {what['nbytes']}")
 
 
 def _verified(ckpt: str, what: dict[str, Any]) -> bytes:
@@ -342,6 +359,12 @@ def load_into(engine: Checkpointed, ckpt: str, manifest: dict[str, Any]) -> None
     if [(p["name"], p["shape"]) for p in manifest["params"]] != params:
         raise InvalidRequest(f"{ckpt}: the checkpoint was written for another model (parameters differ)")
     rng = _verified(ckpt, manifest["rng"])
+    if "ranks" in manifest:  # [Note: checkpoints over ranks]
+        every = _verified(ckpt, manifest["ranks"]["rng"])
+        n = manifest["ranks"]["world_size"]
+        size = len(every) // n
+        r = engine.rank % n
+        rng = every[r * size:(r + 1) * size]
     buffers = _verified(ckpt, manifest["buffers"])
     pb = manifest["page_bytes"]
     for kind in KINDS:

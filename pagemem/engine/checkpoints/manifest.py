@@ -173,6 +173,15 @@ def validate(m: dict[str, Any]) -> None:
         _int(f["xxh3"], f"{name}.xxh3", 0, 2 ** 64 - 1)
         _int(f["nbytes"], f"{name}.nbytes", 0, 2 ** 48)
     _check_buffers(m["buffers"])
+    if "ranks" in m:  # written by rank 0 of several ([Note: checkpoints over ranks])
+        ranks = _dict(m["ranks"], "ranks", ("world_size", "layout", "rng"))
+        n = _int(ranks["world_size"], "ranks.world_size", 2, 1 << 20)
+        _need(ranks["layout"] == "replicated", "ranks.layout", "'replicated'", ranks["layout"])
+        f = _dict(ranks["rng"], "ranks.rng", ("file", "xxh3", "nbytes"))
+        _need(f["file"] == "rng-ranks.bin", "ranks.rng.file", "rng-ranks.bin", f["file"])
+        _int(f["xxh3"], "ranks.rng.xxh3", 0, 2 ** 64 - 1)
+        _need(_int(f["nbytes"], "ranks.rng.nbytes", 0, 2 ** 48) % n == 0, "ranks.rng.nbytes",
+              "a multiple of ranks.world_size", f["nbytes"])
 
 
 def _extent(where: Any, field: str, pb: int, pages: int, nbytes: int) -> None:

@@ -33,6 +33,7 @@ class UpdatesInBackward:
     bank: "ParamBank"
     store: "PageStore"
     config: "EngineConfig"
+    data_parallel: bool
     ledger: GradLedger
     adam: CpuAdam
     scaler: "LossScaler"
@@ -155,7 +156,7 @@ class UpdatesInBackward:
         else:
             wanted = cfg.overlap_update
         return (wanted and cfg.max_grad_norm is None and self.scaler.scale is None
-                and cfg.optimizer_tier != "nvme" and not cfg.lock_free)
+                and cfg.optimizer_tier != "nvme" and not cfg.lock_free and not self.data_parallel)
 
     def updated_during_backward(self) -> bool:
         """Updates ran during a backward that no ``step()`` has taken yet (one that failed

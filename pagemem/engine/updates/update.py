@@ -57,9 +57,13 @@ class Updater(UpdatesInBackward, StreamedUpdate):
     runs during backward is ``UpdatesInBackward``'s (``in_backward.py``)."""
 
     def __init__(self, bank: ParamBank, store: PageStore, config: EngineConfig,
-                 hyper: Callable[[int], AdamW], ledger: GradLedger | None = None) -> None:
+                 hyper: Callable[[int], AdamW], ledger: GradLedger | None = None,
+                 data_parallel: bool = False) -> None:
         """``ledger``: each parameter's gradient state ([Note: gradient states]), which this
-        moves as gradients arrive, are updated, assigned and discarded."""
+        moves as gradients arrive, are updated, assigned and discarded. ``data_parallel``: the
+        gradients are averaged over ranks at the end of backward, so no update runs during it
+        ([Note: data parallel over the process group])."""
+        self.data_parallel = data_parallel
         self.bank = bank
         self.ledger = ledger if ledger is not None else GradLedger([n for n, _ in bank.params], bank.layer_of)
         self.store = store

@@ -1,0 +1,44 @@
+"""A checkpoint written by rank 0 for every rank ([Note: checkpoints over ranks] in
+``engine/checkpoints/checkpoint.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from pagemem.engine.checkpoints import checkpoint
+from pagemem.engine.ranks.collectives import Collectives
+from pagemem.errors import InvalidRequest
+
+
+def gather_rngs(coll: Collectives) -> list[bytes]:
+    """Every rank's CPU generator state, in rank order, on every rank (one all-reduce)."""
+    mine = torch.get_rng_state()
+    rows = torch.zeros(coll.ranks.world_size, mine.numel(), dtype=torch.int32, device=coll.ranks.device)
+    rows[coll.ranks.rank] = mine.to(torch.int32)
+    coll.reduce_now(rows, "gathering every rank's RNG state")
+    return [bytes(r.to(torch.uint8).cpu().numpy().tobytes()) for r in rows]
+
+
+def save_over_ranks(engine: checkpoint.Checkpointed, coll: Collectives, root: str, keep: int | None,
+                    step: int) -> str:
+    """Rank 0 writes the checkpoint, every rank returns its path or raises its failure."""
+    if not coll.same_everywhere([step], "checking every rank saves at the same step"):
+        raise InvalidRequest(f"save: ranks called save() at different steps (this rank at global_step {step}); "
+                             "every rank must save at the same step")
+    rngs = gather_rngs(coll)
+    path, error = None, None
+    if coll.ranks.rank == 0:
+        try:
+            path = checkpoint.save(engine, root, keep, rank_rngs=rngs)
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised here
+            error = exc
+    verdict = json.loads(coll.broadcast_bytes(
+        json.dumps({"path": path, "error": None if error is None else f"{type(error).__name__}: {error}"}).encode()
+        if coll.ranks.rank == 0 else None, 0, "rank 0's checkpoint verdict"))
+    if error is not None:
+        raise error
+    if verdict["error"] is not None:
+        raise InvalidRequest(f"save: rank 0 could not write the checkpoint under {root!r}: {verdict['error']}")
+    return verdict["path"]

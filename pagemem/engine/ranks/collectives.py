@@ -1,0 +1,183 @@
+"""An engine's collectives: on their own thread, in one order on every rank, bounded in time.
+
+[Note: collectives]
+Every collective an engine issues goes through ``Collectives``: queued to one thread (so the
+caller may fill the next batch while the last one is on the wire), run there asynchronously and
+waited for with the group's op timeout (``EngineConfig.collective_timeout_s``), and waited for
+again by the caller with a margin over it. Every rank calls them in the same order, from the
+same code path, with sizes every rank computes alike; the engine agrees with a collective on
+anything one rank alone could decide (which parameters have gradients). A collective that fails
+or times out raises ``RankFailed`` naming the ranks to blame ([Note: naming the rank that
+failed], ``liveness.py``), and every later call raises it again at once: the group is out of step.
+
+Bytes are counted as the ring algorithm sends them per rank: ``2 (W - 1) / W`` of an all-reduced
+buffer (what the simulator charges; gloo and NCCL choose their own algorithm per size).
+
+Batch size (``BATCH_BYTES``): gloo's all-reduce on the 2-core development VM cost 1.5 ms per call
+whatever its size up to 64 KiB with 2 ranks (5.7 ms with 4), 4.1 ms for 4 MiB (1.0 GB/s) and
+13.6 ms for 16 MiB (1.24 GB/s); 16 MiB (four 4 MiB pages) keeps the per-call cost near a tenth of
+a batch's time, and two batches in flight (filling one while the other is reduced) hold 32 MiB of
+host memory. ``benchmarks/bench_ranks.py`` measures it again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from pagemem.engine.ranks.group import RankGroup
+from pagemem.engine.ranks.liveness import Liveness
+from pagemem.errors import RankFailed
+
+BATCH_BYTES = 16 << 20
+_WAIT_MARGIN_S = 30.0
+_serials = itertools.count()
+"""Engines made in this process, in order: every rank makes its engines in the same order, so the
+n-th has the same serial everywhere (its heartbeat keys)."""
+
+Pending = tuple[str, "Future[Any]"]
+
+
+class Collectives:
+    """The collectives of one engine over its ranks (see the Note)."""
+
+    def __init__(self, ranks: RankGroup, timeout_s: float) -> None:
+        if not ranks.data_parallel:
+            raise ValueError("Collectives: needs a group of more than one rank")
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+        self.calls = 0
+        """Collectives issued."""
+        self.sent_bytes = 0
+        """Bytes this rank sent, as the ring algorithm sends them."""
+        self.wait_seconds = 0.0
+        """Time callers waited for collectives to finish."""
+        self.failed: RankFailed | None = None
+        self.liveness = Liveness(ranks, next(_serials))
+        self._jobs: "queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"pagemem-collectives-r{ranks.rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                fut.set_exception(exc)
+
+    def _issue(self, what: str, start: Callable[[], Any], sent: int) -> Pending:
+        """Queue one collective: ``start()`` launches it (``async_op=True``) on the thread, which
+        waits for it with the op timeout."""
+        if self.failed is not None:
+            raise RankFailed(f"{what}: refused: an earlier collective failed ({self.failed})", self.failed.ranks)
+        self.liveness.entered += 1
+        self.calls += 1
+        self.sent_bytes += sent
+        timeout = timedelta(seconds=self.timeout_s)
+
+        def run() -> None:
+            work = start()
+            if work is not None:
+                work.wait(timeout)
+
+        fut: Future[Any] = Future()
+        self._jobs.put((run, fut))
+        return what, fut
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for one issued collective; ``RankFailed`` if it failed or ran out of time."""
+        what, fut = pending
+        t0 = time.perf_counter()
+        try:
+            fut.result(timeout=self.timeout_s + _WAIT_MARGIN_S)
+        except FutureTimeout:
+            self._fail(what, None)
+        except Exception as exc:  # noqa: BLE001 - a collective's failure, whatever torch raised
+            self._fail(what, exc)
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    def _fail(self, what: str, exc: BaseException | None) -> None:
+        diagnosis, blamed = self.liveness.diagnose()
+        cause = f"{type(exc).__name__}: {exc}" if exc is not None else f"no answer within {self.timeout_s:g} s"
+        cause = cause.strip().splitlines()[0] if cause.strip() else cause
+        err = RankFailed(f"rank {self.ranks.rank} of {self.ranks.world_size}: {what} (collective "
+                         f"{self.liveness.entered}) failed: {diagnosis} ({cause})", blamed)
+        self.failed = err
+        raise err from exc
+
+    # ------------------------------------------------------------------ collectives
+
+    def _ring(self, nbytes: int) -> int:
+        w = self.ranks.world_size
+        return 2 * (w - 1) * nbytes // w
+
+    def all_reduce(self, t: torch.Tensor, what: str, op: str = "sum") -> Pending:
+        """Start reducing ``t`` in place over the ranks (``op``: sum, max or min)."""
+        import torch.distributed as dist
+
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        group = self.ranks.group
+        return self._issue(what, lambda: dist.all_reduce(t, reduce_op, group=group, async_op=True),
+                           self._ring(t.numel() * t.element_size()))
+
+    def reduce_now(self, t: torch.Tensor, what: str, op: str = "sum") -> torch.Tensor:
+        """``all_reduce`` and wait; returns ``t``."""
+        self.wait(self.all_reduce(t, what, op))
+        return t
+
+    def agree(self, values: list[int], what: str) -> list[int]:
+        """Every rank's ``values`` must be equal: returns the maximum over ranks of each, raising
+        nothing; the caller compares it with its own (``same_everywhere``)."""
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self.ranks.device)
+        self.reduce_now(t, what, "max")
+        n = len(values)
+        return [int(x) for x in t[:n]] + [-int(x) for x in t[n:]]
+
+    def same_everywhere(self, values: list[int], what: str) -> bool:
+        """True when every rank passed the same ``values`` (one collective)."""
+        both = self.agree(values, what)
+        n = len(values)
+        return both[:n] == values and both[n:] == values
+
+    def barrier(self, what: str) -> None:
+        self.reduce_now(torch.zeros(1, device=self.ranks.device), what)
+
+    def broadcast_bytes(self, data: bytes | None, src: int, what: str) -> bytes:
+        """Rank ``src``'s ``data`` on every rank (others pass None)."""
+        import torch.distributed as dist
+
+        group, dev = self.ranks.group, self.ranks.device
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
+        g_src = dist.get_global_rank(group, src) if group is not dist.group.WORLD else src
+        self.wait(self._issue(what, lambda: dist.broadcast(size, g_src, group=group, async_op=True), 8))
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if self.ranks.rank == src and data
+               else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
+        if buf.numel():
+            self.wait(self._issue(what, lambda: dist.broadcast(buf, g_src, group=group, async_op=True), buf.numel()))
+        return bytes(buf.cpu().numpy().tobytes())
+
+    def stats(self) -> dict[str, Any]:
+        return {"rank": self.ranks.rank, "world_size": self.ranks.world_size, "backend": self.ranks.backend,
+                "collectives": self.calls, "sent_bytes": self.sent_bytes, "collective_wait_seconds": self.wait_seconds}
+
+    def close(self) -> None:
+        """Stop the thread (a collective stuck after a failure is left to the group's timeout)."""
+        self._jobs.put(None)
+        self._thread.join(timeout=None if self.failed is None else 1.0)
+        self.liveness.close()

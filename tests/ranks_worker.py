@@ -1,0 +1,130 @@
+"""One rank of a data-parallel run on gloo, for ``test_engine_ranks.py`` (or the reference it is
+compared with), in a process of its own.
+
+``python ranks_worker.py MODE RANK WORLD PORT OUT [key=value ...]``; MODE is ``engine`` (pagemem,
+data parallel over the default group), ``ddp`` (torch ``DistributedDataParallel`` with fused
+AdamW and ``clip_grad_norm_``) or ``kill`` (pagemem, and rank ``victim`` SIGKILLs itself in the
+forward of step ``at``). Every rank trains on its slice of each step's combined batch
+(``batch_of``); rank 0 writes the final weights (``torch.save``) to OUT. Options: ``steps``,
+``nvme`` (a directory: optimizer states there), ``save_dir``/``save_at`` (save a checkpoint after
+that step), ``resume`` (load the latest checkpoint under it first, and train from its step),
+``gpu_bytes``, ``clip``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import pagemem
+
+V, SEQ, PER_STEP = 128, 16, 6
+"""Vocabulary, tokens per sequence, sequences per step over all ranks (divisible by 1, 2, 3)."""
+HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def make_model() -> torch.nn.Module:
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).float()
+
+
+def batch_of(step: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s sequences of step ``step``: its slice of the combined batch."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, V, (PER_STEP, SEQ), generator=g)
+    per = PER_STEP // world
+    return x[rank * per:(rank + 1) * per]
+
+
+PAGE = 64 << 10
+
+
+def gpu_budget(world: int) -> int:
+    """The least gpu budget the scheduler accepts for one rank's step, plus a third of the
+    parameters' bytes (so units move every iteration), in whole pages."""
+    from pagemem.sched import least_gpu_bytes
+    from pagemem.tracer import trace
+
+    model = make_model()
+    x = batch_of(0, 0, world)
+    tr = trace(model, lambda: model(input_ids=x, labels=x).loss.backward()).with_non_model_peak_reserved()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    return -(-(least_gpu_bytes(tr, page_bytes=PAGE) + params // 3) // PAGE) * PAGE
+
+
+def engine_config(opts: dict[str, str], world: int) -> pagemem.EngineConfig:
+    nvme = opts.get("nvme")
+    store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=int(opts.get("gpu_bytes", gpu_budget(world))),
+                                cpu_bytes=64 << 20, nvme_bytes=(256 << 20) if nvme else 0, nvme_path=nvme,
+                                page_bytes=PAGE)
+    return pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier="nvme" if nvme else "cpu",
+                                compute_dtype=torch.float32, max_grad_norm=float(opts.get("clip", 0.05)),
+                                adam_threads=1, collective_timeout_s=float(opts.get("timeout", 60)))
+
+
+def run_engine(rank: int, world: int, out: str, opts: dict[str, str], victim: int | None = None) -> None:
+    steps = int(opts.get("steps", 8))
+    model = make_model()
+    first = 0
+    if "resume" in opts:
+        engine = pagemem.Engine.load(opts["resume"], model, engine_config(opts, world))
+        first = engine.global_step
+    else:
+        engine = pagemem.Engine(model, engine_config(opts, world))
+    assert (engine.rank, engine.world_size) == (rank, world)
+    with engine:
+        for step in range(first, steps):
+            if victim is not None and rank == victim and step == int(opts.get("at", 2)):
+                model.transformer.h[0].register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+            x = batch_of(step, rank, world)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            if "save_dir" in opts and step + 1 == int(opts["save_at"]):
+                engine.save(opts["save_dir"])
+        stats = engine.stats()
+        weights = engine.state_dict()
+    if rank == 0:
+        torch.save({"weights": weights, "stats": stats["ranks"], "gpu_bytes": engine.config.store.gpu_bytes,
+                    "moved": stats["moved_bytes"]}, out)
+
+
+def run_ddp(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
+    for step in range(int(opts.get("steps", 8))):
+        x = batch_of(step, rank, world)
+        ddp(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float(opts.get("clip", 0.05)))
+        opt.step()
+        opt.zero_grad()
+    if rank == 0:
+        torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}, out)
+
+
+def main() -> None:
+    mode, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    opts = dict(a.split("=", 1) for a in sys.argv[6:])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        if mode == "ddp":
+            run_ddp(rank, world, out, opts)
+        else:
+            run_engine(rank, world, out, opts, victim=int(opts.get("victim", 1)) if mode == "kill" else None)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
