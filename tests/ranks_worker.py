@@ -3,8 +3,9 @@ compared with), in a process of its own.
 
 ``python ranks_worker.py MODE RANK WORLD PORT OUT [key=value ...]``; MODE is ``engine`` (pagemem,
 data parallel over the default group), ``ddp`` (torch ``DistributedDataParallel`` with fused
-AdamW and ``clip_grad_norm_``) or ``kill`` (pagemem, and rank ``victim`` SIGKILLs itself in the
-forward of step ``at``). Every rank trains on its slice of each step's combined batch
+AdamW and ``clip_grad_norm_``), ``kill`` (pagemem, and rank ``victim`` SIGKILLs itself in the
+forward of step ``at``), ``hang`` (rank ``victim`` stops calling the engine at step ``at`` and
+sleeps) or ``mismatch`` (rank ``victim`` makes its engine over another model). Every rank trains on its slice of each step's combined batch
 (``batch_of``); rank 0 writes the final weights (``torch.save``) to OUT. Options: ``steps``,
 ``nvme`` (a directory: optimizer states there), ``save_dir``/``save_at`` (save a checkpoint after
 that step), ``resume`` (load the latest checkpoint under it first, and train from its step),
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -67,12 +69,15 @@ def engine_config(opts: dict[str, str], world: int) -> pagemem.EngineConfig:
                                 page_bytes=PAGE)
     return pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier="nvme" if nvme else "cpu",
                                 compute_dtype=torch.float32, max_grad_norm=float(opts.get("clip", 0.05)),
-                                adam_threads=1, collective_timeout_s=float(opts.get("timeout", 60)))
+                                adam_threads=1, collective_timeout_s=float(opts.get("collective_timeout", 60)))
 
 
-def run_engine(rank: int, world: int, out: str, opts: dict[str, str], victim: int | None = None) -> None:
+def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str = "engine") -> None:
     steps = int(opts.get("steps", 8))
+    victim = int(opts.get("victim", 1)) if mode != "engine" else None
     model = make_model()
+    if mode == "mismatch" and rank == victim:
+        model.transformer.h[0].ln_1.bias.requires_grad_(False)
     first = 0
     if "resume" in opts:
         engine = pagemem.Engine.load(opts["resume"], model, engine_config(opts, world))
@@ -82,8 +87,10 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], victim: in
     assert (engine.rank, engine.world_size) == (rank, world)
     with engine:
         for step in range(first, steps):
-            if victim is not None and rank == victim and step == int(opts.get("at", 2)):
+            if mode == "kill" and rank == victim and step == int(opts.get("at", 2)):
                 model.transformer.h[0].register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+            if mode == "hang" and rank == victim and step == int(opts.get("at", 2)):
+                time.sleep(600)
             x = batch_of(step, rank, world)
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
@@ -121,7 +128,7 @@ def main() -> None:
         if mode == "ddp":
             run_ddp(rank, world, out, opts)
         else:
-            run_engine(rank, world, out, opts, victim=int(opts.get("victim", 1)) if mode == "kill" else None)
+            run_engine(rank, world, out, opts, mode)
     finally:
         dist.destroy_process_group()
 

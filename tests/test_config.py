@@ -127,7 +127,7 @@ _COUNTS = st.one_of(st.integers(-4, 16), st.integers(-(2 ** 40), 2 ** 40))
 _STORE = {"page_bytes": _SIZES, "gpu_bytes": _SIZES, "cpu_bytes": _SIZES, "nvme_bytes": _SIZES,
           "nvme_bandwidth": _SIZES, "staging_pages": _COUNTS, "io_depth": _COUNTS, "copy_threads": _COUNTS,
           "cuda_device": _COUNTS}
-_ENGINE = {"accumulation_steps": _COUNTS, "rank": _COUNTS, "world_size": _COUNTS, "adam_threads": _COUNTS,
+_ENGINE = {"accumulation_steps": _COUNTS, "collective_timeout_s": _COUNTS, "adam_threads": _COUNTS,
            "max_staleness": _COUNTS, "lock_free": st.booleans(),
            "optimizer_tier": st.sampled_from(["gpu", "cpu", "nvme"])}
 
