@@ -47,6 +47,7 @@ SUITE: list[Bench] = [
     Bench("bench_nvme", ("--size", "64MiB", "--repeats", "1", "--depths", "8"), needs="fio"),
     Bench("bench_gpu_moves", ("--size", "256MiB", "--repeats", "2"), needs="cuda"),
     Bench("bench_homes", ("--steps", "2", "--multiples", "1"), default=False),
+    Bench("bench_ranks", ("--steps", "4", "--worlds", "1,2"), default=False),
     Bench("bench_lockfree", ("--steps", "20", "--seeds", "1", "--throughput-steps", "10"), default=False),
     Bench("bench_offload", ("--model", "tiny", "--batch", "1", "--seq", "64", "--warmup", "1", "--iters", "2",
                             "--gpu-bytes", str(64 << 20)), default=False, result="bench_offload_cpu"),

@@ -5,7 +5,8 @@ compared with), in a process of its own.
 data parallel over the default group), ``ddp`` (torch ``DistributedDataParallel`` with fused
 AdamW and ``clip_grad_norm_``), ``kill`` (pagemem, and rank ``victim`` SIGKILLs itself in the
 forward of step ``at``), ``hang`` (rank ``victim`` stops calling the engine at step ``at`` and
-sleeps) or ``mismatch`` (rank ``victim`` makes its engine over another model). Every rank trains on its slice of each step's combined batch
+sleeps), ``mismatch`` (rank ``victim`` makes its engine over another model), ``unused`` /
+``unused-ddp`` (``Branchy``, a head unused on some ranks' steps, pagemem or DDP). Every rank trains on its slice of each step's combined batch
 (``batch_of``); rank 0 writes the final weights (``torch.save``) to OUT. Options: ``steps``,
 ``nvme`` (a directory: optimizer states there), ``save_dir``/``save_at`` (save a checkpoint after
 that step), ``resume`` (load the latest checkpoint under it first, and train from its step),
@@ -104,6 +105,52 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                     "moved": stats["moved_bytes"]}, out)
 
 
+class Branchy(torch.nn.Module):
+    """A trunk and two heads; a rank's batch may skip head ``b`` (as a mixture of experts' routing
+    leaves experts unused on some ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(16, 32)
+        self.a = torch.nn.Linear(32, 4)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return (self.a(h) + (self.b(h) if use_b else 0)).square().mean()
+
+
+def branchy_batch(step: int, rank: int) -> tuple[torch.Tensor, bool]:
+    g = torch.Generator().manual_seed(50 + 10 * step + rank)
+    return torch.randn(4, 16, generator=g), rank == 0 or step % 3 == 0
+
+
+def run_unused(rank: int, world: int, out: str, opts: dict[str, str], ddp: bool) -> None:
+    """``Branchy`` for 6 steps, head ``b`` unused on rank 1 except every third step."""
+    model = Branchy()
+    if ddp:
+        net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
+    else:
+        store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=1 << 20, cpu_bytes=16 << 20, page_bytes=PAGE)
+        engine = pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), adam_threads=1))
+    for step in range(6):
+        x, use_b = branchy_batch(step, rank)
+        if ddp:
+            net(x, use_b).backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            engine.backward(engine(x, use_b))
+            engine.step()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()} if ddp else engine.state_dict()
+    if not ddp:
+        engine.close()
+    if rank == 0:
+        torch.save({"weights": weights}, out)
+
+
 def run_ddp(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -127,6 +174,8 @@ def main() -> None:
     try:
         if mode == "ddp":
             run_ddp(rank, world, out, opts)
+        elif mode in ("unused", "unused-ddp"):
+            run_unused(rank, world, out, opts, ddp=mode == "unused-ddp")
         else:
             run_engine(rank, world, out, opts, mode)
     finally:

@@ -1,0 +1,145 @@
+"""Data parallel over gloo ranks ([Note: data parallel over the process group]): per-rank tokens/s
+for 1, 2 and 4 ranks beside the simulator's prediction, and the bytes each rank sends per
+iteration beside the figure the ring all-reduce of its gradients gives.
+
+Each row spawns W processes (gloo over loopback) that train the project's GPT (hidden 256,
+4 layers, vocab 2048, fp32, 2 sequences of 64 tokens per rank per step, optimizer states on the
+cpu, a gpu budget on the host stand-in that holds the model) for ``--steps`` steps, with
+``torch.set_num_threads(max(1, cores // W))``; tokens/s is each rank's own tokens over the median
+step after the first two. Anchors, from the same run:
+
+- ``sim``: the simulator's iteration for the rank's own plan (the one its engine followed, on
+  the ``dev-vm`` profile) plus the ring all-reduce of its fp32 gradient sums at the profile's
+  network bandwidth (``2 (W - 1) / W`` of the bytes over the bus bandwidth). The simulator
+  models one GPU per rank: on this 2-core VM, W ranks share two cores, which it does not see;
+- ``ring bytes``: ``2 (W - 1) / W`` x (the fp32 gradient bytes + the 4-byte per-parameter flags the
+  ranks agree on first): what each rank must send; ``sent``: what the engine counted;
+- ``zero-3 plan``: the network bytes per rank the scheduler's plan at this world size would send
+  (all-gathers and reduce-scatters of shards), which the engine does not run yet.
+
+Usage: ``python benchmarks/bench_ranks.py [--steps N] [--worlds 1,2,4]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from common import ROOT, table, write_json
+
+HIDDEN, LAYERS, VOCAB, SEQ, BATCH = 256, 4, 2048, 64, 2
+
+WORKER = r'''
+import json, os, statistics, sys, time
+import torch, torch.distributed as dist, pagemem
+from pagemem.models.gpt import GPT, GPTConfig
+from pagemem.sched import HardwareProfile, simulate
+rank, world, port, steps = (int(a) for a in sys.argv[1:5])
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+if world > 1:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+cfg = GPTConfig(layers=%(layers)d, hidden=%(hidden)d, heads=8, vocab=%(vocab)d, seq=%(seq)d)
+torch.manual_seed(0)
+model = GPT(cfg)
+params = sum(p.numel() for p in model.parameters())
+n_params = len(list(model.parameters()))
+store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=64 << 20, cpu_bytes=512 << 20)
+config = pagemem.EngineConfig(store=store, compute_dtype=torch.float32, adam_threads=max(1, (os.cpu_count() or 1) // world))
+g = torch.Generator().manual_seed(rank)
+seconds, sent = [], []
+with pagemem.Engine(model, config) as engine:
+    for step in range(steps):
+        x = torch.randint(0, cfg.vocab, (%(batch)d, %(seq)d + 1), generator=g)
+        before = engine.stats()["ranks"]["sent_bytes"]
+        t0 = time.perf_counter()
+        loss = engine(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        engine.backward(loss)
+        engine.step()
+        seconds.append(time.perf_counter() - t0)
+        sent.append(engine.stats()["ranks"]["sent_bytes"] - before)
+    stats = engine.stats()
+    plan, trace = engine.pager.last_plan, engine.pager.last_trace
+    sim = simulate(plan, trace, HardwareProfile.builtin("dev-vm")).iteration_time if plan is not None else None
+zero3 = None
+if world > 1 and trace is not None:
+    from pagemem.sched import plan as make_plan
+    try:
+        zero3 = make_plan(trace, {"gpu": 64 << 20, "cpu": 512 << 20, "nvme": 0}, world_size=world).bytes_moved()["network"]
+    except Exception as exc:
+        zero3 = repr(exc)
+print(json.dumps({"rank": rank, "seconds": seconds, "sent": sent, "sim_seconds": sim, "params": params,
+                  "n_params": n_params, "wait_seconds": stats["ranks"]["collective_wait_seconds"],
+                  "collectives": stats["ranks"]["collectives"], "zero3_network_bytes": zero3}))
+if world > 1:
+    dist.destroy_process_group()
+''' % {"hidden": HIDDEN, "layers": LAYERS, "vocab": VOCAB, "seq": SEQ, "batch": BATCH}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(world: int, steps: int) -> list[dict]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(os.path.join(tmp, f"r{r}.err"), "w+") for r in range(world)]
+        procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(steps)],
+                                  stdout=subprocess.PIPE, stderr=logs[r], text=True, env=env) for r in range(world)]
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
+        for r, p in enumerate(procs):
+            if p.returncode != 0:
+                logs[r].seek(0)
+                raise RuntimeError(f"rank {r} of {world} failed:\n{logs[r].read()[-3000:]}")
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--worlds", default="1,2,4")
+    args = ap.parse_args()
+    from pagemem.sched import HardwareProfile
+
+    net = HardwareProfile.builtin("dev-vm").network_bytes_per_s
+    rows, out = [], []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        ranks = run(world, args.steps)
+        tokens = BATCH * SEQ
+        for r in ranks:
+            r["tokens_per_s"] = tokens / statistics.median(r["seconds"][2:] or r["seconds"])
+            r["sent_per_iteration"] = statistics.median(r["sent"][2:] or r["sent"])
+        r0 = ranks[0]
+        ring = 2 * (world - 1) * 4 * (r0["params"] + r0["n_params"]) // world
+        allreduce_s = 2 * (world - 1) / world * 4 * r0["params"] / net
+        sim_s = r0["sim_seconds"] + allreduce_s if r0["sim_seconds"] is not None else None
+        sim_tps = tokens / sim_s if sim_s else None
+        mean_tps = statistics.mean(r["tokens_per_s"] for r in ranks)
+        row = {"world_size": world, "ranks": ranks, "per_rank_tokens_per_s": mean_tps, "sim_tokens_per_s": sim_tps,
+               "sim_iteration_s": sim_s, "sim_allreduce_s": allreduce_s, "ring_bytes_per_iteration": ring,
+               "sent_bytes_per_iteration": r0["sent_per_iteration"], "zero3_plan_network_bytes": r0["zero3_network_bytes"]}
+        out.append(row)
+        mib = 1 << 20
+        z3 = row["zero3_plan_network_bytes"]
+        rows.append([world, f"{mean_tps:.0f}", f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else "on demand",
+                     f"{mean_tps * world:.0f}", f"{row['sent_bytes_per_iteration'] / mib:.2f}", f"{ring / mib:.2f}",
+                     f"{z3 / mib:.2f}" if isinstance(z3, int) else "-",
+                     f"{statistics.mean(r['wait_seconds'] for r in ranks) / args.steps * 1e3:.1f}"])
+    print(table(["ranks", "tokens/s per rank", "sim tokens/s (measured/sim)", "tokens/s all ranks",
+                 "sent MiB/iter", "ring MiB/iter", "zero-3 plan MiB/iter", "collective wait ms/iter"], rows,
+                title=f"GPT h{HIDDEN} x{LAYERS} layers, vocab {VOCAB}, {BATCH}x{SEQ} tokens per rank per step, gloo "
+                      f"on loopback, {os.cpu_count()} cores, {args.steps} steps"))
+    print("wrote", write_json("bench_ranks", {"hidden": HIDDEN, "layers": LAYERS, "vocab": VOCAB, "seq": SEQ,
+                                              "batch": BATCH, "network_bytes_per_s": net, "rows": out}))
+
+
+if __name__ == "__main__":
+    main()
