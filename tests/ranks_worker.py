@@ -6,7 +6,8 @@ data parallel over the default group), ``ddp`` (torch ``DistributedDataParallel`
 AdamW and ``clip_grad_norm_``), ``kill`` (pagemem, and rank ``victim`` SIGKILLs itself in the
 forward of step ``at``), ``hang`` (rank ``victim`` stops calling the engine at step ``at`` and
 sleeps), ``mismatch`` (rank ``victim`` makes its engine over another model), ``unused`` /
-``unused-ddp`` (``Branchy``, a head unused on some ranks' steps, pagemem or DDP). Every rank trains on its slice of each step's combined batch
+``unused-ddp`` (``Branchy``, a head unused on some ranks' steps, pagemem or DDP), ``loop`` /
+``loop-ddp`` (``run_loop``: loop habits). Every rank trains on its slice of each step's combined batch
 (``batch_of``); rank 0 writes the final weights (``torch.save``) to OUT. Options: ``steps``,
 ``nvme`` (a directory: optimizer states there), ``save_dir``/``save_at`` (save a checkpoint after
 that step), ``resume`` (load the latest checkpoint under it first, and train from its step),
@@ -151,6 +152,64 @@ def run_unused(rank: int, world: int, out: str, opts: dict[str, str], ddp: bool)
         torch.save({"weights": weights}, out)
 
 
+def run_loop(rank: int, world: int, out: str, opts: dict[str, str], ddp: bool) -> None:
+    """The loop habits people bring from plain PyTorch, on GPT-2, pagemem or DDP (``loop``):
+    ``habit`` (``loss.backward()``, clipping by hand over ``model.parameters()``,
+    ``optimizer.step()``, ``optimizer.zero_grad()``), ``accum`` (two micro-batches per step:
+    ``accumulation_steps=2``, DDP's ``no_sync`` on the first) or ``fp16`` (float16 compute with a
+    dynamic loss scale, and rank ``victim``'s loss is inf at step 2: every rank skips that step).
+    Every rank writes its weights and counters to ``OUT.r<rank>``."""
+    loop = opts["loop"]
+    model = make_model()
+    steps = int(opts.get("steps", 6))
+    if ddp:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
+    else:
+        store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=gpu_budget(world), cpu_bytes=64 << 20,
+                                    page_bytes=PAGE)
+        extra = {"accumulation_steps": 2} if loop == "accum" else {}
+        if loop == "fp16":
+            extra.update(compute_dtype=torch.float16, max_grad_norm=1.0)
+        engine = pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP),
+                                                            adam_threads=1, **extra))
+        net, opt = engine, engine.optimizer
+    for step in range(steps):
+        x = batch_of(step, rank, world)
+        if loop == "habit":
+            net(input_ids=x, labels=x).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+        elif loop == "accum":
+            halves = (x[: len(x) // 2], x[len(x) // 2:])
+            if ddp:
+                with net.no_sync():
+                    net(input_ids=halves[0], labels=halves[0]).loss.backward()
+                net(input_ids=halves[1], labels=halves[1]).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                for h in halves:
+                    engine.backward(engine(input_ids=h, labels=h).loss)
+                engine.step()
+        else:  # fp16, pagemem only
+            loss = engine(input_ids=x, labels=x).loss
+            if step == 2 and rank == int(opts.get("victim", 1)):
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+    if ddp:
+        result = {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    else:
+        result = {"weights": engine.state_dict(), "skipped": engine.stats()["skipped_steps"],
+                  "loss_scale": engine.stats()["loss_scale"]}
+        engine.close()
+    torch.save(result, f"{out}.r{rank}")
+    if rank == 0:
+        torch.save(result, out)
+
+
 def run_ddp(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -174,6 +233,8 @@ def main() -> None:
     try:
         if mode == "ddp":
             run_ddp(rank, world, out, opts)
+        elif mode in ("loop", "loop-ddp"):
+            run_loop(rank, world, out, opts, ddp=mode == "loop-ddp")
         elif mode in ("unused", "unused-ddp"):
             run_unused(rank, world, out, opts, ddp=mode == "unused-ddp")
         else:

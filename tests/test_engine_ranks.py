@@ -168,6 +168,23 @@ def test_a_parameter_unused_on_one_rank_gets_the_average_ddp_gives(tmp_path):
     assert distance(ours, ddp) == 0.0
 
 
+@pytest.mark.parametrize("loop", ["habit", "accum"])
+def test_loop_habits_equal_ddp_bit_for_bit(tmp_path, loop):
+    """``p.grad`` after ``loss.backward()`` is the average, as DDP's is (clipping by hand reads
+    it); accumulation averages once per step, as DDP with ``no_sync`` does."""
+    ours = run_ok("loop", 2, tmp_path / "ours.pt", loop=loop)
+    ddp = run_ok("loop-ddp", 2, tmp_path / "ddp.pt", loop=loop)
+    assert distance(ours, ddp) == 0.0
+
+
+def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    run_ok("loop", 2, tmp_path / "o.pt", loop="fp16")
+    runs = [torch.load(tmp_path / f"o.pt.r{r}") for r in range(2)]
+    assert [r["skipped"] for r in runs] == [1, 1]
+    assert runs[0]["loss_scale"] == runs[1]["loss_scale"] < 65536.0
+    assert distance(runs[0]["weights"], runs[1]["weights"]) == 0.0
+
+
 def test_ranks_over_different_models_all_refuse(tmp_path):
     rcs, errs, _ = launch("mismatch", 2, tmp_path / "m.pt", timeout=120)
     assert all(rc not in (0, None) for rc in rcs)
