@@ -11,7 +11,7 @@ sleeps), ``mismatch`` (rank ``victim`` makes its engine over another model), ``u
 (``batch_of``); rank 0 writes the final weights (``torch.save``) to OUT. Options: ``steps``,
 ``nvme`` (a directory: optimizer states there), ``save_dir``/``save_at`` (save a checkpoint after
 that step), ``resume`` (load the latest checkpoint under it first, and train from its step),
-``gpu_bytes``, ``clip``.
+``gpu_bytes``, ``clip``, ``weights_dir`` (``save_weights`` there at the end, on every rank).
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                 engine.save(opts["save_dir"])
         stats = engine.stats()
         weights = engine.state_dict()
+        if "weights_dir" in opts:
+            paths = engine.save_weights(opts["weights_dir"])
+            assert os.path.exists(paths[-1])  # rank 0 wrote them; every rank is told where
     if rank == 0:
         torch.save({"weights": weights, "stats": stats["ranks"], "gpu_bytes": engine.config.store.gpu_bytes,
                     "moved": stats["moved_bytes"]}, out)

@@ -104,8 +104,12 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
     """States on nvme, a gpu budget that moves units every iteration, clipping on, 8 steps."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    ours = run_ok("engine", world, tmp_path / "engine.pt", nvme=nvme)
+    ours = run_ok("engine", world, tmp_path / "engine.pt", nvme=nvme, weights_dir=tmp_path / "hf")
     stats = torch.load(tmp_path / "engine.pt")
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(saved[k], ours[k]) for k in saved) and len(saved) >= len(ours) - 1  # lm_head tied
     assert stats["stats"]["world_size"] == world and stats["stats"]["sent_bytes"] > 0
     assert stats["moved"].get("cpu->gpu", 0) > 0 and stats["moved"].get("nvme->cpu", 0) > 0
     if world == 2:  # a ring sends (W - 1) / W of a buffer twice: at 2 ranks, each buffer's bytes once

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagemem.checks import check_int
 from pagemem.engine.checkpoints import checkpoint, safetensors_save
-from pagemem.engine.ranks.checkpoints import save_over_ranks
+from pagemem.engine.ranks.checkpoints import by_rank_zero, save_over_ranks
 from pagemem.engine.config import EngineConfig
 from pagemem.engine.calls import CallLock, engine_call
 from pagemem.errors import ConfigError, InvalidRequest
@@ -120,7 +120,8 @@ class ResultsMixin:
         ``config.json``: for ``from_pretrained``, save the model's config there too
         (``model.config.save_pretrained(directory)``). ``Engine(model, config, values=directory)``
         reads them back. Returns the paths written, the index last (see
-        ``engine/checkpoints/safetensors_save.py``)."""
+        ``engine/checkpoints/safetensors_save.py``). With several ranks every rank calls it and
+        rank 0 writes."""
         self._usable("save_weights")
         self.updater.refuse_if_unfinished("save_weights")
         limit = parse_size(max_shard_bytes, "max_shard_bytes")
@@ -128,6 +129,9 @@ class ResultsMixin:
             raise ConfigError(f"max_shard_bytes: must be at least 1 byte, got {max_shard_bytes!r}")
         self._before_reading_weights("save_weights")
         entries = safetensors_save.weight_entries(self.module, self.bank)
+        if self.collectives is not None:  # replicas: rank 0 writes ([Note: checkpoints over ranks])
+            return by_rank_zero(self.collectives, "save_weights", os.fspath(directory),
+                                lambda: safetensors_save.save_weights(entries, directory, limit))
         return safetensors_save.save_weights(entries, directory, limit)
 
     def checkpointed(self) -> checkpoint.Checkpointed:

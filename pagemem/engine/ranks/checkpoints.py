@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import json
+from typing import Callable, TypeVar
 
 import torch
 
 from pagemem.engine.checkpoints import checkpoint
 from pagemem.engine.ranks.collectives import Collectives
 from pagemem.errors import InvalidRequest
+
+T = TypeVar("T")
 
 
 def gather_rngs(coll: Collectives) -> list[bytes]:
@@ -21,6 +24,25 @@ def gather_rngs(coll: Collectives) -> list[bytes]:
     return [bytes(r.to(torch.uint8).cpu().numpy().tobytes()) for r in rows]
 
 
+def by_rank_zero(coll: Collectives, what: str, where: str, write: Callable[[], T]) -> T:
+    """``write()`` on rank 0 alone; every rank returns its result (JSON-ready) or raises its
+    failure (on the others as ``InvalidRequest`` naming rank 0's error)."""
+    result, error = None, None
+    if coll.ranks.rank == 0:
+        try:
+            result = write()
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised here
+            error = exc
+    verdict = json.loads(coll.broadcast_bytes(
+        json.dumps({"result": result, "error": None if error is None else f"{type(error).__name__}: {error}"}).encode()
+        if coll.ranks.rank == 0 else None, 0, f"rank 0's verdict on {what}"))
+    if error is not None:
+        raise error
+    if verdict["error"] is not None:
+        raise InvalidRequest(f"{what}: rank 0 could not write under {where!r}: {verdict['error']}")
+    return verdict["result"]
+
+
 def save_over_ranks(engine: checkpoint.Checkpointed, coll: Collectives, root: str, keep: int | None,
                     step: int) -> str:
     """Rank 0 writes the checkpoint, every rank returns its path or raises its failure."""
@@ -28,17 +50,4 @@ def save_over_ranks(engine: checkpoint.Checkpointed, coll: Collectives, root: st
         raise InvalidRequest(f"save: ranks called save() at different steps (this rank at global_step {step}); "
                              "every rank must save at the same step")
     rngs = gather_rngs(coll)
-    path, error = None, None
-    if coll.ranks.rank == 0:
-        try:
-            path = checkpoint.save(engine, root, keep, rank_rngs=rngs)
-        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised here
-            error = exc
-    verdict = json.loads(coll.broadcast_bytes(
-        json.dumps({"path": path, "error": None if error is None else f"{type(error).__name__}: {error}"}).encode()
-        if coll.ranks.rank == 0 else None, 0, "rank 0's checkpoint verdict"))
-    if error is not None:
-        raise error
-    if verdict["error"] is not None:
-        raise InvalidRequest(f"save: rank 0 could not write the checkpoint under {root!r}: {verdict['error']}")
-    return verdict["path"]
+    return by_rank_zero(coll, "save", root, lambda: checkpoint.save(engine, root, keep, rank_rngs=rngs))
