@@ -95,7 +95,14 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                 time.sleep(600)
             x = batch_of(step, rank, world)
             loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
+            try:
+                engine.backward(loss)
+            except pagemem.RankFailed:
+                try:  # the ranks are out of step for good: the engine refuses to go on alone
+                    engine.step()
+                except pagemem.PageMemError as after:
+                    print(f"after RankFailed, step() raised {type(after).__name__}", file=sys.stderr)
+                raise
             engine.step()
             if "save_dir" in opts and step + 1 == int(opts["save_at"]):
                 engine.save(opts["save_dir"])

@@ -156,6 +156,7 @@ def test_a_killed_rank_makes_the_others_fail_naming_it(tmp_path, victim):
         assert "RankFailed" in errs[r]
         named = f"rank(s) {victim} stopped" if victim else "rank 0 unless torchrun's agent holds it, is gone"
         assert named in errs[r], errs[r][-2000:]
+        assert "after RankFailed, step() raised StepFailed" in errs[r]
 
 
 def test_a_rank_that_stops_calling_is_named_within_the_timeout(tmp_path):

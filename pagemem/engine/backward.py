@@ -16,7 +16,7 @@ from pagemem.engine.interrupts import shielded
 from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.ranks.average import average_gradients
 from pagemem.engine.updates.lockfree import SHARED_SUMS
-from pagemem.errors import InvalidRequest, warn
+from pagemem.errors import InvalidRequest, RankFailed, warn
 from pagemem.process import require_owner
 
 if TYPE_CHECKING:
@@ -126,6 +126,9 @@ class BackwardMixin:
         self.failed_backwards += 1
         undone = 0
         broken: str | None = None
+        if isinstance(exc, RankFailed):  # [Note: collectives]: the ranks are out of step for good
+            broken = (f"a collective with the other ranks failed ({exc}); the ranks can no longer agree: exit and "
+                      "restart every rank from the last checkpoint (torchrun --max-restarts does)")
         failed: BaseException | None = None
         try:
             try:
