@@ -16,7 +16,8 @@ summed over one server's NICs, one direction. Each algorithm's time is a latency
 over the slowest link they cross, with the links of one phase running at once:
 
 - **ring** (NCCL's ring, one call): ranks in a ring that enters and leaves each server once per
-  channel; NCCL runs a channel per NIC, so the rings that leave a server share all its NICs. In
+  channel; NCCL spreads its channels over the NICs, so the rings that leave a server share all
+  of them (assumed: as many channels as it takes to fill them). In
   ``all_gather`` and ``reduce_scatter`` every rank sends ``(W - 1) * S`` bytes to the next
   (``all_reduce``: ``2 (W - 1) / W * S``, a reduce-scatter then an all-gather of ``S / W``
   chunks) -- over NVLink inside a server, and the same bytes leave each server through its NICs
