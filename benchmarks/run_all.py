@@ -44,6 +44,7 @@ SUITE: list[Bench] = [
     Bench("bench_tracer", ("--repeats", "3", "--only", "h128")),
     Bench("bench_planner", ("--repeats", "1")),
     Bench("bench_simulate", ("--batch", "4")),
+    Bench("bench_paper_scale", ("--worlds", "256", "--batch", "1"), default=False),
     Bench("bench_nvme", ("--size", "64MiB", "--repeats", "1", "--depths", "8"), needs="fio"),
     Bench("bench_gpu_moves", ("--size", "256MiB", "--repeats", "2"), needs="cuda"),
     Bench("bench_homes", ("--steps", "2", "--multiples", "1"), default=False),

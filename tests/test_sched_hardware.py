@@ -16,13 +16,14 @@ from pagemem.sched import HardwareProfile
 from pagemem.sched.hardware import PROFILES_DIR
 from pagemem.tracer import CostModel, synthetic_transformer
 
-RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "nvme_read_bytes_per_s",
+RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "nvlink_bytes_per_s", "internode_bytes_per_s", "nvme_read_bytes_per_s",
          "nvme_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "flops_per_s",
          "hbm_bytes_per_s", "host_memory_bytes_per_s", "nvme_host_bytes_per_s", "compute_scale")
 
 
 def base(**kw) -> HardwareProfile:
-    d = dict(name="t", h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, nvme_read_bytes_per_s=4e9,
+    d = dict(name="t", h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, nvlink_bytes_per_s=3e9, internode_bytes_per_s=2.5e9,
+             nvme_read_bytes_per_s=4e9,
              nvme_write_bytes_per_s=5e9, cpu_adam_elements_per_s=6e9, gpu_adam_elements_per_s=7e9, flops_per_s=8e12,
              hbm_bytes_per_s=9e11, host_memory_bytes_per_s=1e11, nvme_host_bytes_per_s=2e10, ranks_per_server=8)
     d.update(kw)
@@ -70,7 +71,12 @@ def test_sharing_rejects_bad_world_sizes():
 
 def test_rate_per_resource_tier_and_rank():
     hw = base()
-    assert hw.rate("h2d", "gpu", 8) == 1e9 and hw.rate("network", None, 8) == 3e9
+    assert hw.rate("h2d", "gpu", 8) == 1e9
+    # collectives are not linear in their bytes: seconds(), through pagemem.sched.network
+    assert hw.seconds("all_gather", 1 << 20, None, 8) == hw.collective_seconds("all_gather", 1 << 20, 8) > 0
+    assert hw.seconds("h2d", 1e9, "gpu", 8) == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="resource"):
+        hw.rate("network", None, 8)
     assert hw.rate("nvme_read", None, 4) == pytest.approx(4e9 / 4)
     assert hw.rate("adam", "gpu", 8) == 7e9 and hw.rate("adam", "cpu", 16) == pytest.approx(6e9 / 8)
     assert hw.rate("memory", "gpu", 8) == 9e11 and hw.rate("memory", "cpu", 2) == pytest.approx(1e11 / 2)
@@ -114,17 +120,19 @@ def test_json_round_trip(tmp_path):
 def test_a_version_2_profile_loads_through_the_table_of_old_names():
     """Version 2 called the nvme tier ``ssd`` (``ssd_read_bytes_per_s``, the stream ``"ssd"``);
     ``from_dict`` reads it through ``LEGACY_NAMES``, and version 3 knows only the new names."""
-    from pagemem.sched.hardware import LEGACY_NAMES, VERSION
+    from pagemem.sched.hardware import LEGACY_NAMES
 
-    assert VERSION == 3
     assert LEGACY_NAMES == {"ssd_read_bytes_per_s": "nvme_read_bytes_per_s",
                             "ssd_write_bytes_per_s": "nvme_write_bytes_per_s",
                             "ssd_host_bytes_per_s": "nvme_host_bytes_per_s"}
-    hw = base(shared_processor=("compute", "nvme", "cpu"), facts={"source": "test"})
+    # version 2 had version 3's one network_bytes_per_s (tests/test_sched_network.py: version 3)
+    hw = base(shared_processor=("compute", "nvme", "cpu"), facts={"source": "test"}, nvlink_bytes_per_s=3e9,
+              internode_bytes_per_s=3e9, collective_latency_s=0, internode_latency_s=0)
     new = hw.to_dict()
     new_to_old = {n: o for o, n in LEGACY_NAMES.items()}
-    old = {new_to_old.get(k, k): v for k, v in new.items()}
-    old.update(version=2, shared_processor=["compute", "ssd", "cpu"])
+    old = {new_to_old.get(k, k): v for k, v in new.items()
+           if k not in ("nvlink_bytes_per_s", "internode_bytes_per_s", "collective_latency_s", "internode_latency_s")}
+    old.update(version=2, shared_processor=["compute", "ssd", "cpu"], network_bytes_per_s=3e9)
     assert {"ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "ssd_host_bytes_per_s"} <= set(old)
     assert not any(k.startswith("nvme_") for k in old)
     assert HardwareProfile.from_dict(old) == hw
@@ -154,7 +162,7 @@ def test_cost_model_gives_synthetic_traces_the_profiles_durations():
 def test_a100_server_carries_the_papers_numbers():
     hw = HardwareProfile.a100_server()
     assert (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s) == (32e9, 32e9)
-    assert hw.network_bytes_per_s == 200e9
+    assert hw.nvlink_bytes_per_s == 12 * 25e9 and hw.internode_bytes_per_s == 16 * 12.5e9
     assert (hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s) == (3.5e9, 3.5e9)
     assert hw.ranks_per_server == 8 and hw.compute_scale == 1
     assert hw.nvme_read_per_rank(8) == pytest.approx(3.5e9 / 8)
@@ -162,7 +170,8 @@ def test_a100_server_carries_the_papers_numbers():
     assert hw.cpu_adam_elements_per_s == pytest.approx(0.6 * 16 * 2933e6 * 8 / 26)
     assert hw.gpu_adam_elements_per_s == pytest.approx(hw.hbm_bytes_per_s / 26)
     assert hw.host_memory_bytes_per_s == pytest.approx(0.6 * 16 * 2933e6 * 8)
-    assert set(hw.facts["given"]) >= {"h2d_bytes_per_s", "network_bytes_per_s", "nvme_read_bytes_per_s"}
+    assert set(hw.facts["given"]) >= {"h2d_bytes_per_s", "nvlink_bytes_per_s", "internode_bytes_per_s",
+                                      "nvme_read_bytes_per_s"}
     assert hw.facts["assumed"]
 
 

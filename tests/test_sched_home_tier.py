@@ -14,6 +14,7 @@ from pagemem.errors import ConfigError
 from pagemem.sched import (InfeasiblePlan, Plan, Setting, Target, Task, effects, least_cpu_bytes, least_gpu_bytes,
                            plan, simulate, validate)
 from pagemem.sched.holdings import costs, executor_cost, host_cost
+from pagemem.sched.network import COLLECTIVES, bus_bytes
 from pagemem.sched.tasks import effect_of
 from pagemem.sched.windows import Usage
 from pagemem.tracer import synthetic_transformer
@@ -46,12 +47,22 @@ def index(p: Plan, op: str, kind: str, tier: str | None = None) -> int:
 
 # ---------------------------------------------------------------- home_tier="cpu": nothing changes
 
+def _as_before(terms, W: int):
+    """Cost terms as they were written before the two-level network: a collective as
+    ``("network", W - 1 pages)``."""
+    return tuple(("network", bus_bytes(r, n, W)) if r in COLLECTIVES else (r, n) for r, n in terms)
+
+
+# one level, no latencies: the network of the profile these digests were made with (version 3's)
+ONE_LEVEL = dict(nvlink_bytes_per_s=3e9, internode_bytes_per_s=3e9, collective_latency_s=0.0, internode_latency_s=0.0)
+
+
 def _digest(p: Plan, tr) -> str:
     s = p.setting
-    rows = [(str(t), t.end_id, t.produces_grads, costs(t, s), host_cost(t, s), executor_cost(t, s), d.same, d.previous)
-            for t, d in zip(p.tasks, p.deps)]
+    rows = [(str(t), t.end_id, t.produces_grads, _as_before(costs(t, s), p.world_size), host_cost(t, s),
+             executor_cost(t, s), d.same, d.previous) for t, d in zip(p.tasks, p.deps)]
     r = validate(p, tr)
-    sim = simulate(p, tr, profile())
+    sim = simulate(p, tr, profile(**ONE_LEVEL))
     blob = json.dumps([rows, p.predicted_peak, p.min_gpu_bytes, list(p.cached_layers), r.peak, r.ok,
                        p.bytes_moved(), repr(sim.iteration_time), sorted(sim.busy.items()), sim.peak], default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

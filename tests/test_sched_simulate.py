@@ -17,13 +17,14 @@ from pagemem.sched.simulate import STREAMS
 from pagemem.tracer import synthetic_transformer
 
 PAGE = 4096
-KNOBS = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "nvme_read_bytes_per_s",
+KNOBS = ("h2d_bytes_per_s", "d2h_bytes_per_s", "nvlink_bytes_per_s", "internode_bytes_per_s", "nvme_read_bytes_per_s",
          "nvme_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s", "hbm_bytes_per_s",
          "host_memory_bytes_per_s", "nvme_host_bytes_per_s")
 
 
 def profile(**kw) -> HardwareProfile:
-    rates = dict(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, network_bytes_per_s=3e9, nvme_read_bytes_per_s=5e8,
+    rates = dict(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, nvlink_bytes_per_s=3e9, internode_bytes_per_s=6e9,
+                 nvme_read_bytes_per_s=5e8,
                  nvme_write_bytes_per_s=4e8, cpu_adam_elements_per_s=1e9, gpu_adam_elements_per_s=1e10,
                  flops_per_s=1e12, hbm_bytes_per_s=1e11, host_memory_bytes_per_s=3e10, nvme_host_bytes_per_s=7e8,
                  ranks_per_server=8,
@@ -70,7 +71,9 @@ def expected_busy(p, tr, hw) -> dict[str, float]:
     return {"compute": ops + el["gpu"] / hw.gpu_adam_elements_per_s + refresh["gpu"] / hw.hbm_bytes_per_s
             + windows * hw.window_host_seconds,
             "h2d": moved["h2d"] / hw.h2d_bytes_per_s, "d2h": moved["d2h"] / hw.d2h_bytes_per_s,
-            "network": moved["network"] / hw.network_bytes_per_s,
+            # every collective is one page per rank (pagemem.sched.network times it)
+            "network": sum(hw.collective_seconds(t.operation, PAGE, W) for t in p.tasks
+                           if t.operation in ("all_gather", "reduce_scatter")),
             "nvme": moved["nvme_read"] / (hw.nvme_read_bytes_per_s / share) + moved["nvme_write"] / (hw.nvme_write_bytes_per_s / share),
             # the CPU's share of every disk byte, beside the transfer
             "io": (moved["nvme_read"] + moved["nvme_write"]) / (hw.nvme_host_bytes_per_s / share),
@@ -146,7 +149,8 @@ def test_compute_bound_plan_idles_for_the_exposed_transfers_only():
 
 
 def test_no_gpu_idle_with_instant_transfers_and_compute_scale_scales_the_iteration():
-    fast = {k: 1e30 for k in KNOBS} | {"window_host_seconds": 0.0}  # no executor time either
+    fast = {k: 1e30 for k in KNOBS} | {"window_host_seconds": 0.0,  # no executor time either
+                                       "collective_latency_s": 0.0, "internode_latency_s": 0.0}
     p = tight_plan(SMALL, world_size=4, optimizer_tier="nvme")
     compute = sum(op.duration for op in SMALL.ops if op.phase != "step")
     for scale in (1.0, 3.0):

@@ -89,7 +89,8 @@ def test_what_each_task_costs_follows_the_layout():
         return costs(Task(op, Target(kind, 2, page), 0, tier), s)
 
     assert cost("move_to_gpu", "param", 0, "gpu") == (("h2d", PAGE),)
-    assert cost("all_gather", "param", 0) == (("network", 3 * PAGE),)
+    assert cost("all_gather", "param", 0) == (("all_gather", PAGE),)  # bytes per rank: network.py times it
+    assert cost("reduce_scatter", "grad", 0) == (("reduce_scatter", PAGE),)
     assert cost("move_to_cpu", "optim", tier="cpu") == (("nvme_read", lay.optim_pages * PAGE),)
     # a disk transfer also costs the CPU its share (checksums, submission), beside it on io
     assert host_cost(Task("move_to_cpu", Target("optim", 2), 0, "cpu"), s) == ("nvme_host", lay.optim_pages * PAGE)

@@ -114,6 +114,15 @@ def simulate(d: Results) -> list[Headline]:
                      100 * cpu["gpu_idle"], "%")]
 
 
+def paper_scale(d: Results) -> list[Headline]:
+    rows = [Headline(f"simulated GPT3-175B, {w} GPUs, batch {r['batch_per_rank']}/rank", r["samples_per_s"],
+                     "ANGEL-PTM Figure 7 (its text)", r["paper_samples_per_s"], "samples/s")
+            for w, r in d["results"].items() if r.get("paper_samples_per_s")]
+    if not rows:
+        raise NoFigure("no world size the paper reports ran")
+    return rows
+
+
 def nvme(d: Results) -> list[Headline]:
     results = d["results"]
     deep = [r for r in results if r["depth"] >= 8] or results
@@ -202,6 +211,7 @@ HEADLINES: dict[str, Callable[[Results], list[Headline]]] = {
     "bench_tracer": tracer,
     "bench_planner": planner,
     "bench_simulate": simulate,
+    "bench_paper_scale": paper_scale,
     "bench_nvme": nvme,
     "bench_gpu_moves": gpu_moves,
     "bench_lockfree": lockfree,

@@ -16,7 +16,9 @@ which was written before timing:
   one.
 - ``network``: two ``torch.distributed`` gloo processes on loopback; all-gather and
   reduce-scatter of a ``network_bytes`` shard per rank; bus bandwidth ``(W - 1) * shard / time``.
-  The profile keeps the lower of the two.
+  The profile keeps the lower of the two as both ``nvlink_bytes_per_s`` and
+  ``internode_bytes_per_s`` (one machine has one level to measure), with no collective
+  latencies: the rate of shards that large already includes them.
 - ``flops`` / ``hbm``: a square matmul (bf16 8192 on CUDA, fp32 2048 on CPU) and a device copy
   (bytes read + written per second), for synthetic traces built with the profile's cost model.
 - ``window_host_seconds``: without CUDA, what ``window_host`` measures (the engine's executor, a
@@ -358,7 +360,9 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
     net = network(net_n, max(repeats, 3))
     how["network"] = (f"gloo all_gather / reduce_scatter, 2 processes on loopback, {net_n} bytes per rank: "
                       f"all_gather {net['all_gather'] / 1e9:.3f} GB/s, reduce_scatter "
-                      f"{net['reduce_scatter'] / 1e9:.3f} GB/s bus bandwidth; the lower is kept")
+                      f"{net['reduce_scatter'] / 1e9:.3f} GB/s bus bandwidth; the lower is kept, for NVLink and "
+                      f"the NICs alike, with no latencies (included in that rate)")
+    bus = min(net["all_gather"], net["reduce_scatter"])
     say(f"network all_gather {net['all_gather'] / 1e9:.2f} GB/s, reduce_scatter {net['reduce_scatter'] / 1e9:.2f} GB/s")
 
     flops = matmul_flops(repeats)
@@ -384,7 +388,7 @@ def measure(nvme_path: str | None = None, *, name: str = "measured", nvme_bytes:
     facts["repeats"] = repeats
     return HardwareProfile(
         name=name, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
-        network_bytes_per_s=min(net["all_gather"], net["reduce_scatter"]),
+        nvlink_bytes_per_s=bus, internode_bytes_per_s=bus, collective_latency_s=0.0, internode_latency_s=0.0,
         nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write,
         cpu_adam_elements_per_s=cpu_adam, gpu_adam_elements_per_s=gpu_adam,
         flops_per_s=flops, hbm_bytes_per_s=hbm, host_memory_bytes_per_s=2 * host,

@@ -3,9 +3,8 @@
 One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
 
 - per GPU (each rank has its own): ``h2d_bytes_per_s`` and ``d2h_bytes_per_s`` (PCIe, one
-  direction each, both directions at once), ``network_bytes_per_s`` (all-gather /
-  reduce-scatter *bus* bandwidth: a collective over W ranks on a shard of S bytes takes
-  ``(W - 1) * S / network_bytes_per_s``), ``gpu_adam_elements_per_s`` (Adam on layers whose
+  direction each, both directions at once), ``nvlink_bytes_per_s`` (*bus* bandwidth among the
+  ranks of one server, NCCL's "busbw"), ``gpu_adam_elements_per_s`` (Adam on layers whose
   optimizer states are cached on the GPU), ``flops_per_s`` and ``hbm_bytes_per_s`` (to build
   synthetic traces with, :meth:`HardwareProfile.cost_model`), ``compute_scale`` (multiplies a
   trace's op durations: 1 for a trace timed on, or synthesised for, this hardware);
@@ -15,6 +14,11 @@ One name per knob, one unit per name (bytes/s, elements/s, FLOP/s):
   copy refreshed after a CPU update) and ``nvme_host_bytes_per_s`` (disk bytes per second of
   CPU time: the host's share of disk I/O). ``ranks_per_server`` ranks share a server; with
   ``world_size`` W a rank gets ``total / min(W, ranks_per_server)`` (:meth:`HardwareProfile.rate`);
+  ``internode_bytes_per_s``: one server's NICs together, one direction;
+- collectives (``all_gather``, ``reduce_scatter``, ``all_reduce``) over W ranks on
+  ``ceil(W / ranks_per_server)`` servers: :mod:`pagemem.sched.network` (ring or two-level tree,
+  whichever is faster), with ``collective_latency_s`` per call and ``internode_latency_s`` per
+  step that crosses servers (:meth:`HardwareProfile.seconds`);
 - ``window_host_seconds``: host time the engine's executor spends on each window of a layer the
   plan moves (staging its pages, binding its parameters as views, releasing them), on the thread
   that runs the model: charged on the ``compute`` stream at the window's release. Measured by
@@ -46,10 +50,11 @@ from typing import Any, Mapping
 from pagemem.checks import check_int, check_rate
 from pagemem.errors import ConfigError
 from pagemem.plain import from_plain, to_plain
+from pagemem.sched.network import COLLECTIVES, collective_seconds
 from pagemem.tracer import CostModel
 
 FORMAT = "pagemem-hardware-profile"
-VERSION = 3
+VERSION = 4
 LEGACY_NAMES: dict[str, str] = {
     "ssd_read_bytes_per_s": "nvme_read_bytes_per_s",
     "ssd_write_bytes_per_s": "nvme_write_bytes_per_s",
@@ -58,11 +63,19 @@ LEGACY_NAMES: dict[str, str] = {
 """Version 2's keys for the nvme tier (it called the tier ``ssd``) and their names since version
 3; ``from_dict`` reads a version-2 profile through this table (and its ``shared_processor``
 stream ``"ssd"`` as ``"nvme"``)."""
+DEFAULT_COLLECTIVE_LATENCY_S = 10e-6
+"""Alpha, per collective call: launching NCCL's kernel and synchronising its ranks, about what
+small-message all-reduces take inside one server (a few to a few tens of microseconds in
+nccl-tests' tables). Assumed, not measured here."""
+DEFAULT_INTERNODE_LATENCY_S = 5e-6
+"""Per step of a collective that crosses servers: one message from NIC to NIC through a switch,
+with NCCL's proxy thread on each side (a few microseconds on RoCE or InfiniBand). Assumed."""
 PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
-_RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "network_bytes_per_s", "nvme_read_bytes_per_s",
+_RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "nvlink_bytes_per_s", "internode_bytes_per_s", "nvme_read_bytes_per_s",
           "nvme_write_bytes_per_s", "cpu_adam_elements_per_s", "gpu_adam_elements_per_s",
           "flops_per_s", "hbm_bytes_per_s", "host_memory_bytes_per_s", "nvme_host_bytes_per_s", "compute_scale")
+_LATENCIES = ("collective_latency_s", "internode_latency_s")
 
 STREAMS: tuple[str, ...] = ("compute", "h2d", "d2h", "network", "nvme", "io", "cpu")
 """The simulator's streams (see :mod:`pagemem.sched.simulate`)."""
@@ -84,8 +97,11 @@ class HardwareProfile:
     """Host-to-device copy bandwidth per GPU."""
     d2h_bytes_per_s: float
     """Device-to-host copy bandwidth per GPU."""
-    network_bytes_per_s: float
-    """All-gather / reduce-scatter bus bandwidth per GPU."""
+    nvlink_bytes_per_s: float
+    """Collective bus bandwidth per GPU among the ranks of one server (NVLink)."""
+    internode_bytes_per_s: float
+    """Bandwidth of one server's NICs together, one direction: what its ranks' collectives across
+    servers share (:mod:`pagemem.sched.network`)."""
     nvme_read_bytes_per_s: float
     """Read bandwidth of one server's nvme tier, its SSDs (shared by its ranks)."""
     nvme_write_bytes_per_s: float
@@ -108,10 +124,14 @@ class HardwareProfile:
     ``io`` stream while the transfer runs on ``nvme``."""
     ranks_per_server: int = 8
     compute_scale: float = 1.0
+    """Multiplies every op duration of a trace (1: the trace was timed on this hardware)."""
     window_host_seconds: float = 0.0
     """Executor host time per window of a moved layer, on the compute stream (see the module docs;
     0: none charged)."""
-    """Multiplies every op duration of a trace (1: the trace was timed on this hardware)."""
+    collective_latency_s: float = DEFAULT_COLLECTIVE_LATENCY_S
+    """Alpha: seconds every collective call costs besides its bytes and steps across servers."""
+    internode_latency_s: float = DEFAULT_INTERNODE_LATENCY_S
+    """Seconds of each step of a collective that crosses servers."""
     shared_processor: tuple[str, ...] = ()
     """Streams that run one task at a time between them (see the module docs)."""
     facts: Mapping[str, Any] = field(default_factory=dict, hash=False)
@@ -123,10 +143,11 @@ class HardwareProfile:
         for name in _RATES:
             object.__setattr__(self, name, check_rate(name, getattr(self, name)))
         check_int("ranks_per_server", self.ranks_per_server, 1)
-        w = self.window_host_seconds
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ConfigError(f"window_host_seconds: must be a finite number >= 0, got {w!r}")
-        object.__setattr__(self, "window_host_seconds", float(w))
+        for name in ("window_host_seconds", *_LATENCIES):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise ConfigError(f"{name}: must be a finite number >= 0, got {w!r}")
+            object.__setattr__(self, name, float(w))
         shared = self.shared_processor
         if (isinstance(shared, str) or not isinstance(shared, (tuple, list))
                 or any(s not in STREAMS for s in shared) or len(set(shared)) != len(shared)):
@@ -155,12 +176,26 @@ class HardwareProfile:
     def host_memory_per_rank(self, world_size: int) -> float:
         return self.host_memory_bytes_per_s / self.sharing(world_size)
 
+    def seconds(self, resource: str, amount: float, tier: str | None, world_size: int) -> float:
+        """Seconds one rank spends on ``amount`` of ``resource`` (``pagemem.sched.tasks.RESOURCES``)
+        for a task on ``tier``: a collective (``network.COLLECTIVES``; ``amount`` is its bytes per
+        rank) as :func:`pagemem.sched.network.collective_seconds` says, anything else at
+        :meth:`rate`."""
+        if resource in COLLECTIVES:
+            return collective_seconds(self, resource, amount, world_size)
+        return amount / self.rate(resource, tier, world_size) if amount else 0.0
+
+    def collective_seconds(self, collective: str, nbytes: float, world_size: int) -> float:
+        """Seconds of one ``collective`` of ``nbytes`` per rank over ``world_size`` ranks
+        (:mod:`pagemem.sched.network`)."""
+        return collective_seconds(self, collective, nbytes, world_size)
+
     def rate(self, resource: str, tier: str | None, world_size: int) -> float:
-        """Units per second one rank gets of ``resource`` (``pagemem.sched.tasks.RESOURCES``) for a
-        task on ``tier``: ``adam`` and ``memory`` on the gpu for a gpu task, else the server's
-        CPUs and memory."""
+        """Units per second one rank gets of ``resource`` (``pagemem.sched.tasks.RESOURCES``, less
+        the collectives: see :meth:`seconds`) for a task on ``tier``: ``adam`` and ``memory`` on
+        the gpu for a gpu task, else the server's CPUs and memory."""
         on_gpu = tier == "gpu"
-        rates = {"h2d": self.h2d_bytes_per_s, "d2h": self.d2h_bytes_per_s, "network": self.network_bytes_per_s}
+        rates = {"h2d": self.h2d_bytes_per_s, "d2h": self.d2h_bytes_per_s}
         if resource in rates:
             return rates[resource]
         if resource == "nvme_read":
@@ -175,8 +210,8 @@ class HardwareProfile:
             return self.nvme_host_bytes_per_s / self.sharing(world_size)
         if resource == "window":  # windows per second of the executor's host time
             return 1.0 / self.window_host_seconds if self.window_host_seconds else math.inf
-        raise ConfigError(f"resource: must be one of h2d, d2h, network, nvme_read, nvme_write, adam, memory, "
-                          f"nvme_host, window; got {resource!r}")
+        raise ConfigError(f"resource: must be one of h2d, d2h, nvme_read, nvme_write, adam, memory, nvme_host, "
+                          f"window (collectives: HardwareProfile.seconds); got {resource!r}")
 
     def cost_model(self) -> CostModel:
         """The roofline model that gives a synthetic trace this GPU's op durations."""
@@ -191,12 +226,15 @@ class HardwareProfile:
         return "\n".join([
             f"hardware profile {self.name!r}, ranks per server: {self.ranks_per_server}",
             f"  per GPU: h2d {self.h2d_bytes_per_s / g:.2f} GB/s, d2h {self.d2h_bytes_per_s / g:.2f} GB/s, "
-            f"network {self.network_bytes_per_s / g:.2f} GB/s, Adam {self.gpu_adam_elements_per_s / g:.2f} G el/s, "
+            f"NVLink {self.nvlink_bytes_per_s / g:.2f} GB/s, Adam {self.gpu_adam_elements_per_s / g:.2f} G el/s, "
             f"{self.flops_per_s / 1e12:.3g} TFLOP/s, memory {self.hbm_bytes_per_s / g:.1f} GB/s, "
             f"compute scale {self.compute_scale:g}",
             f"  per server: nvme read {self.nvme_read_bytes_per_s / g:.2f} GB/s, write "
             f"{self.nvme_write_bytes_per_s / g:.2f} GB/s, CPU Adam {self.cpu_adam_elements_per_s / g:.2f} G el/s, "
-            f"memory {self.host_memory_bytes_per_s / g:.1f} GB/s, disk I/O on the CPU {self.nvme_host_bytes_per_s / g:.2f} GB/s",
+            f"memory {self.host_memory_bytes_per_s / g:.1f} GB/s, disk I/O on the CPU {self.nvme_host_bytes_per_s / g:.2f} GB/s, "
+            f"NICs {self.internode_bytes_per_s / g:.2f} GB/s",
+            f"  collectives: {self.collective_latency_s * 1e6:.3g} us per call, "
+            f"{self.internode_latency_s * 1e6:.3g} us per step across servers",
             f"  executor host time per moved window: {self.window_host_seconds * 1e3:.3g} ms",
             *([f"  one processor, one task at a time: {', '.join(self.shared_processor)}"]
               if self.shared_processor else []),
@@ -218,9 +256,11 @@ class HardwareProfile:
                               "that field and set version 2")
         if data.get("version") == 2:
             data = _from_version_2(data)
+        if data.get("version") == 3:
+            data = _from_version_3(data)
         if data.get("version") != VERSION:
             raise ConfigError(f"hardware profile version {data.get('version')!r} is not supported "
-                              f"(this pagemem reads 2 and {VERSION})")
+                              f"(this pagemem reads 2 to {VERSION})")
         missing = [n for n in ("name", *_RATES) if n not in data and n != "compute_scale"]
         if missing:
             raise ConfigError(f"hardware profile: missing field(s) {missing}")
@@ -256,15 +296,18 @@ class HardwareProfile:
 
     @classmethod
     def a100_server(cls) -> "HardwareProfile":
-        """The A100 server of ANGEL-PTM §5-6: 8 A100-40GB, PCIe 32 GB/s, GPU-GPU 200 GB/s, SSD
-        3.5 GB/s, 2 x 48-core EPYC 7K62 with 32 x 32 GB DDR4-2933.
+        """The A100 server of ANGEL-PTM §5-6: 8 A100-40GB on NVLink-3, PCIe 32 GB/s, 16 x 12.5 GB/s
+        RoCE NICs, SSD 3.5 GB/s, 2 x 48-core EPYC 7K62 with 32 x 32 GB DDR4-2933.
 
         The paper gives the bandwidths; everything else is an assumption, stated in ``facts``:
 
         - PCIe: 32 GB/s per GPU in each direction at once (PCIe 4.0 x16). On a DGX-style board
           two GPUs share one switch uplink, which would halve it when both copy.
-        - Network: 200 GB/s per GPU, the paper's GPU-GPU figure (§4.2); 8 ranks of one server talk
-          over NVLink-3. Across servers its 16 x 12.5 GB/s RoCE NICs give 25 GB/s per GPU.
+        - Network: inside a server NVLink-3, 12 links x 25 GB/s per direction = 300 GB/s of bus
+          bandwidth per A100 (the nominal figure, as for PCIe and the NICs; the paper's "600 GB/s"
+          of §4.3 is the same links counted both ways). Across servers the 16 x 12.5 GB/s RoCE
+          NICs of §6.1, 200 GB/s per server (the "GPU-GPU communication 200 GB/s" of §4.2).
+          Latencies: the module defaults (10 us per call, 5 us per step across servers).
         - SSD: 3.5 GB/s read and write per server (the paper's one "peak" figure for both).
         - GPU compute: 60% of the A100's 312 TFLOP/s dense bf16 peak (187 TFLOP/s), a typical
           sustained rate for large GEMMs; HBM at 85% of 1555 GB/s.
@@ -281,7 +324,8 @@ class HardwareProfile:
             name="a100-server",
             h2d_bytes_per_s=32e9,
             d2h_bytes_per_s=32e9,
-            network_bytes_per_s=200e9,
+            nvlink_bytes_per_s=12 * 25e9,
+            internode_bytes_per_s=16 * 12.5e9,
             nvme_read_bytes_per_s=3.5e9,
             nvme_write_bytes_per_s=3.5e9,
             cpu_adam_elements_per_s=0.6 * dram / ADAM_BYTES_PER_ELEMENT,
@@ -291,20 +335,31 @@ class HardwareProfile:
             host_memory_bytes_per_s=0.6 * dram,
             nvme_host_bytes_per_s=40e9,
             ranks_per_server=8,
+            collective_latency_s=DEFAULT_COLLECTIVE_LATENCY_S,
+            internode_latency_s=DEFAULT_INTERNODE_LATENCY_S,
             facts={
-                "source": "ANGEL-PTM (VLDB 2023) §4.2-4.3, §5, §6.1 and Table 3; assumptions below",
+                "source": "ANGEL-PTM (VLDB 2023) §4.2-4.3, §5, §6.1 and Table 3; NVIDIA's A100 datasheet "
+                          "(NVLink-3); assumptions below",
                 "given": {
                     "h2d_bytes_per_s": "PCIe 32 GB/s (§4.3, §6.1)",
                     "d2h_bytes_per_s": "PCIe 32 GB/s (§4.3, §6.1)",
-                    "network_bytes_per_s": "GPU-GPU communication 200 GB/s (§4.2; §6.1: 16 x 12.5 GB/s NICs)",
+                    "nvlink_bytes_per_s": "GPUs in a server on NVLink-3 (§6.1): 12 links x 25 GB/s per direction "
+                                          "per A100 (NVIDIA's datasheet: 600 GB/s both ways, the '600 GB/s' of §4.3)",
+                    "internode_bytes_per_s": "servers on RoCE, 16 NICs, 200 GB/s in total (16 x 12.5 GB/s, §6.1); the "
+                                             "'GPU-GPU communication 200 GB/s' of §4.2",
                     "nvme_read_bytes_per_s": "SSD peak 3.5 GB/s (§4.3, §6.1)",
                     "nvme_write_bytes_per_s": "SSD peak 3.5 GB/s (§4.3, §6.1)",
                 },
                 "assumed": {
                     "h2d/d2h": "per GPU, both directions at once (PCIe 4.0 x16); a shared switch uplink would halve it",
-                    "network_bytes_per_s": "bus bandwidth per GPU inside the server (NVLink-3); across servers "
-                                           "16 x 12.5 GB/s NICs are 25 GB/s per GPU. The paper's '600 GB/s GPU memory "
-                                           "access' (§4.3) matches NVLink-3's per-GPU figure, not HBM (1555 GB/s)",
+                    "nvlink_bytes_per_s": "nominal: nccl-tests measure less (about 230-240 GB/s all-reduce busbw on "
+                                          "8 A100s); §4.3's '600 GB/s GPU memory access' matches NVLink-3's two-way "
+                                          "figure, not HBM (1555 GB/s)",
+                    "internode_bytes_per_s": "nominal line rate, one direction, shared by the server's 8 ranks; a ring "
+                                             "leaves each server once per channel, so a ring across servers runs at "
+                                             "min(NVLink, NICs) (pagemem.sched.network)",
+                    "collective_latency_s": "10 us per NCCL call (launch and synchronisation): assumed",
+                    "internode_latency_s": "5 us per step across servers (NIC, switch, NCCL's proxy): assumed",
                     "nvme": "one array per server, 3.5 GB/s both ways, shared by its 8 ranks",
                     "flops_per_s": "60% of the A100's 312 TFLOP/s dense bf16 peak",
                     "hbm_bytes_per_s": "85% of the A100-40GB's 1555 GB/s",
@@ -333,5 +388,23 @@ def _from_version_2(data: Mapping[str, Any]) -> dict[str, Any]:
     shared = out.get("shared_processor")
     if isinstance(shared, (list, tuple)):
         out["shared_processor"] = ["nvme" if s == "ssd" else s for s in shared]
+    out["version"] = 3
+    return out
+
+
+def _from_version_3(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-3 profile as version 4, its network unchanged: version 3's one
+    ``network_bytes_per_s`` (bus bandwidth per GPU: a collective over W ranks on S bytes took
+    ``(W - 1) * S / network_bytes_per_s``, whatever servers they spanned) becomes both
+    ``nvlink_bytes_per_s`` and ``internode_bytes_per_s``, with no latencies; the ring then takes
+    exactly that time and the tree never less (:mod:`pagemem.sched.network`)."""
+    out = dict(data)
+    new = [k for k in ("nvlink_bytes_per_s", "internode_bytes_per_s", *_LATENCIES) if k in out]
+    if new:
+        raise ConfigError(f"hardware profile version 3: {new[0]!r} is a version-4 field (set version 4)")
+    if "network_bytes_per_s" not in out:
+        raise ConfigError("hardware profile: missing field(s) ['network_bytes_per_s'] (version 3)")
+    bus = check_rate("network_bytes_per_s", out.pop("network_bytes_per_s"))
+    out.update(nvlink_bytes_per_s=bus, internode_bytes_per_s=bus, collective_latency_s=0.0, internode_latency_s=0.0)
     out["version"] = VERSION
     return out

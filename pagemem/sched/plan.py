@@ -12,6 +12,7 @@ from pagemem.errors import ConfigError
 from pagemem.sched.layout import LayerLayout, Layout
 from pagemem.sched.deps import Deps, dependencies
 from pagemem.sched.holdings import Setting, costs
+from pagemem.sched.network import COLLECTIVES, bus_bytes
 from pagemem.sched.tasks import TIERS, TRANSFERS, Target, Task
 from pagemem.units import format_bytes, parse_size
 
@@ -108,12 +109,15 @@ class Plan:
         return dict(Counter(t.operation for t in self.tasks))
 
     def bytes_moved(self) -> dict[str, int]:
-        """Bytes per transfer kind: ``h2d``, ``d2h``, ``nvme_read``, ``nvme_write``, ``network``."""
+        """Bytes per transfer kind: ``h2d``, ``d2h``, ``nvme_read``, ``nvme_write``, ``network``
+        (what this rank sends in its collectives, ``network.bus_bytes``)."""
         out = dict.fromkeys(TRANSFERS, 0)
         setting = self.setting
         for t in self.tasks:
             for resource, amount in costs(t, setting):
-                if resource in out:
+                if resource in COLLECTIVES:
+                    out["network"] += bus_bytes(resource, amount, self.world_size)
+                elif resource in out:
                     out[resource] += amount
         return out
 

@@ -164,7 +164,7 @@ class _Builder:
 
     def start_task(self, i: int, reserve: int) -> int:
         task, fx = self.tasks[i], self.fx[i]
-        seconds = sum(amount / self.hw.rate(resource, task.tier, self.W)
+        seconds = sum(self.hw.seconds(resource, amount, task.tier, self.W)
                       for resource, amount in costs(task, self.setting) if amount)
         alloc = {tier: pages * self.pb for tier, pages in fx.pages("takes", self.setting).items() if tier in TIERS}
         node = self.add(Node(_name(task), fx.effect.stream_of(task), seconds,
@@ -176,7 +176,7 @@ class _Builder:
             # the CPU's share of a disk transfer (checksums, submission) runs on its own stream
             # beside the transfer; the task is done when both are (a zero-time join)
             resource, amount = host
-            cpu = self.add(Node(f"{_name(task)} (host)", "io", amount / self.hw.rate(resource, task.tier, self.W),
+            cpu = self.add(Node(f"{_name(task)} (host)", "io", self.hw.seconds(resource, amount, task.tier, self.W),
                                 {}, {}, self.waits(i), True), (reserve, 0))
             self.node_of[i] = self.add(Node(f"{_name(task)} (done)", None, 0.0, {}, {}, [(node, 0), (cpu, 0)],
                                             False))
@@ -194,7 +194,7 @@ class _Builder:
                 free[k.tier] = free.get(k.tier, 0) + self.held.pop(k, 0)
         self.nodes[node].free = free or {task.tier or "gpu": 0}
         executor = executor_cost(task, self.setting)
-        seconds = executor[1] / self.hw.rate(executor[0], task.tier, self.W) if executor else 0.0
+        seconds = self.hw.seconds(executor[0], executor[1], task.tier, self.W) if executor else 0.0
         if seconds:
             # the executor's host time for the window this release ends, on the thread that runs
             # the model: the compute stream, before the next op (memory is given back meanwhile)

@@ -70,13 +70,13 @@ def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile) -> Lo
     for task in mine:
         effect = effect_of(task)
         stream = effect.stream_of(task) if effect is not None else None
-        seconds = sum(amount / profile.rate(resource, task.tier, plan.world_size)
+        seconds = sum(profile.seconds(resource, amount, task.tier, plan.world_size)
                       for resource, amount in costs(task, setting) if amount)
         if stream and seconds:
             busy[stream] = busy.get(stream, 0.0) + seconds
         host = host_cost(task, setting)
         if host and host[1]:
-            busy["io"] = busy.get("io", 0.0) + host[1] / profile.rate(host[0], task.tier, plan.world_size)
+            busy["io"] = busy.get("io", 0.0) + profile.seconds(host[0], host[1], task.tier, plan.world_size)
     pass_time = max(busy.values(), default=0.0)
     shared = set(profile.shared_processor)
     every_iteration = busy.get("cpu", 0.0) if "cpu" in shared else 0.0

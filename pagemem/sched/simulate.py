@@ -22,7 +22,10 @@ compute   the trace's ops in order; ``update`` of      ``op.duration * compute_s
           the model runs it)
 h2d       ``move_to_gpu``                              page bytes / ``h2d_bytes_per_s``
 d2h       ``offload`` of a gradient page to the cpu    page bytes / ``d2h_bytes_per_s``
-network   ``all_gather``, ``reduce_scatter``           (W - 1) page bytes / ``network_bytes_per_s``
+network   ``all_gather``, ``reduce_scatter``           a collective of one page per rank over W
+                                                       ranks on ``ceil(W / ranks_per_server)``
+                                                       servers: ``pagemem.sched.network`` (ring
+                                                       or tree, NVLink and the servers' NICs)
 nvme      ``move_to_cpu`` (read: optimizer states;     bytes / the rank's share of the server's
           with parameters homed on nvme, a parameter   SSD read / write bandwidth (a gradient
           page staged, a layer's gradients fetched),   page to nvme: its d2h time, then its

@@ -116,9 +116,10 @@ operation      target   stream                    cost
 move_to_gpu    param.j  h2d; F=nvme: nvme and io  h2d: 1 page; F=nvme: first nvme_read: 1 page,
                                                   and nvme_host on io
 move_to_cpu    param.j  nvme and io               nvme_read: 1 page; nvme_host on io
-all_gather     param.j  network                   network: W - 1 pages
+all_gather     param.j  network                   all_gather: 1 page per rank, over W ranks (the
+                                                  collective's time: ``pagemem.sched.network``)
 compute        layer    (the model's own ops)     -
-reduce_scatter grad.j   network                   network: W - 1 pages
+reduce_scatter grad.j   network                   reduce_scatter: 1 page per rank, over W ranks
 offload        grad.j   d2h; T=nvme: nvme and io  d2h: 1 page; T=nvme: then nvme_write: 1 page,
                                                   and nvme_host on io
 move_to_cpu    grad     nvme and io               nvme_read: the layer's grad pages; nvme_host
@@ -178,6 +179,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagemem.sched.network import COLLECTIVES
+
 Operation = Literal["move_to_gpu", "move_to_cpu", "all_gather", "compute", "offload", "release",
                     "reduce_scatter", "update"]
 OPERATIONS: tuple[str, ...] = ("move_to_gpu", "move_to_cpu", "all_gather", "compute", "offload",
@@ -185,8 +188,12 @@ OPERATIONS: tuple[str, ...] = ("move_to_gpu", "move_to_cpu", "all_gather", "comp
 TargetKind = Literal["param", "grad", "fullgrad", "optim", "layer"]
 TIERS: tuple[str, ...] = ("gpu", "cpu", "nvme")
 TRANSFERS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write", "network")
-RESOURCES: tuple[str, ...] = (*TRANSFERS, "adam", "memory", "nvme_host", "window")
-"""What a task's cost is counted in: bytes of a transfer, Adam elements, bytes of memory traffic
+"""What ``Plan.bytes_moved`` counts: bytes of each copy, and ``network``, the bytes a rank sends
+in its collectives (``network.bus_bytes``: ``W - 1`` pages for a page's all-gather)."""
+RESOURCES: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write", *COLLECTIVES, "adam", "memory", "nvme_host",
+                              "window")
+"""What a task's cost is counted in: bytes of a copy, bytes per rank of a collective (its time
+is ``pagemem.sched.network``'s: not linear in the bytes), Adam elements, bytes of memory traffic
 (read + written) on the tier the task runs on, disk bytes the host's CPU handles, windows of a
 moved layer the executor handles."""
 MASTER_BYTES_PER_ELEMENT = 4
@@ -304,10 +311,10 @@ class Effect:
     stream_from: tuple[tuple[str, str], ...] = ()
     """``(source, stream)``: the stream for a task copying from that tier (before ``stream_on``)."""
     cost: tuple[tuple[str, str], ...] = ()
-    """``(resource, unit)`` terms (``Term``: with a condition), run one after the other: a
-    transfer (``TRANSFERS``) of a holding's pages, ``("adam", "shard")`` (an Adam step over the
-    shard's elements), ``("memory", "refresh")`` (the compute copy written from the master
-    weights)."""
+    """``(resource, unit)`` terms (``Term``: with a condition), run one after the other: a copy
+    of a holding's pages, a collective (``network.COLLECTIVES``) of a holding's pages per rank,
+    ``("adam", "shard")`` (an Adam step over the shard's elements), ``("memory", "refresh")``
+    (the compute copy written from the master weights)."""
     host: tuple[str, str] | None = None
     """A cost on the ``io`` stream at the same time: the CPU's share of a disk transfer
     (``("nvme_host", holding)``: checksums, submission; a ``Term`` with its condition)."""
@@ -349,13 +356,13 @@ EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
     Effect("move_to_cpu", "param", ("cpu",), takes=(Hold("param", "cpu"),), reads=(Hold("param", "home"),),
            when=_NVME, paged=True, stream="nvme", cost=(("nvme_read", "param"),), host=("nvme_host", "param")),
     Effect("all_gather", "param", (None,), takes=(_GATHERED,), reads=(_PARAM,), when="W>1", paged=True,
-           stream="network", cost=(("network", "gathered"),)),
+           stream="network", cost=(("all_gather", "param"),)),
     Effect("compute", "layer", ("gpu",), reads=(_PARAM, _GATHERED),
            takes=(Hold("fullgrad", "gpu", paged=False, when="grads W>1"), Hold("grad", "gpu", when="grads W=1")),
            gates_ops=True),
     Effect("reduce_scatter", "grad", (None,), takes=(Hold("grad", "gpu"),),
            reads=(Hold("fullgrad", "gpu", paged=False),), when="W>1", after_grads=True, paged=True,
-           stream="network", cost=(("network", "gathered"),)),
+           stream="network", cost=(("reduce_scatter", "grad"),)),
     Effect("offload", "grad", ("cpu", "nvme"), takes=(Hold("grad", "T"),), reads=(Hold("grad", "gpu"),), paged=True,
            stream="d2h", stream_on=(("nvme", "nvme"),),
            cost=(("d2h", "grad"), Term("nvme_write", "grad", "T=nvme")), host=Term("nvme_host", "grad", "T=nvme")),
