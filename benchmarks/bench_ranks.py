@@ -9,8 +9,8 @@ cpu, a gpu budget on the host stand-in that holds the model) for ``--steps`` ste
 step after the first two. Anchors, from the same run:
 
 - ``sim``: the simulator's iteration for the rank's own plan (the one its engine followed, on
-  the ``dev-vm`` profile) plus the ring all-reduce of its fp32 gradient sums at the profile's
-  network bandwidth (``2 (W - 1) / W`` of the bytes over the bus bandwidth). The simulator
+  the ``dev-vm`` profile) plus the all-reduce of its fp32 gradient sums on the profile's network
+  (``pagemem/sched/network.py``: the ring moves ``2 (W - 1) / W`` of the bytes). The simulator
   models one GPU per rank: on this 2-core VM, W ranks share two cores, which it does not see;
 - ``ring bytes``: ``2 (W - 1) / W`` x (the fp32 gradient bytes + the 4-byte per-parameter flags the
   ranks agree on first): what each rank must send; ``sent``: what the engine counted;
@@ -108,8 +108,9 @@ def main() -> None:
     ap.add_argument("--worlds", default="1,2,4")
     args = ap.parse_args()
     from pagemem.sched import HardwareProfile
+    from pagemem.sched.network import collective_seconds
 
-    net = HardwareProfile.builtin("dev-vm").network_bytes_per_s
+    hw = HardwareProfile.builtin("dev-vm")
     rows, out = [], []
     for world in [int(w) for w in args.worlds.split(",")]:
         ranks = run(world, args.steps)
@@ -119,7 +120,7 @@ def main() -> None:
             r["sent_per_iteration"] = statistics.median(r["sent"][2:] or r["sent"])
         r0 = ranks[0]
         ring = 2 * (world - 1) * 4 * (r0["params"] + r0["n_params"]) // world
-        allreduce_s = 2 * (world - 1) / world * 4 * r0["params"] / net
+        allreduce_s = collective_seconds(hw, "all_reduce", 4 * r0["params"], world)
         sim_s = r0["sim_seconds"] + allreduce_s if r0["sim_seconds"] is not None else None
         sim_tps = tokens / sim_s if sim_s else None
         mean_tps = statistics.mean(r["tokens_per_s"] for r in ranks)
@@ -138,7 +139,7 @@ def main() -> None:
                 title=f"GPT h{HIDDEN} x{LAYERS} layers, vocab {VOCAB}, {BATCH}x{SEQ} tokens per rank per step, gloo "
                       f"on loopback, {os.cpu_count()} cores, {args.steps} steps"))
     print("wrote", write_json("bench_ranks", {"hidden": HIDDEN, "layers": LAYERS, "vocab": VOCAB, "seq": SEQ,
-                                              "batch": BATCH, "network_bytes_per_s": net, "rows": out}))
+                                              "batch": BATCH, "nvlink_bytes_per_s": hw.nvlink_bytes_per_s, "rows": out}))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ anything one rank alone could decide (which parameters have gradients). A collec
 or times out raises ``RankFailed`` naming the ranks to blame ([Note: naming the rank that
 failed], ``liveness.py``), and every later call raises it again at once: the group is out of step.
 
-Bytes are counted as the ring algorithm sends them per rank: ``2 (W - 1) / W`` of an all-reduced
-buffer (what the simulator charges; gloo and NCCL choose their own algorithm per size).
+Bytes are counted as the ring algorithm sends them per rank (``pagemem.sched.network.bus_bytes``,
+what the simulator charges: ``2 (W - 1) / W`` of an all-reduced buffer, ``(W - 1) / W`` of a
+broadcast one); gloo and NCCL choose their own algorithm per size.
 
 Batch size (``BATCH_BYTES``): gloo's all-reduce on the 2-core development VM cost 1.5 ms per call
 whatever its size up to 64 KiB with 2 ranks (5.7 ms with 4), 4.1 ms for 4 MiB (1.0 GB/s) and
@@ -35,6 +36,7 @@ import torch
 from pagemem.engine.ranks.group import RankGroup
 from pagemem.engine.ranks.liveness import Liveness
 from pagemem.errors import RankFailed
+from pagemem.sched.network import bus_bytes
 
 BATCH_BYTES = 16 << 20
 _WAIT_MARGIN_S = 30.0
@@ -123,10 +125,6 @@ class Collectives:
 
     # ------------------------------------------------------------------ collectives
 
-    def _ring(self, nbytes: int) -> int:
-        w = self.ranks.world_size
-        return 2 * (w - 1) * nbytes // w
-
     def all_reduce(self, t: torch.Tensor, what: str, op: str = "sum") -> Pending:
         """Start reducing ``t`` in place over the ranks (``op``: sum, max or min)."""
         import torch.distributed as dist
@@ -134,7 +132,7 @@ class Collectives:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         group = self.ranks.group
         return self._issue(what, lambda: dist.all_reduce(t, reduce_op, group=group, async_op=True),
-                           self._ring(t.numel() * t.element_size()))
+                           bus_bytes("all_reduce", t.numel() * t.element_size(), self.ranks.world_size))
 
     def reduce_now(self, t: torch.Tensor, what: str, op: str = "sum") -> torch.Tensor:
         """``all_reduce`` and wait; returns ``t``."""
@@ -165,11 +163,13 @@ class Collectives:
         group, dev = self.ranks.group, self.ranks.device
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
         g_src = dist.get_global_rank(group, src) if group is not dist.group.WORLD else src
-        self.wait(self._issue(what, lambda: dist.broadcast(size, g_src, group=group, async_op=True), 8))
+        self.wait(self._issue(what, lambda: dist.broadcast(size, g_src, group=group, async_op=True),
+                              (self.ranks.world_size - 1) * 8 // self.ranks.world_size))
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if self.ranks.rank == src and data
                else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
         if buf.numel():
-            self.wait(self._issue(what, lambda: dist.broadcast(buf, g_src, group=group, async_op=True), buf.numel()))
+            self.wait(self._issue(what, lambda: dist.broadcast(buf, g_src, group=group, async_op=True),
+                                 (self.ranks.world_size - 1) * buf.numel() // self.ranks.world_size))
         return bytes(buf.cpu().numpy().tobytes())
 
     def stats(self) -> dict[str, Any]:
