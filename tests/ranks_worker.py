@@ -92,7 +92,19 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             if mode == "kill" and rank == victim and step == int(opts.get("at", 2)):
                 model.transformer.h[0].register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
             if mode == "hang" and rank == victim and step == int(opts.get("at", 2)):
+                if "marker" in opts:
+                    open(opts["marker"], "w").close()
                 time.sleep(600)
+            if mode == "hang" and rank != victim and step == int(opts.get("at", 2)) and "marker" in opts:
+                x = batch_of(step, rank, world)
+                try:
+                    engine.backward(engine(input_ids=x, labels=x).loss)
+                except KeyboardInterrupt:  # a second Ctrl-C while the collective waits
+                    try:
+                        engine.step()
+                    except pagemem.PageMemError as after:
+                        print(f"after Ctrl-C, step() raised {type(after).__name__}: {after}", file=sys.stderr)
+                    raise
             x = batch_of(step, rank, world)
             loss = engine(input_ids=x, labels=x).loss
             try:

@@ -11,11 +11,14 @@ most 4x as far (and 1e-6) from it, never arbitrarily far."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -35,6 +38,7 @@ def free_port() -> int:
 
 
 def launch(mode: str, world: int, out: Path, timeout: float = 240, wait_for: list[int] | None = None,
+           during: Callable[[list[subprocess.Popen]], None] | None = None,
            **opts) -> tuple[list[int | None], list[str], float]:
     """Run ``world`` ranks of ``ranks_worker.py`` until the ranks ``wait_for`` (default all) have
     exited (the others are killed then); their exit codes (None: killed by the test), stderr and
@@ -49,6 +53,8 @@ def launch(mode: str, world: int, out: Path, timeout: float = 240, wait_for: lis
             procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(r), str(world), str(port), str(out),
                                            *args], env=env, stdout=subprocess.DEVNULL, stderr=err))
     awaited = [procs[r] for r in (wait_for if wait_for is not None else range(world))]
+    if during is not None:
+        threading.Thread(target=during, args=(procs,), daemon=True).start()
     first_end = None
     deadline = time.monotonic() + timeout
     try:
@@ -188,6 +194,28 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     assert [r["skipped"] for r in runs] == [1, 1]
     assert runs[0]["loss_scale"] == runs[1]["loss_scale"] < 65536.0
     assert distance(runs[0]["weights"], runs[1]["weights"]) == 0.0
+
+
+def test_a_second_ctrl_c_in_a_hung_collective_breaks_the_engine(tmp_path):
+    """Ctrl-C twice while rank 0 waits for rank 1 (which stopped) raises at once; the collective
+    may still be in flight, so the engine refuses to go on (a step would update with gradients
+    that are not the average)."""
+    marker = tmp_path / "stopped"
+
+    def interrupt(procs):
+        deadline = time.monotonic() + 100
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2)  # rank 0 reaches the averaging and waits
+        for _ in range(2):
+            procs[0].send_signal(signal.SIGINT)
+            time.sleep(0.5)
+
+    rcs, errs, _ = launch("hang", 2, tmp_path / "h.pt", timeout=120, wait_for=[0], during=interrupt, victim=1,
+                          at=2, steps=4, collective_timeout=60, marker=marker)
+    assert rcs[0] not in (0, None)
+    assert "KeyboardInterrupt" in errs[0]
+    assert "after Ctrl-C, step() raised StepFailed" in errs[0] and "interrupted while waiting" in errs[0], errs[0][-2000:]
 
 
 def test_ranks_over_different_models_all_refuse(tmp_path):

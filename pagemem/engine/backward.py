@@ -126,8 +126,9 @@ class BackwardMixin:
         self.failed_backwards += 1
         undone = 0
         broken: str | None = None
-        if isinstance(exc, RankFailed):  # [Note: collectives]: the ranks are out of step for good
-            broken = (f"a collective with the other ranks failed ({exc}); the ranks can no longer agree: exit and "
+        lost = exc if isinstance(exc, RankFailed) else self.collectives.failed if self.collectives else None
+        if lost is not None:  # [Note: collectives]: the ranks are out of step for good
+            broken = (f"a collective with the other ranks failed ({lost}); the ranks can no longer agree: exit and "
                       "restart every rank from the last checkpoint (torchrun --max-restarts does)")
         failed: BaseException | None = None
         try:

@@ -119,7 +119,7 @@ def average_gradients(bank: ParamBank, ledger: GradLedger, zero: Callable[[int],
                 land(slot)
     finally:  # a failure leaves nothing in flight on this thread's buffers that a later call could see
         for slot in range(2):
-            if pending[slot] is not None:
+            if pending[slot] is not None and coll.failed is None:
                 try:
                     coll.wait(pending[slot][2])  # type: ignore[index]
                 except Exception:  # noqa: BLE001 - the first error is the one raised

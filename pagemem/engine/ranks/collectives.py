@@ -111,6 +111,10 @@ class Collectives:
             self._fail(what, None)
         except Exception as exc:  # noqa: BLE001 - a collective's failure, whatever torch raised
             self._fail(what, exc)
+        except BaseException:  # a second Ctrl-C left it in flight: this rank is out of step for good
+            self.failed = RankFailed(f"rank {self.ranks.rank}: interrupted while waiting for {what} (collective "
+                                     f"{self.liveness.entered}); it may still run: the ranks are out of step")
+            raise
         finally:
             self.wait_seconds += time.perf_counter() - t0
 
