@@ -17,6 +17,10 @@ step after the first two. Anchors, from the same run:
 - ``zero-3 plan``: the network bytes per rank the scheduler's plan at this world size would send
   (all-gathers and reduce-scatters of shards), which the engine does not run yet.
 
+A second table measures what one gloo all-reduce costs by size (``COST``: each size reduced
+``--calls`` times after a warm-up), from which ``BATCH_BYTES`` (``engine/ranks/collectives.py``)
+was chosen: the batch where the per-call cost is about a tenth of a batch's time.
+
 Usage: ``python benchmarks/bench_ranks.py [--steps N] [--worlds 1,2,4]``.
 """
 
@@ -81,18 +85,38 @@ if world > 1:
 ''' % {"hidden": HIDDEN, "layers": LAYERS, "vocab": VOCAB, "seq": SEQ, "batch": BATCH}
 
 
+COST = r'''
+import json, sys, time, torch, torch.distributed as dist
+rank, world, port, calls = (int(a) for a in sys.argv[1:5])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+out = {}
+for nbytes in (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20):
+    t = torch.ones(nbytes // 4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(t)
+    out[nbytes] = (time.perf_counter() - t0) / calls
+print(json.dumps(out))
+dist.destroy_process_group()
+'''
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run(world: int, steps: int) -> list[dict]:
+def run(world: int, steps: int, script: str = WORKER) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(os.path.join(tmp, f"r{r}.err"), "w+") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(steps)],
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), str(port), str(steps)],
                                   stdout=subprocess.PIPE, stderr=logs[r], text=True, env=env) for r in range(world)]
         outs = [p.communicate(timeout=1800)[0] for p in procs]
         for r, p in enumerate(procs):
@@ -106,6 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
     from pagemem.sched import HardwareProfile
     from pagemem.sched.network import collective_seconds
@@ -138,8 +163,17 @@ def main() -> None:
                  "sent MiB/iter", "ring MiB/iter", "zero-3 plan MiB/iter", "collective wait ms/iter"], rows,
                 title=f"GPT h{HIDDEN} x{LAYERS} layers, vocab {VOCAB}, {BATCH}x{SEQ} tokens per rank per step, gloo "
                       f"on loopback, {os.cpu_count()} cores, {args.steps} steps"))
+    cost_rows, costs = [], {}
+    for world in [int(w) for w in args.worlds.split(",") if int(w) > 1]:
+        per_call = {int(k): v for k, v in run(world, args.calls, COST)[0].items()}
+        costs[world] = per_call
+        for nbytes, sec in per_call.items():
+            cost_rows.append([world, f"{nbytes >> 10} KiB", f"{sec * 1e3:.2f}", f"{nbytes / sec / 1e9:.2f}"])
+    print(table(["ranks", "all-reduce size", "ms per call", "GB/s of buffer"], cost_rows,
+                title=f"gloo all-reduce per call, {args.calls} calls per size (the engine batches {16} MiB)"))
     print("wrote", write_json("bench_ranks", {"hidden": HIDDEN, "layers": LAYERS, "vocab": VOCAB, "seq": SEQ,
-                                              "batch": BATCH, "nvlink_bytes_per_s": hw.nvlink_bytes_per_s, "rows": out}))
+                                              "batch": BATCH, "nvlink_bytes_per_s": hw.nvlink_bytes_per_s, "rows": out,
+                                              "allreduce_seconds_per_call": costs}))
 
 
 if __name__ == "__main__":
