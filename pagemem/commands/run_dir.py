@@ -24,7 +24,8 @@ from pagemem.errors import ConfigError
 
 METRIC_KEYS = ("step", "loss", "grad_norm", "seconds", "tokens_per_s", "gpu_peak_bytes", "gpu_budget_bytes",
                "tier_used_bytes", "moved_bytes_per_s", "gpu_idle", "staleness_mean")
-"""The fields of every line of ``metrics.jsonl``."""
+"""The fields of every line of ``metrics.jsonl``; with several ranks a log step's line also
+holds ``ranks`` ([Note: pagemem train under torchrun])."""
 
 
 class RunDir:

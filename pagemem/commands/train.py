@@ -7,6 +7,8 @@ FILE`` layers a TOML file over it and ``--SECTION.FIELD VALUE`` sets one field
 (``--optimizer.lr 3e-4``, ``--store.gpu_bytes 2GiB``, ``--model.hf gpt2``); ``--help_config``
 lists every setting. ``--resume auto`` continues the newest run under ``train.runs`` from its
 last checkpoint with its saved config (``--resume RUN_DIR`` a given one).
+Under torchrun it trains data parallel over the ranks, and a restarted attempt resumes
+([Note: pagemem train under torchrun] in ``train_ranks.py``).
 
 [Note: Ctrl-C in pagemem train] A Ctrl-C during a step (its ``accumulation_steps``
 forwards and backwards, the update, its metrics line and timeline events) is held (the engine's
@@ -24,15 +26,28 @@ or ``max_staleness=0``: lock-free staleness depends on thread timing).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from pagemem.commands import auto_sizes
 from pagemem.commands.models import build
 from pagemem.commands.run_dir import RunDir
+from pagemem.commands.train_report import log_line, summary_table
+from pagemem.commands.train_ranks import (
+    Launch,
+    RankTotals,
+    StepExchange,
+    agreed,
+    die_if_asked,
+    launch_from_env,
+    on_device,
+    process_group,
+    restart_target,
+)
 from pagemem.commands.train_config import (
     AUTO_SIZES,
     TrainConfig,
@@ -47,7 +62,6 @@ from pagemem.engine import Engine
 from pagemem.engine.interrupts import shield
 from pagemem.errors import ConfigError, OutOfMemory
 from pagemem.plain import from_plain, with_overrides
-from pagemem.units import format_bytes
 
 SET = "set:"
 
@@ -71,15 +85,31 @@ def run(args: argparse.Namespace) -> int:
     files = [read_toml(path) for path in args.config]
     if args.help_config:
         return _help_config(layered(files, {}))
-    if args.resume:
+    launch = launch_from_env()  # [Note: pagemem train under torchrun]
+    with process_group(launch, layered(files, overrides)):
+        return _run(args, files, overrides, launch)
+
+
+def _start(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[str, str],
+           launch: Launch) -> tuple[str, dict[str, Any], bool]:
+    """Rank 0's choice: the run directory, the config it runs with, and whether it resumes
+    (``--resume``, or a torchrun restart: ``restart_target``)."""
+    resume = args.resume
+    if not resume:
+        train = from_plain(TrainSettings, layered(files, overrides)["train"], "train")
+        resume = restart_target(launch, train.runs, train.name)
+    if resume:
         runs = from_plain(TrainSettings, layered(files, overrides)["train"], "train").runs
-        rd = RunDir.newest(runs) if args.resume == "auto" else RunDir.named(args.resume)
-        plain = with_overrides(rd.read_config(), overrides)
-    else:
-        plain = layered(files, overrides)
-        train = from_plain(TrainSettings, plain["train"], "train")
-        rd = RunDir(_new_run_dir(train))
-    created = not args.resume
+        rd = RunDir.newest(runs) if resume == "auto" else RunDir.named(resume)
+        return rd.path, with_overrides(rd.read_config(), overrides), True
+    plain = layered(files, overrides)
+    return _new_run_dir(from_plain(TrainSettings, plain["train"], "train")), plain, False
+
+
+def _run(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[str, str], launch: Launch) -> int:
+    path, plain, resume = agreed(launch, lambda: _start(args, files, overrides, launch))
+    rd, plain = RunDir(path), on_device(launch, plain)
+    created = launch.lead and not resume
     try:
         on_disk = "nvme" in (plain.get("engine", {}).get("optimizer_tier"), plain.get("engine", {}).get("home_tier"))
         if on_disk and plain.get("store", {}).get("nvme_path") is None:
@@ -91,30 +121,38 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"data: vocab {cfg.data.vocab} and seq {cfg.data.seq} must be at most the model's "
                               f"({built.vocab} and {built.longest})")
         table = cfg.data.table()
+        batch = functools.partial(cfg.data.batch_at, table=table, rank=launch.rank, world_size=launch.world_size)
         probe = "gpu_bytes" in cfg.auto and (cfg.engine.store.gpu_backend == "host" or not _cuda())
         # a model on meta (its values in files) is sized through a stand-in of the same shapes
         sizing = build(cfg.model, cfg.data.seed, weights=False).model if probe and built.values else model
-        cfg = _sized(cfg, sizing, lambda: loss_of(sizing, cfg.data.batch_at(0, table)).backward())
-        if probe and not args.resume:
-            cfg = _tried(cfg, loss_of, table)
+        cfg = _sized(cfg, sizing, lambda: loss_of(sizing, batch(0)).backward())
+        if probe and not resume:
+            cfg = _tried(cfg, loss_of, batch)
             model = build(cfg.model, cfg.data.seed).model  # the tries trained a copy: start afresh
-        os.makedirs(rd.path, exist_ok=True)
-        if args.resume:
+        if launch.lead:
+            os.makedirs(rd.path, exist_ok=True)
+        if resume:
             engine = Engine.load(rd.checkpoints, model, cfg.engine)
-            rd.keep_metrics_until(engine.global_step)
+            if launch.lead:
+                rd.keep_metrics_until(engine.global_step)
+                if not args.resume:
+                    print(f"pagemem train: torchrun restart {launch.restart}: resuming {rd.path} from its last "
+                          f"checkpoint (step {engine.global_step})", file=sys.stderr)
         else:
             engine = Engine(model, cfg.engine, values=built.values)
-            rd.write_config(cfg.to_plain(), to_toml(cfg.to_plain()))
+            if launch.lead:
+                rd.write_config(cfg.to_plain(), to_toml(cfg.to_plain()))
     except BaseException:
         if created:  # nothing of this run exists yet: leave nothing behind
             _remove_tree(rd.path)
         raise
-    if args.resume and engine.global_step >= cfg.train.steps:
+    if resume and engine.global_step >= cfg.train.steps:
         engine.close()
-        print(f"pagemem train: {rd.path} has finished its {cfg.train.steps} steps (give --train.steps N to go on)")
+        if launch.lead:
+            print(f"pagemem train: {rd.path} has finished its {cfg.train.steps} steps (give --train.steps N to go on)")
         return 0
     try:
-        return _Loop(cfg, rd, engine, loss_of, table).run()
+        return _Loop(cfg, rd, engine, loss_of, batch, launch).run()
     except Exception:
         if created and not rd.metrics():  # not one step: nothing to resume or to read
             _remove_tree(rd.path)
@@ -148,15 +186,16 @@ def _sized(cfg: TrainConfig, model: Any, iteration: Any) -> TrainConfig:
     return cfg.with_sizes(**sizes)
 
 
-def _tried(cfg: TrainConfig, loss_of: Any, table: Any, attempts: int = 4) -> TrainConfig:
+def _tried(cfg: TrainConfig, loss_of: Any, batch: Callable[[int], Any], attempts: int = 4) -> TrainConfig:
     """``cfg`` whose ``auto`` gpu budget held two iterations (traced, then planned) of a fresh
-    copy of the model, grown to the least the engine names where it did not (``auto_sizes``)."""
+    copy of the model, grown to the least the engine names where it did not (``auto_sizes``);
+    with several ranks, on all of them together (the shapes, and so the sizes, are alike)."""
     for _ in range(attempts):
         model = build(cfg.model, cfg.data.seed, weights=False).model  # the budget depends on shapes only
         try:
             with Engine(model, cfg.engine) as engine:
                 for step in range(2):
-                    engine.backward(loss_of(engine, cfg.data.batch_at(step, table)))
+                    engine.backward(loss_of(engine, batch(step)))
                     engine.step()
             return cfg
         except OutOfMemory as exc:
@@ -170,19 +209,24 @@ def _tried(cfg: TrainConfig, loss_of: Any, table: Any, attempts: int = 4) -> Tra
 class _Loop:
     """The training loop, its metrics and its ending (see [Note: Ctrl-C in pagemem train])."""
 
-    def __init__(self, cfg: TrainConfig, rd: RunDir, engine: Engine, loss_of: Any, table: Any) -> None:
-        self.cfg, self.rd, self.engine, self.loss_of, self.table = cfg, rd, engine, loss_of, table
+    def __init__(self, cfg: TrainConfig, rd: RunDir, engine: Engine, loss_of: Any, batch: Callable[[int], Any],
+                 launch: Launch) -> None:
+        self.cfg, self.rd, self.engine, self.loss_of, self.batch, self.launch = cfg, rd, engine, loss_of, batch, launch
         self.tokens = cfg.data.batch * cfg.data.seq * cfg.engine.accumulation_steps
+        """Tokens one rank trains on in a step."""
         self.saved_at = engine.global_step if rd.has_checkpoint() else -1
         self.peak_used: dict[str, int] = {}
+        self.exchange = StepExchange(launch, engine.ranks.device)
+        self.ranks = RankTotals(launch.world_size, self.tokens)
 
     def run(self) -> int:
         from tqdm import tqdm
 
         t = self.cfg.train
         start = self.engine.global_step
-        bar = tqdm(total=t.steps, initial=start, disable=None if t.progress else True, unit="step", file=sys.stderr,
-                   dynamic_ncols=True, leave=False)
+        lead = self.launch.lead  # [Note: pagemem train under torchrun]: rank 0 writes and prints
+        bar = tqdm(total=t.steps, initial=start, disable=None if t.progress and lead else True, unit="step",
+                   file=sys.stderr, dynamic_ncols=True, leave=False)
         interrupted = False
         try:
             try:
@@ -192,11 +236,13 @@ class _Loop:
                 self._whole()
             bar.close()
             self._save()
-            summary = self._finish(interrupted)
+            summary = self._finish(interrupted) if lead else None
         finally:
             bar.close()
             self.engine.close()
-        print(_summary_table(summary))
+        if summary is None:
+            return 130 if interrupted else 0
+        print(summary_table(summary))
         if interrupted:
             print(f"pagemem train: interrupted after step {summary['steps_done']}; continue with "
                   f"`pagemem train --resume {self.rd.path}` (or --resume auto)", file=sys.stderr)
@@ -208,12 +254,13 @@ class _Loop:
         before = engine.stats()
         acc = self.cfg.engine.accumulation_steps
         for step in range(start, t.steps):
+            die_if_asked(self.launch, step + 1)  # a test hook (tests/test_cmd_train_ranks.py)
             t0 = time.perf_counter()
             losses = []
             with shield():  # a Ctrl-C from here on lands when the step and its record are whole
                 # a step is accumulation_steps backwards, each over its own batch
                 for micro in range(acc):
-                    loss = self.loss_of(engine, self.cfg.data.batch_at(step * acc + micro, self.table))
+                    loss = self.loss_of(engine, self.batch(step * acc + micro))
                     engine.backward(loss)
                     losses.append(float(loss.detach()))
                 t1 = time.perf_counter()
@@ -223,15 +270,21 @@ class _Loop:
                 engine.step()
                 t3 = time.perf_counter()
                 stats = engine.stats()
-                m = self._metrics(step + 1, sum(losses) / acc, grad_norm, t3 - t0, stats, before)
+                sent = stats["ranks"]["sent_bytes"] - before["ranks"]["sent_bytes"]
+                rows = self.exchange(sum(losses) / acc, t3 - t0, sent)  # every rank's, in rank order
+                m = self._metrics(step + 1, rows, grad_norm, t3 - t0, stats, before)
                 before = stats
-                self.rd.append_metrics(m)
-                for name, a, b in (("forward and backward", t0, t1), ("grad norm", t1, t2), ("step", t2, t3)):
-                    self.rd.phase(name, a, b - a, step + 1)
-                self.rd.counters(t3, m["tier_used_bytes"])
+                logged = (step + 1) % t.log_every == 0 or step + 1 == t.steps
+                if logged and self.launch.data_parallel:
+                    m["ranks"] = self.ranks.interval()
+                if self.launch.lead:
+                    self.rd.append_metrics(m)
+                    for name, a, b in (("forward and backward", t0, t1), ("grad norm", t1, t2), ("step", t2, t3)):
+                        self.rd.phase(name, a, b - a, step + 1)
+                    self.rd.counters(t3, m["tier_used_bytes"])
                 bar.update(1)
-                if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-                    bar.write(_log_line(m), file=sys.stdout)
+                if logged and self.launch.lead:
+                    bar.write(log_line(m), file=sys.stdout)
             if t.save_every and (step + 1) % t.save_every == 0:
                 self._save()
 
@@ -248,15 +301,19 @@ class _Loop:
             else:
                 engine.zero_grad()
 
-    def _metrics(self, step: int, loss: float, grad_norm: float | None, seconds: float, stats: dict,
-                 before: dict) -> dict[str, Any]:
+    def _metrics(self, step: int, rows: list[tuple[float, float, int]], grad_norm: float | None, seconds: float,
+                 stats: dict, before: dict) -> dict[str, Any]:
+        """The step's metrics line; ``rows``: every rank's (loss, seconds, bytes sent): the loss is
+        their mean (the combined batch's), ``tokens_per_s`` the ranks' sum."""
+        self.ranks.add(rows)
+        loss = sum(r[0] for r in rows) / len(rows)
         used = {n: t["used_bytes"] for n, t in stats["tiers"].items()}
         for n, b in used.items():
             self.peak_used[n] = max(self.peak_used.get(n, 0), b)
         moved = {k: (v - before["moved_bytes"].get(k, 0)) / seconds for k, v in stats["moved_bytes"].items()}
         staleness = stats["staleness"]
         return {"step": step, "loss": loss, "grad_norm": grad_norm, "seconds": seconds,
-                "tokens_per_s": self.tokens / seconds, "gpu_peak_bytes": stats["gpu_peak_bytes"],
+                "tokens_per_s": sum(self.tokens / r[1] for r in rows), "gpu_peak_bytes": stats["gpu_peak_bytes"],
                 "gpu_budget_bytes": stats["gpu_budget_bytes"], "tier_used_bytes": used, "moved_bytes_per_s": moved,
                 "gpu_idle": stats["gpu_idle"], "staleness_mean": staleness["mean"] if staleness else None}
 
@@ -299,6 +356,7 @@ class _Loop:
             "staleness": stats["staleness"], "planned_iteration_s": planned.iteration_time if planned else None,
             "profile": profile,
             "homes": {"compute and gradient sums": stats["home_tier"], "optimizer states": stats["optimizer_tier"]},
+            "world_size": self.launch.world_size, "ranks": self.ranks.overall(),
         }
         rd.write_summary(summary)
         return summary
@@ -308,43 +366,6 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _log_line(m: dict[str, Any]) -> str:
-    moved = m["moved_bytes_per_s"]
-    host = sum(v for k, v in moved.items() if "nvme" not in k)
-    nvme = sum(v for k, v in moved.items() if "nvme" in k)
-    gn = f"{m['grad_norm']:.3f}" if m["grad_norm"] is not None else "-"
-    line = (f"step {m['step']:>6}  loss {m['loss']:.4f}  grad norm {gn}  {m['tokens_per_s']:,.0f} tok/s  "
-            f"gpu peak {format_bytes(m['gpu_peak_bytes'])} / {format_bytes(m['gpu_budget_bytes'])}  "
-            f"host {format_bytes(int(host))}/s  nvme {format_bytes(int(nvme))}/s  gpu idle {100 * m['gpu_idle']:.0f}%")
-    if m["staleness_mean"] is not None:
-        line += f"  staleness {m['staleness_mean']:.2f}"
-    return line
-
-
-def _summary_table(s: dict[str, Any]) -> str:
-    def b(n: int | None) -> str:
-        return "-" if n is None else format_bytes(int(n))
-
-    rows = [("run directory", s["run_dir"]),
-            ("steps", f"{s['steps_done']} of {s['steps']}" + (" (interrupted)" if s["interrupted"] else "")),
-            ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "-"),
-            ("loss, first 10 -> last 10 steps",
-             f"{s['first_loss']:.4f} -> {s['last_loss']:.4f} (floor {s['loss_floor']:.4f})" if s["first_loss"] else "-")]
-    if s.get("homes"):  # [Note: homes on nvme]: where the training state lives at rest
-        rows.append(("homes", ", ".join(f"{what} on {tier}" for what, tier in s["homes"].items())))
-    for tier, peak in s["peak_bytes"].items():
-        rows.append((f"peak {tier}", f"{b(peak)} of {b(s['budget_bytes'].get(tier))}"))
-    for direction, n in sorted(s["moved_bytes"].items()):
-        if n:
-            rows.append((f"moved {direction}", b(n)))
-    rows.append(("gpu idle", f"{100 * s['gpu_idle']:.1f}%"))
-    rows.append(("re-plans", str(s["replans"])))
-    if s["staleness"]:
-        rows.append(("staleness mean / max", f"{s['staleness']['mean']:.2f} / {s['staleness']['max']}"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def _help_config(plain: dict[str, Any]) -> int:
