@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.help_config:
         return _help_config(layered(files, {}))
     launch = launch_from_env()  # [Note: pagemem train under torchrun]
-    with process_group(launch, layered(files, overrides)):
+    with process_group(launch, layered(files, overrides, launch.world_size)):
         return _run(args, files, overrides, launch)
 
 
@@ -96,13 +96,13 @@ def _start(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dic
     (``--resume``, or a torchrun restart: ``restart_target``)."""
     resume = args.resume
     if not resume:
-        train = from_plain(TrainSettings, layered(files, overrides)["train"], "train")
+        train = from_plain(TrainSettings, layered(files, overrides, launch.world_size)["train"], "train")
         resume = restart_target(launch, train.runs, train.name)
     if resume:
-        runs = from_plain(TrainSettings, layered(files, overrides)["train"], "train").runs
+        runs = from_plain(TrainSettings, layered(files, overrides, launch.world_size)["train"], "train").runs
         rd = RunDir.newest(runs) if resume == "auto" else RunDir.named(resume)
         return rd.path, with_overrides(rd.read_config(), overrides), True
-    plain = layered(files, overrides)
+    plain = layered(files, overrides, launch.world_size)
     return _new_run_dir(from_plain(TrainSettings, plain["train"], "train")), plain, False
 
 

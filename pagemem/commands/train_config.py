@@ -88,7 +88,8 @@ ENGINE_OWN = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name no
 
 DEFAULT_TOML = """\
 # pagemem train's embedded default: the project's GPT at a small size on a synthetic task,
-# a gpu budget below the model's states, optimizer states on nvme, the lock-free updater.
+# a gpu budget below the model's states, optimizer states on nvme, the lock-free updater (one
+# process; under torchrun with several ranks the default is lock_free = false).
 [train]
 steps = 150
 log_every = 10
@@ -174,10 +175,14 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"config: cannot read {os.fspath(path)} ({exc.strerror})") from None
 
 
-def layered(files: list[Mapping[str, Any]], overrides: Mapping[str, str]) -> dict[str, Any]:
-    """The default, then each file's tables over it, then the dotted overrides."""
+def layered(files: list[Mapping[str, Any]], overrides: Mapping[str, str], world_size: int = 1) -> dict[str, Any]:
+    """The default, then each file's tables over it, then the dotted overrides. With several
+    ranks (``world_size``) the default trains without the lock-free updater, which runs in one
+    process only; a file or flag that asks for it is refused by the engine."""
     known = set(known_settings())
     out: dict[str, Any] = tomllib.loads(DEFAULT_TOML)
+    if world_size > 1:
+        out["engine"]["lock_free"] = False
     for data in files:
         for section, table in data.items():
             if section not in SECTIONS:
