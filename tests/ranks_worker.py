@@ -7,7 +7,7 @@ AdamW and ``clip_grad_norm_``), ``kill`` (pagemem, and rank ``victim`` SIGKILLs 
 forward of step ``at``), ``hang`` (rank ``victim`` stops calling the engine at step ``at`` and
 sleeps), ``mismatch`` (rank ``victim`` makes its engine over another model), ``unused`` /
 ``unused-ddp`` (``Branchy``, a head unused on some ranks' steps, pagemem or DDP), ``loop`` /
-``loop-ddp`` (``run_loop``: loop habits). Every rank trains on its slice of each step's combined batch
+``loop-ddp`` (``run_loop``: loop habits), ``batchnorm`` / ``batchnorm-ddp`` (``run_batchnorm``). Every rank trains on its slice of each step's combined batch
 (``batch_of``); rank 0 writes the final weights (``torch.save``) to OUT. Options: ``steps``,
 ``nvme`` (a directory: optimizer states there), ``save_dir``/``save_at`` (save a checkpoint after
 that step), ``resume`` (load the latest checkpoint under it first, and train from its step),
@@ -232,6 +232,31 @@ def run_loop(rank: int, world: int, out: str, opts: dict[str, str], ddp: bool) -
         torch.save(result, out)
 
 
+def run_batchnorm(rank: int, world: int, out: str, ddp: bool) -> None:
+    """An MLP with BatchNorm, each rank's model initialised with its own seed (no common seed),
+    5 steps; every rank writes its weights and buffers to ``OUT.r<rank>``."""
+    torch.manual_seed(100 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.BatchNorm1d(24), torch.nn.ReLU(),
+                                torch.nn.Linear(24, 3))
+    if ddp:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
+    else:
+        store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=1 << 20, cpu_bytes=16 << 20, page_bytes=PAGE)
+        net = pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), adam_threads=1))
+        opt = net.optimizer
+    for step in range(5):
+        g = torch.Generator().manual_seed(7 * step + rank)
+        x = torch.randn(8, 12, generator=g) * (1 + rank)
+        net(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()} if ddp else net.state_dict()
+    if not ddp:
+        net.close()
+    torch.save({"weights": state}, f"{out}.r{rank}")
+
+
 def run_ddp(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -255,6 +280,8 @@ def main() -> None:
     try:
         if mode == "ddp":
             run_ddp(rank, world, out, opts)
+        elif mode in ("batchnorm", "batchnorm-ddp"):
+            run_batchnorm(rank, world, out, ddp=mode == "batchnorm-ddp")
         elif mode in ("loop", "loop-ddp"):
             run_loop(rank, world, out, opts, ddp=mode == "loop-ddp")
         elif mode in ("unused", "unused-ddp"):

@@ -123,8 +123,11 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
         from ranks_worker import make_model
 
         model = make_model()
-        per_step = 4 * (sum(p.numel() for p in model.parameters()) + len(list(model.parameters())))
-        assert stats["stats"]["sent_bytes"] == 8 * per_step + 4 * 8  # 8 steps, and the model check's 4 int64
+        n = len(list(model.parameters()))
+        per_step = 4 * (sum(p.numel() for p in model.parameters()) + n)  # the sums and the flags
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers()) // 2  # rank 0's, before each forward
+        made = 4 * 8 + 16 * n + buffers  # the model check's 4 int64, each parameter's hash twice, the buffers
+        assert stats["stats"]["sent_bytes"] == 8 * (per_step + buffers) + made
     ddp = run_ok("ddp", world, tmp_path / "ddp.pt")
     reference = plain()
     if world == 2:
@@ -216,6 +219,21 @@ def test_a_second_ctrl_c_in_a_hung_collective_breaks_the_engine(tmp_path):
     assert rcs[0] not in (0, None)
     assert "KeyboardInterrupt" in errs[0]
     assert "after Ctrl-C, step() raised StepFailed" in errs[0] and "interrupted while waiting" in errs[0], errs[0][-2000:]
+
+
+def test_replicas_start_from_rank_zero_and_follow_its_buffers_as_ddp(tmp_path):
+    """Ranks that initialised their models with different seeds train rank 0's model, and
+    BatchNorm's running statistics are rank 0's before each forward: every rank's weights and
+    buffers equal DDP's on that rank ([Note: replicas agree as DDP makes them])."""
+    launch_ok = [launch(mode, 2, tmp_path / f"{mode}.pt") for mode in ("batchnorm", "batchnorm-ddp")]
+    assert all(rcs == [0, 0] for rcs, _, _ in launch_ok), [e[-2000:] for _, errs, _ in launch_ok for e in errs]
+    for r in range(2):
+        ours = weights(Path(f"{tmp_path / 'batchnorm.pt'}.r{r}"))
+        ddp = weights(Path(f"{tmp_path / 'batchnorm-ddp.pt'}.r{r}"))
+        assert distance(ours, ddp) == 0.0
+    rank0, rank1 = (weights(Path(f"{tmp_path / 'batchnorm.pt'}.r{r}")) for r in range(2))
+    assert not torch.equal(rank0["1.running_mean"], rank1["1.running_mean"])  # each rank's last forward
+    assert torch.equal(rank0["0.weight"], rank1["0.weight"])
 
 
 def test_ranks_over_different_models_all_refuse(tmp_path):

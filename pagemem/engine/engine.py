@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -50,6 +49,8 @@ from pagemem.engine.units.model_checks import check_no_meta_buffers, check_param
 from pagemem.engine.updates.optimizer_states import OptimizerStates
 from pagemem.engine.paging.pager import Pager
 from pagemem.engine.ranks import Collectives, RankGroup
+from pagemem.engine.ranks.join import join_ranks
+from pagemem.engine.ranks.replicas import agree_on_values, sync_buffers
 from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.units.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.updates.update import Updater
@@ -117,8 +118,11 @@ class Engine(BackwardMixin, ResultsMixin):
             try:
                 self.ranks = RankGroup.resolve(process_group, self.store.tier("gpu").device)
                 """The process group's ranks this engine is data parallel over."""
-                self._join_ranks(model, config)
+                self.collectives = join_ranks(self.ranks, model, config)
                 self._build(model, config, groups, source)
+                if self.collectives is not None:  # [Note: replicas agree as DDP makes them]
+                    agree_on_values(self.bank, self.collectives)
+                    sync_buffers(model, self.collectives)
             except BaseException:
                 self._undo_build(model, restore=init is None and values is None and _values)
                 raise
@@ -126,30 +130,6 @@ class Engine(BackwardMixin, ResultsMixin):
             if isinstance(source, FromSafetensors):
                 source.close()
         hold_interrupts()
-
-    def _join_ranks(self, model: nn.Module, config: EngineConfig) -> None:
-        """With several ranks: refuse what cannot run data parallel, start the collectives, and
-        check with one collective that every rank made its engine over the same parameters and
-        with the same training arithmetic (else every rank raises, none hangs)."""
-        if not self.ranks.data_parallel:
-            return
-        if config.lock_free:
-            raise ConfigError("lock_free: must be False with several ranks (the updating thread would update from a "
-                              "rank's own gradients before they are averaged); data-parallel lock-free updates are not "
-                              "built yet")
-        if config.overlap_update is True:
-            raise ConfigError("overlap_update: must not be True with several ranks (gradients are averaged at the "
-                              "end of backward, before any update); leave it None")
-        self.collectives = Collectives(self.ranks, config.collective_timeout_s)
-        shape = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()])
-        arithmetic = repr((config.optimizer, config.compute_dtype, config.max_grad_norm, config.accumulation_steps,
-                           config.effective_loss_scale, config.optimizer_tier))
-        digests = [zlib.crc32(shape.encode()), zlib.crc32(arithmetic.encode())]
-        if not self.collectives.same_everywhere(digests, "checking every rank's model and config"):
-            raise ConfigError("process_group: the ranks made their engines over different models (parameter names, "
-                              "shapes, dtypes or requires_grad) or with a different optimizer, compute_dtype, "
-                              "max_grad_norm, accumulation_steps, loss_scale or optimizer_tier; every rank must "
-                              "make the same engine")
 
     @property
     def rank(self) -> int:
@@ -350,6 +330,9 @@ class Engine(BackwardMixin, ResultsMixin):
                 self.lockfree.before_iteration()
             if not self.phase.in_backward:
                 self._follow_requires_grad()
+            if (self.collectives is not None and torch.is_grad_enabled()
+                    and self.phase.micro + 1 >= self.config.accumulation_steps):
+                sync_buffers(self.module, self.collectives)  # [Note: replicas agree as DDP makes them]
             self.pager.begin(args, kwargs)
             self.guard.enter()
         try:

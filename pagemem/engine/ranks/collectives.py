@@ -160,20 +160,25 @@ class Collectives:
     def barrier(self, what: str) -> None:
         self.reduce_now(torch.zeros(1, device=self.ranks.device), what)
 
-    def broadcast_bytes(self, data: bytes | None, src: int, what: str) -> bytes:
-        """Rank ``src``'s ``data`` on every rank (others pass None)."""
+    def broadcast(self, t: torch.Tensor, src: int, what: str) -> None:
+        """Rank ``src``'s ``t`` into every rank's ``t``, in place (and waited for)."""
         import torch.distributed as dist
 
-        group, dev = self.ranks.group, self.ranks.device
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
+        group = self.ranks.group
         g_src = dist.get_global_rank(group, src) if group is not dist.group.WORLD else src
-        self.wait(self._issue(what, lambda: dist.broadcast(size, g_src, group=group, async_op=True),
-                              (self.ranks.world_size - 1) * 8 // self.ranks.world_size))
+        nbytes = t.numel() * t.element_size()
+        self.wait(self._issue(what, lambda: dist.broadcast(t, g_src, group=group, async_op=True),
+                              (self.ranks.world_size - 1) * nbytes // self.ranks.world_size))
+
+    def broadcast_bytes(self, data: bytes | None, src: int, what: str) -> bytes:
+        """Rank ``src``'s ``data`` on every rank (others pass None)."""
+        dev = self.ranks.device
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
+        self.broadcast(size, src, what)
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if self.ranks.rank == src and data
                else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
         if buf.numel():
-            self.wait(self._issue(what, lambda: dist.broadcast(buf, g_src, group=group, async_op=True),
-                                 (self.ranks.world_size - 1) * buf.numel() // self.ranks.world_size))
+            self.broadcast(buf, src, what)
         return bytes(buf.cpu().numpy().tobytes())
 
     def stats(self) -> dict[str, Any]:

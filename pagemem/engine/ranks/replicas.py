@@ -1,0 +1,79 @@
+"""Every rank's replica starts from rank 0's values, and its buffers follow rank 0's.
+
+[Note: replicas agree as DDP makes them]
+``DistributedDataParallel`` broadcasts rank 0's parameters and buffers when it is made, and rank
+0's buffers before every forward that will synchronise gradients (one under autograd, outside
+``no_sync``), so ranks that initialised their models differently (no common seed) still train
+one model, and BatchNorm's running statistics are rank 0's on every rank. The engine does the
+same: once it has taken the parameters into pages, every rank hashes each parameter's value
+(its fp32 master weights, or a frozen parameter's compute copy) and the ranks compare the hashes
+in one collective; only parameters that differ anywhere are broadcast from rank 0 (in batches of
+``BATCH_BYTES``), so ranks that agree (a common seed, a checkpoint, a weights file) write
+nothing. Buffers are broadcast whole (they are small) when the engine is made, and before each
+forward under autograd whose backward ends an accumulation step (when the gradients are averaged,
+[Note: data parallel over the process group])."""
+
+from __future__ import annotations
+
+import torch
+import xxhash
+from torch import nn
+
+from pagemem.engine.ranks.collectives import BATCH_BYTES, Collectives
+from pagemem.engine.units.bank import ParamBank
+
+
+def _digest(t: torch.Tensor) -> int:
+    return xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).numpy().tobytes()) >> 1  # fits an int64
+
+
+def agree_on_values(bank: ParamBank, coll: Collectives) -> int:
+    """Parameters that differ from rank 0's anywhere take rank 0's values; returns how many did."""
+    n = len(bank.records)
+    mine = [_digest(bank.host_value(i, torch.float32)) for i in range(n)]
+    both = coll.agree(mine, "comparing every rank's parameter values")
+    differ = [i for i in range(n) if both[i] != both[n + i]]
+    elems = BATCH_BYTES // 4
+    batch: list[int] = []
+    for i in differ + [None]:  # type: ignore[list-item]
+        size = sum(bank.params[j][1].numel() for j in batch)
+        if batch and (i is None or size + bank.params[i][1].numel() > elems):
+            _broadcast_params(bank, coll, batch, size)
+            batch = []
+        if i is not None:
+            batch.append(i)
+    return len(differ)
+
+
+def _broadcast_params(bank: ParamBank, coll: Collectives, params: list[int], size: int) -> None:
+    buf = torch.empty(size, dtype=torch.float32)
+    if coll.ranks.rank == 0:
+        torch.cat([bank.host_value(i, torch.float32).reshape(-1) for i in params], out=buf)
+    t = buf.to(coll.ranks.device)
+    coll.broadcast(t, 0, "rank 0's parameter values")
+    if coll.ranks.rank == 0:
+        return
+    at = 0
+    for i in params:
+        shape = bank.params[i][1].shape
+        value = t[at:at + shape.numel()].cpu().reshape(shape)
+        at += shape.numel()
+        bank.set_state(i, "master" if bank.is_trainable(i) else "compute", value)
+
+
+def sync_buffers(module: nn.Module, coll: Collectives) -> None:
+    """Every buffer of ``module`` takes rank 0's value (one broadcast of their bytes)."""
+    bufs = [b for b in module.buffers() if b is not None and not b.is_meta]
+    if not bufs:
+        return
+    with torch.no_grad():
+        flat = torch.cat([b.detach().contiguous().reshape(-1).view(torch.uint8).to(coll.ranks.device)
+                          for b in bufs])
+        coll.broadcast(flat, 0, "rank 0's buffers")
+        if coll.ranks.rank == 0:
+            return
+        at = 0
+        for b in bufs:
+            nbytes = b.numel() * b.element_size()
+            b.copy_(flat[at:at + nbytes].to(b.device).view(b.dtype).reshape(b.shape))
+            at += nbytes
