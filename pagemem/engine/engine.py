@@ -29,6 +29,7 @@ from torch import nn
 
 from pagemem.engine.updates.adam import PagedOptimizer
 from pagemem.engine.backward import BackwardMixin
+from pagemem.engine.call_checks import CallChecks
 from pagemem.engine.results import ResultsMixin
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.budget_checks import check_units_fit, unit_cap
@@ -60,7 +61,7 @@ from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
 
 
-class Engine(BackwardMixin, ResultsMixin):
+class Engine(CallChecks, BackwardMixin, ResultsMixin):
     def __init__(self, model: nn.Module, config: EngineConfig, *, param_groups: Any = None,
                  init: ModuleInit | None = None, values: Any = None, process_group: Any = None,
                  _values: bool = True) -> None:
@@ -286,38 +287,6 @@ class Engine(BackwardMixin, ResultsMixin):
         self.pager.forget_plans()
 
     # ------------------------------------------------------------------ the training loop
-
-    def _usable(self, what: str) -> None:
-        """Refuse use after ``close()`` or once broken; finish off a backward by habit that
-        raised (autograd never ran its end callback): see [Note: a failed backward is undone].
-        (A process forked from the owner was refused before the call lock: ``calls.py``.)"""
-        self._find_failed_backward(what)
-        self.phase.require_usable(what)
-
-    def _find_failed_backward(self, what: str) -> None:
-        """A backward by habit that raised, unfound, is undone now ([Note: backward by habit])."""
-        if self._refuse_beside_backward(what):
-            self._abort_backward(None)
-
-    def _refuse_beside_backward(self, what: str) -> bool:
-        """Refuse a call from a thread other than the training loop's while that loop is part-way
-        through a step: a backward by habit runs, or updates ran during its last backward
-        (``overlap_update``) and its ``step()`` has not come. From the loop's thread, True: a
-        backward by habit is on and no autograd node runs, so it raised, unfound ([Note: calls
-        from several threads], ``calls.py``)."""
-        if torch._C._current_graph_task_id() != -1:  # inside a backward on this thread: a hook, its end, a
-            return False  # signal's handler run there; not one that raised
-
-        habit = self.phase.now is EnginePhase.BACKWARD_BY_HABIT
-        if not habit and not self.updater.updated_during_backward():
-            return False
-        loop = self.calls.loop_thread
-        if loop is not None and loop is not threading.current_thread() and loop.is_alive():
-            running = ("a backward (loss.backward()) runs through this engine" if habit else
-                       "a step is part-way (parameters were updated during its last backward, overlap_update)")
-            raise InvalidRequest(f"{what}: refused: {running} on thread {loop.name!r}; call it from that thread, "
-                                 "or once that step has ended")
-        return habit
 
     @engine_call("forward", shielded=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
