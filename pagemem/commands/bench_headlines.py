@@ -203,6 +203,22 @@ def _last_error(result: dict[str, Any] | None) -> str:
     return str(result.get("error", "no error recorded")).split(" | ")[-1].strip()[-200:]
 
 
+def ranks(d: Results) -> list[Headline]:
+    rows = []
+    for r in d["rows"]:
+        w = r["world_size"]
+        if r.get("sim_tokens_per_s"):
+            rows.append(Headline(f"{w} gloo rank(s): tokens/s per rank", r["per_rank_tokens_per_s"],
+                                 "the simulator's prediction", r["sim_tokens_per_s"], "tokens/s"))
+        if w > 1:
+            rows.append(Headline(f"{w} gloo ranks: bytes sent per rank per iteration",
+                                 r["sent_bytes_per_iteration"] / (1 << 20), "the ring all-reduce of the gradients",
+                                 r["ring_bytes_per_iteration"] / (1 << 20), "MiB"))
+    if not rows:
+        raise NoFigure("no row ran")
+    return rows
+
+
 HEADLINES: dict[str, Callable[[Results], list[Headline]]] = {
     "bench_allocator": allocator,
     "bench_store_ops": store_ops,
@@ -217,5 +233,6 @@ HEADLINES: dict[str, Callable[[Results], list[Headline]]] = {
     "bench_lockfree": lockfree,
     "bench_offload": offload,
     "bench_homes": homes,
+    "bench_ranks": ranks,
 }
 """benchmark -> its headline rows. A benchmark in ``benchmarks/run_all.py``'s ``SUITE`` needs a row here."""
