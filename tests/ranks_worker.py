@@ -5,12 +5,15 @@ compared with), in a process of its own.
 data parallel over the default group), ``ddp`` (torch ``DistributedDataParallel`` with fused
 AdamW and ``clip_grad_norm_``), ``kill`` (pagemem, and rank ``victim`` SIGKILLs itself in the
 forward of step ``at``), ``hang`` (rank ``victim`` stops calling the engine at step ``at`` and
-sleeps), ``mismatch`` (rank ``victim`` makes its engine over another model), ``unused`` /
+sleeps), ``mismatch`` (rank ``victim`` makes its engine over another model), ``save0`` (rank 0
+alone saves at step ``at``, catching what it raises), ``close-early`` (rank ``victim`` closes its
+engine after step ``at`` and sleeps), ``unused`` /
 ``unused-ddp`` (``Branchy``, a head unused on some ranks' steps, pagemem or DDP), ``loop`` /
 ``loop-ddp`` (``run_loop``: loop habits), ``batchnorm`` / ``batchnorm-ddp`` (``run_batchnorm``). Every rank trains on its slice of each step's combined batch
 (``batch_of``); rank 0 writes the final weights (``torch.save``) to OUT. Options: ``steps``,
 ``nvme`` (a directory: optimizer states there), ``save_dir``/``save_at`` (save a checkpoint after
-that step), ``resume`` (load the latest checkpoint under it first, and train from its step),
+that step), ``resume`` (load the latest checkpoint under it first, and train from its step; ``resume_r<rank>``
+for one rank),
 ``gpu_bytes``, ``clip``, ``weights_dir`` (``save_weights`` there at the end, on every rank).
 """
 
@@ -81,12 +84,14 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
     if mode == "mismatch" and rank == victim:
         model.transformer.h[0].ln_1.bias.requires_grad_(False)
     first = 0
-    if "resume" in opts:
-        engine = pagemem.Engine.load(opts["resume"], model, engine_config(opts, world))
+    resume = opts.get(f"resume_r{rank}", opts.get("resume"))
+    if resume is not None:
+        engine = pagemem.Engine.load(resume, model, engine_config(opts, world))
         first = engine.global_step
     else:
         engine = pagemem.Engine(model, engine_config(opts, world))
     assert (engine.rank, engine.world_size) == (rank, world)
+    made_sent = engine.stats()["ranks"]["sent_bytes"]
     with engine:
         for step in range(first, steps):
             if mode == "kill" and rank == victim and step == int(opts.get("at", 2)):
@@ -116,7 +121,15 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                     print(f"after RankFailed, step() raised {type(after).__name__}", file=sys.stderr)
                 raise
             engine.step()
-            if "save_dir" in opts and step + 1 == int(opts["save_at"]):
+            if mode == "save0" and rank == 0 and step == int(opts.get("at", 2)):
+                try:  # a DDP habit: rank 0 alone saves
+                    engine.save(opts["save_dir"])
+                except pagemem.PageMemError as err:
+                    print(f"rank 0's lone save raised {type(err).__name__}", file=sys.stderr)
+            if mode == "close-early" and rank == victim and step == int(opts.get("at", 2)):
+                engine.close()  # ran out of data, and goes on with something else
+                time.sleep(60)
+            if "save_dir" in opts and mode != "save0" and step + 1 == int(opts["save_at"]):
                 engine.save(opts["save_dir"])
         stats = engine.stats()
         weights = engine.state_dict()
@@ -124,7 +137,8 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             paths = engine.save_weights(opts["weights_dir"])
             assert os.path.exists(paths[-1])  # rank 0 wrote them; every rank is told where
     if rank == 0:
-        torch.save({"weights": weights, "stats": stats["ranks"], "gpu_bytes": engine.config.store.gpu_bytes,
+        torch.save({"weights": weights, "stats": stats["ranks"], "made_sent": made_sent,
+                    "gpu_bytes": engine.config.store.gpu_bytes,
                     "moved": stats["moved_bytes"]}, out)
 
 
@@ -277,19 +291,22 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
-    try:
-        if mode == "ddp":
-            run_ddp(rank, world, out, opts)
-        elif mode in ("batchnorm", "batchnorm-ddp"):
-            run_batchnorm(rank, world, out, ddp=mode == "batchnorm-ddp")
-        elif mode in ("loop", "loop-ddp"):
-            run_loop(rank, world, out, opts, ddp=mode == "loop-ddp")
-        elif mode in ("unused", "unused-ddp"):
-            run_unused(rank, world, out, opts, ddp=mode == "unused-ddp")
-        else:
-            run_engine(rank, world, out, opts, mode)
-    finally:
-        dist.destroy_process_group()
+    if mode == "ddp":
+        run_ddp(rank, world, out, opts)
+    elif mode in ("batchnorm", "batchnorm-ddp"):
+        run_batchnorm(rank, world, out, ddp=mode == "batchnorm-ddp")
+    elif mode in ("loop", "loop-ddp"):
+        run_loop(rank, world, out, opts, ddp=mode == "loop-ddp")
+    elif mode in ("unused", "unused-ddp"):
+        run_unused(rank, world, out, opts, ddp=mode == "unused-ddp")
+    else:
+        run_engine(rank, world, out, opts, mode)
+    dist.barrier()
+    # every output is written: leave without tearing the group down, whose gloo threads have been
+    # seen to abort the process ("terminate called without an active exception") at exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

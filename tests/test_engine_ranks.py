@@ -124,10 +124,12 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
 
         model = make_model()
         n = len(list(model.parameters()))
-        per_step = 4 * (sum(p.numel() for p in model.parameters()) + n)  # the sums and the flags
-        buffers = sum(b.numel() * b.element_size() for b in model.buffers()) // 2  # rank 0's, before each forward
-        made = 4 * 8 + 16 * n + buffers  # the model check's 4 int64, each parameter's hash twice, the buffers
-        assert stats["stats"]["sent_bytes"] == 8 * (per_step + buffers) + made
+        header = 3 * 2 * 8  # each operation's count, name and number of values, max and min, int64
+        per_step = 4 * sum(p.numel() for p in model.parameters()) + header + 16 * n  # the sums; header, flags
+        buffers = list(model.buffers())  # rank 0's, before each forward
+        if buffers:
+            per_step += header + sum(b.numel() * b.element_size() for b in buffers) // 2
+        assert stats["stats"]["sent_bytes"] - stats["made_sent"] == 8 * per_step
     ddp = run_ok("ddp", world, tmp_path / "ddp.pt")
     reference = plain()
     if world == 2:
@@ -199,10 +201,11 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     assert distance(runs[0]["weights"], runs[1]["weights"]) == 0.0
 
 
-def test_a_second_ctrl_c_in_a_hung_collective_breaks_the_engine(tmp_path):
-    """Ctrl-C twice while rank 0 waits for rank 1 (which stopped) raises at once; the collective
-    may still be in flight, so the engine refuses to go on (a step would update with gradients
-    that are not the average)."""
+@pytest.mark.parametrize("signals, said", [(2, "interrupted while waiting"), (1, "a signal (Ctrl-C) arrived")])
+def test_ctrl_c_in_a_hung_collective_breaks_the_engine(tmp_path, signals, said):
+    """Ctrl-C while rank 0 waits for rank 1 (which stopped): a second one raises at once, one
+    alone after 5 s of waiting; the collective may still be in flight, so the engine refuses to
+    go on (a step would update with gradients that are not the average)."""
     marker = tmp_path / "stopped"
 
     def interrupt(procs):
@@ -210,7 +213,7 @@ def test_a_second_ctrl_c_in_a_hung_collective_breaks_the_engine(tmp_path):
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(2)  # rank 0 reaches the averaging and waits
-        for _ in range(2):
+        for _ in range(signals):
             procs[0].send_signal(signal.SIGINT)
             time.sleep(0.5)
 
@@ -218,7 +221,7 @@ def test_a_second_ctrl_c_in_a_hung_collective_breaks_the_engine(tmp_path):
                           at=2, steps=4, collective_timeout=60, marker=marker)
     assert rcs[0] not in (0, None)
     assert "KeyboardInterrupt" in errs[0]
-    assert "after Ctrl-C, step() raised StepFailed" in errs[0] and "interrupted while waiting" in errs[0], errs[0][-2000:]
+    assert "after Ctrl-C, step() raised StepFailed" in errs[0] and said in errs[0], errs[0][-2000:]
 
 
 def test_replicas_start_from_rank_zero_and_follow_its_buffers_as_ddp(tmp_path):
@@ -236,10 +239,40 @@ def test_replicas_start_from_rank_zero_and_follow_its_buffers_as_ddp(tmp_path):
     assert torch.equal(rank0["0.weight"], rank1["0.weight"])
 
 
+def test_a_save_on_rank_zero_alone_fails_every_rank_at_once(tmp_path):
+    """``if rank == 0: save()``: rank 0's save meets rank 1's averaging; both find it in the
+    operation's header and raise at once (not after the timeout), naming both operations."""
+    rcs, errs, after = launch("save0", 2, tmp_path / "s.pt", timeout=120, save_dir=tmp_path / "ck",
+                              collective_timeout=100)
+    assert all(rc not in (0, None) for rc in rcs)
+    for e in errs:
+        assert "the ranks are at different operations" in e and "'saving a checkpoint'" in e, e[-2000:]
+    assert "rank 0's lone save raised RankFailed" in errs[0]
+    assert after < 30
+
+
+def test_ranks_loading_different_checkpoints_refuse(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    for at in (2, 4):
+        run_ok("engine", 1, tmp_path / f"s{at}.pt", nvme=nvme, steps=at, save_dir=tmp_path / f"ck{at}", save_at=at)
+    rcs, errs, _ = launch("engine", 2, tmp_path / "r.pt", timeout=120, nvme=nvme, resume=tmp_path / "ck2",
+                          resume_r1=tmp_path / "ck4")
+    assert all(rc not in (0, None) for rc in rcs)
+    assert all("the ranks loaded different checkpoints" in e for e in errs), errs[0][-2000:]
+
+
+def test_a_rank_that_closes_its_engine_releases_the_others_at_once(tmp_path):
+    rcs, errs, after = launch("close-early", 2, tmp_path / "c.pt", timeout=120, wait_for=[1], victim=0, at=2,
+                              collective_timeout=100)
+    assert rcs[1] not in (0, None)
+    assert "rank(s) 0 closed their engine" in errs[1], errs[1][-2000:]
+
+
 def test_ranks_over_different_models_all_refuse(tmp_path):
     rcs, errs, _ = launch("mismatch", 2, tmp_path / "m.pt", timeout=120)
     assert all(rc not in (0, None) for rc in rcs)
-    assert all("different models" in e for e in errs), errs
+    assert all("with different parameters (names, shapes, dtypes, requires_grad)" in e for e in errs), errs
 
 
 # ---------------------------------------------------------------------------------- in process

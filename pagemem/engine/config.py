@@ -97,6 +97,9 @@ class EngineConfig:
         if self.loss_scale not in (None, "default", "dynamic"):  # "default" is kept as given (see the docstring)
             object.__setattr__(self, "loss_scale", check_rate("loss_scale", self.loss_scale))
         object.__setattr__(self, "collective_timeout_s", check_rate("collective_timeout_s", self.collective_timeout_s))
+        if self.collective_timeout_s < 1.0:
+            raise ConfigError(f"collective_timeout_s: must be at least 1 second (the first collective waits for every "
+                              f"rank's tracing and planning), got {self.collective_timeout_s!r}")
         if self.adam_threads is not None:
             check_int("adam_threads", self.adam_threads, 1, 1024)
         if self.overlap_update is not None:

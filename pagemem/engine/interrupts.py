@@ -99,6 +99,12 @@ class shield:
             _run_held()
 
 
+def signal_held() -> bool:
+    """A signal arrived inside the engine and waits for the outermost shielded block to end (a
+    long wait may give up early for it: ``ranks/collectives.py``)."""
+    return bool(_pending)
+
+
 def shielded(fn: F) -> F:
     """A method whose body runs under ``shield()``."""
     @functools.wraps(fn)

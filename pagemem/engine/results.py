@@ -18,7 +18,7 @@ from pagemem.engine.checkpoints import checkpoint, safetensors_save
 from pagemem.engine.ranks.checkpoints import by_rank_zero, save_over_ranks
 from pagemem.engine.config import EngineConfig
 from pagemem.engine.calls import CallLock, engine_call
-from pagemem.errors import ConfigError, InvalidRequest
+from pagemem.errors import ConfigError, InvalidRequest, PageMemError
 from pagemem.units import parse_size
 
 if TYPE_CHECKING:
@@ -89,8 +89,24 @@ class ResultsMixin:
         """Write the whole training state as a new checkpoint under ``directory`` and point
         ``directory/latest`` at it once it is durable (see ``engine/checkpoints/checkpoint.py``). Call it
         between updates (not in the middle of gradient accumulation). Returns its path. ``keep``:
-        then remove all but the newest ``keep`` checkpoints (never the one ``latest`` names)."""
+        then remove all but the newest ``keep`` checkpoints (never the one ``latest`` names).
+        With several ranks every rank calls it at the same step, with the same ``directory`` on a
+        filesystem every rank sees (rank 0 writes; [Note: checkpoints over ranks]); a rank that
+        cannot save makes every rank raise, and none goes out of step."""
         self._usable("save")
+        if keep is not None:
+            check_int("keep", keep, 1)
+        if self.collectives is None:
+            self._ready_to_save()
+            return checkpoint.save(self.checkpointed(), directory, keep)
+        try:
+            self._ready_to_save()
+            refused = None
+        except PageMemError as exc:  # told to the other ranks first: every rank refuses together
+            refused = exc
+        return save_over_ranks(self.checkpointed(), self.collectives, directory, keep, self.global_step, refused)
+
+    def _ready_to_save(self) -> None:
         self.updater.refuse_if_unfinished("save")
         if self.lockfree is not None:
             if self.lockfree.has_fresh():
@@ -101,11 +117,6 @@ class ResultsMixin:
                                  "call save() after step() has updated")
         self.updater.flush()
         self.pager.residency.keep_writes()
-        if keep is not None:
-            check_int("keep", keep, 1)
-        if self.collectives is not None:  # [Note: checkpoints over ranks]
-            return save_over_ranks(self.checkpointed(), self.collectives, directory, keep, self.global_step)
-        return checkpoint.save(self.checkpointed(), directory, keep)
 
     @engine_call("save_weights")
     def save_weights(self, directory: str | os.PathLike,
@@ -130,6 +141,7 @@ class ResultsMixin:
         self._before_reading_weights("save_weights")
         entries = safetensors_save.weight_entries(self.module, self.bank)
         if self.collectives is not None:  # replicas: rank 0 writes ([Note: checkpoints over ranks])
+            self.collectives.begin("saving weights")
             return by_rank_zero(self.collectives, "save_weights", os.fspath(directory),
                                 lambda: safetensors_save.save_weights(entries, directory, limit))
         return safetensors_save.save_weights(entries, directory, limit)
@@ -138,7 +150,13 @@ class ResultsMixin:
         """What a checkpoint reads and writes of this engine (``checkpoint.Checkpointed``)."""
         return checkpoint.Checkpointed(self.module, self.config, self.bank, self.store, self.device,
                                        self.training_state, self.restore_training_state,
-                                       lambda: self.updater.scaler.scale, rank=self.ranks.rank)
+                                       lambda: self.updater.scaler.scale, rank=self.ranks.rank,
+                                       same_on_every_rank=None if self.collectives is None else self._same_checkpoint)
+
+    def _same_checkpoint(self, values: list[int]) -> bool:
+        assert self.collectives is not None
+        top, low = self.collectives.begin("loading a checkpoint", values)
+        return top == low
 
     @classmethod
     def load(cls: type[_E], directory: str, model: nn.Module, config: EngineConfig | None = None, *,

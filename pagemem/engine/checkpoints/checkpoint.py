@@ -55,6 +55,7 @@ rank ``r`` (of ``r`` modulo the saved world size where it had fewer ranks).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -104,6 +105,8 @@ class Checkpointed:
     loss_scale: Callable[[], float | None]
     rank: int = 0
     """This process's rank ([Note: checkpoints over ranks]): the RNG state it loads."""
+    same_on_every_rank: Callable[[list[int]], bool] | None = None
+    """With several ranks: True when every rank passed the same values (one collective)."""
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -341,7 +344,12 @@ def load(make: Callable[..., Any], directory: str, model: torch.nn.Module, confi
         restore_model(before)
         raise
     try:
-        load_into(engine.checkpointed(), ckpt, manifest)
+        handle = engine.checkpointed()
+        digest = xxhash.xxh3_64_intdigest(json.dumps(manifest, sort_keys=True).encode()) >> 1
+        if handle.same_on_every_rank is not None and not handle.same_on_every_rank([digest]):
+            raise InvalidRequest(f"{ckpt}: the ranks loaded different checkpoints (their manifests differ); every "
+                                 "rank must load the same one ([Note: checkpoints over ranks])")
+        load_into(handle, ckpt, manifest)
         check_no_meta_buffers(model)
     except BaseException:
         try:

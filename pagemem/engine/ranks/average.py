@@ -72,8 +72,7 @@ def average_gradients(bank: ParamBank, ledger: GradLedger, zero: Callable[[int],
     ``i`` a zero sum (it has a gradient on another rank only)."""
     n = len(bank.records)
     mine = [ledger.state(i) in _HAS_GRAD for i in range(n)]
-    flags = torch.tensor(mine, dtype=torch.int32, device=coll.ranks.device)
-    anywhere = coll.reduce_now(flags, "which parameters have gradients", "max").tolist()
+    anywhere, _ = coll.begin("averaging gradients", [int(m) for m in mine])  # which have gradients anywhere
     for i in range(n):
         if anywhere[i] and not mine[i]:
             if not bank.is_trainable(i):

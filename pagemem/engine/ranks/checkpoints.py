@@ -44,10 +44,16 @@ def by_rank_zero(coll: Collectives, what: str, where: str, write: Callable[[], T
 
 
 def save_over_ranks(engine: checkpoint.Checkpointed, coll: Collectives, root: str, keep: int | None,
-                    step: int) -> str:
-    """Rank 0 writes the checkpoint, every rank returns its path or raises its failure."""
-    if not coll.same_everywhere([step], "checking every rank saves at the same step"):
-        raise InvalidRequest(f"save: ranks called save() at different steps (this rank at global_step {step}); "
-                             "every rank must save at the same step")
+                    step: int, refused: Exception | None = None) -> str:
+    """Rank 0 writes the checkpoint, every rank returns its path or raises its failure.
+    ``refused``: why this rank cannot save (every rank then raises, the ranks still in step)."""
+    (top_step, top_refused), (low_step, _) = coll.begin("saving a checkpoint", [step, int(refused is not None)])
+    if refused is not None:
+        raise refused
+    if top_refused:
+        raise InvalidRequest("save: another rank cannot save now (see its error); nothing was written")
+    if top_step != low_step:
+        raise InvalidRequest(f"save: ranks called save() at different steps (this rank at global_step {step}, "
+                             f"others from {low_step} to {top_step}); every rank must save at the same step")
     rngs = gather_rngs(coll)
     return by_rank_zero(coll, "save", root, lambda: checkpoint.save(engine, root, keep, rank_rngs=rngs))

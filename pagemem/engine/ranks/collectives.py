@@ -4,11 +4,21 @@
 Every collective an engine issues goes through ``Collectives``: queued to one thread (so the
 caller may fill the next batch while the last one is on the wire), run there asynchronously and
 waited for with the group's op timeout (``EngineConfig.collective_timeout_s``), and waited for
-again by the caller with a margin over it. Every rank calls them in the same order, from the
-same code path, with sizes every rank computes alike; the engine agrees with a collective on
-anything one rank alone could decide (which parameters have gradients). A collective that fails
-or times out raises ``RankFailed`` naming the ranks to blame ([Note: naming the rank that
-failed], ``liveness.py``), and every later call raises it again at once: the group is out of step.
+by the caller a second at a time, with a margin over it. Every rank calls them in the same order,
+from the same code path, with sizes every rank computes alike; the engine agrees with a
+collective on anything one rank alone could decide (which parameters have gradients).
+
+Each engine operation (averaging gradients, a save, the buffers before a forward, ...) starts
+with ``begin``: one small all-reduce of its header (this rank's count of operations, the
+operation, how many values follow; always 48 bytes), then the operation's own small values (min
+and max over ranks). A rank that
+is at another operation (``save()`` called on rank 0 alone, by habit) is found there, at once,
+on every rank, instead of pairing its collectives with another operation's (gloo reduces two
+buffers of different meaning without a word). A collective that fails or times out, a header
+that differs, a peer that closed its engine or stopped beating while this rank waits, or a
+signal (Ctrl-C) held for more than ``GIVE_UP_ON_SIGNAL_S`` of waiting, raise ``RankFailed``
+naming the ranks to blame ([Note: naming the rank that failed], ``liveness.py``), and every
+later call raises it again at once: the group is out of step.
 
 Bytes are counted as the ring algorithm sends them per rank (``pagemem.sched.network.bus_bytes``,
 what the simulator charges: ``2 (W - 1) / W`` of an all-reduced buffer, ``(W - 1) / W`` of a
@@ -34,12 +44,17 @@ from typing import Any, Callable
 import torch
 
 from pagemem.engine.ranks.group import RankGroup
+from pagemem.engine.interrupts import signal_held
 from pagemem.engine.ranks.liveness import Liveness
 from pagemem.errors import RankFailed
 from pagemem.sched.network import bus_bytes
 
 BATCH_BYTES = 16 << 20
 _WAIT_MARGIN_S = 30.0
+GIVE_UP_ON_SIGNAL_S = 5.0
+OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter values", "rank 0's buffers",
+              "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint")
+"""The engine's operations (``begin``): a header names one by its index here."""
 _serials = itertools.count()
 """Engines made in this process, in order: every rank makes its engines in the same order, so the
 n-th has the same serial everywhere (its heartbeat keys)."""
@@ -62,6 +77,8 @@ class Collectives:
         self.wait_seconds = 0.0
         """Time callers waited for collectives to finish."""
         self.failed: RankFailed | None = None
+        self.operations = 0
+        """Operations begun (``begin``)."""
         self.liveness = Liveness(ranks, next(_serials))
         self._jobs: "queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"pagemem-collectives-r{ranks.rank}", daemon=True)
@@ -102,13 +119,26 @@ class Collectives:
         return what, fut
 
     def wait(self, pending: Pending) -> None:
-        """Wait for one issued collective; ``RankFailed`` if it failed or ran out of time."""
+        """Wait for one issued collective; ``RankFailed`` if it failed, ran out of time, or the
+        ranks it waits for closed their engines or died (see the Note)."""
         what, fut = pending
         t0 = time.perf_counter()
         try:
-            fut.result(timeout=self.timeout_s + _WAIT_MARGIN_S)
-        except FutureTimeout:
-            self._fail(what, None)
+            while True:
+                try:
+                    fut.result(timeout=1.0)
+                    return
+                except FutureTimeout:
+                    waited = time.perf_counter() - t0
+                    if waited > self.timeout_s + _WAIT_MARGIN_S:
+                        self._fail(what, None)
+                    if signal_held() and waited > GIVE_UP_ON_SIGNAL_S:
+                        self._fail(what, None, f"a signal (Ctrl-C) arrived while waiting {waited:.0f} s")
+                    gone = self.liveness.closed_or_dead()
+                    if gone:
+                        self._fail(what, None, gone)
+        except RankFailed:
+            raise
         except Exception as exc:  # noqa: BLE001 - a collective's failure, whatever torch raised
             self._fail(what, exc)
         except BaseException:  # a second Ctrl-C left it in flight: this rank is out of step for good
@@ -118,14 +148,46 @@ class Collectives:
         finally:
             self.wait_seconds += time.perf_counter() - t0
 
-    def _fail(self, what: str, exc: BaseException | None) -> None:
+    def _fail(self, what: str, exc: BaseException | None, why: str | None = None) -> None:
         diagnosis, blamed = self.liveness.diagnose()
-        cause = f"{type(exc).__name__}: {exc}" if exc is not None else f"no answer within {self.timeout_s:g} s"
-        cause = cause.strip().splitlines()[0] if cause.strip() else cause
+        if why is not None:
+            cause = why
+        elif exc is not None:
+            text = f"{type(exc).__name__}: {exc}".strip()
+            cause = text.splitlines()[0] if text else type(exc).__name__
+        else:
+            cause = f"no answer within {self.timeout_s:g} s"
         err = RankFailed(f"rank {self.ranks.rank} of {self.ranks.world_size}: {what} (collective "
                          f"{self.liveness.entered}) failed: {diagnosis} ({cause})", blamed)
         self.failed = err
         raise err from exc
+
+    def begin(self, op: str, values: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """Begin the engine operation ``op`` (one of ``OPERATIONS``): its header (this rank's count
+        of operations, the operation, how many values), always the same size, then ``values``
+        reduced over the ranks; returns the maximum and the minimum over ranks of each value.
+        ``RankFailed`` when another rank is at another operation (see the Note): found by the
+        header, before any collective whose size could differ (gloo aborts the process on one)."""
+        values = list(values or [])
+        self.operations += 1
+        head = [self.operations, OPERATIONS.index(op), len(values)]
+        top, low = self._max_min(head, op)
+        if top != head or low != head:
+            names = sorted({OPERATIONS[c] for c in (top[1], low[1]) if 0 <= c < len(OPERATIONS)} - {op})
+            err = RankFailed(f"rank {self.ranks.rank} of {self.ranks.world_size}: the ranks are at different "
+                             f"operations: this rank at {op!r} (its operation {self.operations}), others at "
+                             f"{' or '.join(repr(x) for x in names) or repr(op)} (operations {low[0]} to {top[0]}); "
+                             "every rank must call the engine alike (save(), save_weights(), backward and forward "
+                             "under autograd on every rank)")
+            self.failed = err
+            raise err
+        return self._max_min(values, op) if values else ([], [])
+
+    def _max_min(self, values: list[int], what: str) -> tuple[list[int], list[int]]:
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self.ranks.device)
+        self.reduce_now(t, what, "max")
+        n = len(values)
+        return [int(x) for x in t[:n]], [-int(x) for x in t[n:]]
 
     # ------------------------------------------------------------------ collectives
 
@@ -142,20 +204,6 @@ class Collectives:
         """``all_reduce`` and wait; returns ``t``."""
         self.wait(self.all_reduce(t, what, op))
         return t
-
-    def agree(self, values: list[int], what: str) -> list[int]:
-        """Every rank's ``values`` must be equal: returns the maximum over ranks of each, raising
-        nothing; the caller compares it with its own (``same_everywhere``)."""
-        t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self.ranks.device)
-        self.reduce_now(t, what, "max")
-        n = len(values)
-        return [int(x) for x in t[:n]] + [-int(x) for x in t[n:]]
-
-    def same_everywhere(self, values: list[int], what: str) -> bool:
-        """True when every rank passed the same ``values`` (one collective)."""
-        both = self.agree(values, what)
-        n = len(values)
-        return both[:n] == values and both[n:] == values
 
     def barrier(self, what: str) -> None:
         self.reduce_now(torch.zeros(1, device=self.ranks.device), what)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pagemem.errors import ConfigError
+from pagemem.errors import ConfigError, warn
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,18 @@ class RankGroup:
 
         if process_group is None:
             if not (dist.is_available() and dist.is_initialized()):
+                if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+                    warn("pagemem: WORLD_SIZE is more than 1 but no torch.distributed process group is initialised: "
+                         "this engine trains alone, not data parallel; call "
+                         "torch.distributed.init_process_group before making the engine")
                 return cls.single()
             process_group = dist.group.WORLD
         elif not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("process_group: given, but torch.distributed is not initialised in this process; "
                               "call torch.distributed.init_process_group first (torchrun sets its environment)")
+        elif isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ConfigError("process_group: this process is not a member of the group it was given "
+                              "(torch.distributed.new_group returns a placeholder to ranks outside it)")
         elif not isinstance(process_group, dist.ProcessGroup):
             raise ConfigError(f"process_group: must be a torch.distributed.ProcessGroup, got "
                               f"{type(process_group).__name__}")

@@ -28,15 +28,17 @@ def join_ranks(ranks: RankGroup, model: nn.Module, config: EngineConfig) -> Coll
                           "end of backward, before any update); leave it None")
     coll = Collectives(ranks, config.collective_timeout_s)
     try:
-        shape = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()])
-        arithmetic = repr((config.optimizer, config.compute_dtype, config.max_grad_norm, config.accumulation_steps,
-                           config.effective_loss_scale, config.optimizer_tier))
-        digests = [zlib.crc32(shape.encode()), zlib.crc32(arithmetic.encode())]
-        if not coll.same_everywhere(digests, "checking every rank's model and config"):
-            raise ConfigError("process_group: the ranks made their engines over different models (parameter names, "
-                              "shapes, dtypes or requires_grad) or with a different optimizer, compute_dtype, "
-                              "max_grad_norm, accumulation_steps, loss_scale or optimizer_tier; every rank must "
-                              "make the same engine")
+        fields = {"parameters (names, shapes, dtypes, requires_grad)":
+                  [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
+                  "optimizer": config.optimizer, "compute_dtype": config.compute_dtype,
+                  "max_grad_norm": config.max_grad_norm, "accumulation_steps": config.accumulation_steps,
+                  "loss_scale": config.effective_loss_scale, "optimizer_tier": config.optimizer_tier}
+        mine = [zlib.crc32(repr(v).encode()) for v in fields.values()]
+        top, low = coll.begin("checking every rank's engine", mine)
+        differ = [name for name, a, b in zip(fields, top, low) if a != b]
+        if differ:
+            raise ConfigError(f"process_group: the ranks made their engines with different {', '.join(differ)}; "
+                              "every rank must make the same engine (same model, same config)")
     except BaseException:
         coll.close()
         raise

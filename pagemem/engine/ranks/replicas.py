@@ -31,8 +31,8 @@ def agree_on_values(bank: ParamBank, coll: Collectives) -> int:
     """Parameters that differ from rank 0's anywhere take rank 0's values; returns how many did."""
     n = len(bank.records)
     mine = [_digest(bank.host_value(i, torch.float32)) for i in range(n)]
-    both = coll.agree(mine, "comparing every rank's parameter values")
-    differ = [i for i in range(n) if both[i] != both[n + i]]
+    top, low = coll.begin("comparing every rank's parameter values", mine)
+    differ = [i for i in range(n) if top[i] != low[i]]
     elems = BATCH_BYTES // 4
     batch: list[int] = []
     for i in differ + [None]:  # type: ignore[list-item]
@@ -66,6 +66,7 @@ def sync_buffers(module: nn.Module, coll: Collectives) -> None:
     bufs = [b for b in module.buffers() if b is not None and not b.is_meta]
     if not bufs:
         return
+    coll.begin("rank 0's buffers")
     with torch.no_grad():
         flat = torch.cat([b.detach().contiguous().reshape(-1).view(torch.uint8).to(coll.ranks.device)
                           for b in bufs])
