@@ -105,7 +105,7 @@ def run_ok(mode: str, world: int, out: Path, **opts) -> dict[str, torch.Tensor]:
     return weights(out)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, world):
     """States on nvme, a gpu budget that moves units every iteration, clipping on, 8 steps."""
     nvme = tmp_path / "nvme"
@@ -140,6 +140,7 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
     assert distance(ours, {k: v * 0 for k, v in reference.items()}) > 1e-3
 
 
+@pytest.mark.slow
 def test_saved_with_two_ranks_resumes_with_one_two_and_three(tmp_path):
     nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
     nvme.mkdir()
@@ -201,7 +202,8 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     assert distance(runs[0]["weights"], runs[1]["weights"]) == 0.0
 
 
-@pytest.mark.parametrize("signals, said", [(2, "interrupted while waiting"), (1, "a signal (Ctrl-C) arrived")])
+@pytest.mark.parametrize("signals, said", [(2, "interrupted while waiting"),
+                                           pytest.param(1, "a signal (Ctrl-C) arrived", marks=pytest.mark.slow)])
 def test_ctrl_c_in_a_hung_collective_breaks_the_engine(tmp_path, signals, said):
     """Ctrl-C while rank 0 waits for rank 1 (which stopped): a second one raises at once, one
     alone after 5 s of waiting; the collective may still be in flight, so the engine refuses to
