@@ -14,6 +14,7 @@
 #   offload   bench_offload.py: pagemem, DeepSpeed ZeRO-3 (cpu offload) and plain PyTorch, one GPT
 #   lockfree  bench_lockfree.py --part throughput on the GPU: the lock-free updater against
 #             states in cpu memory, the nvme tier capped (issue 22)
+#   torchrun  pagemem train under torchrun on the GPU (world size 1: the NCCL-capable path, issue 32)
 #   largest-cpu, largest-nvme
 #             bench_offload.py --largest: the largest GPT each trains with that offload
 #
@@ -66,6 +67,9 @@ for s in "$@"; do
         --checkpoint-activations ;;
     lockfree)
       step lockfree $py benchmarks/bench_lockfree.py --part throughput --gpu_backend cuda ;;
+    torchrun)
+      step torchrun $py -m torch.distributed.run --standalone --nproc-per-node 1 -m pagemem train --train.steps 20 \
+        --train.runs /tmp/pagemem-runs ;;
     largest-cpu)
       step largest-cpu $py benchmarks/bench_offload.py --largest --hidden 4096 --batch 4 --seq 1024 --offload cpu \
         --checkpoint-activations --systems pagemem,deepspeed --start-layers 16 --timeout 900 ;;
