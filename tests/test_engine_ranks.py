@@ -128,7 +128,7 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
         per_step = 4 * sum(p.numel() for p in model.parameters()) + header + 16 * n  # the sums; header, flags
         buffers = list(model.buffers())  # rank 0's, before each forward
         if buffers:
-            per_step += header + sum(b.numel() * b.element_size() for b in buffers) // 2
+            per_step += header + 2 * 2 * 8 + sum(b.numel() * b.element_size() for b in buffers) // 2  # + sizes
         assert stats["stats"]["sent_bytes"] - stats["made_sent"] == 8 * per_step
     ddp = run_ok("ddp", world, tmp_path / "ddp.pt")
     reference = plain()

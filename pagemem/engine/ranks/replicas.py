@@ -21,6 +21,7 @@ from torch import nn
 
 from pagemem.engine.ranks.collectives import BATCH_BYTES, Collectives
 from pagemem.engine.units.bank import ParamBank
+from pagemem.errors import InvalidRequest
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -66,7 +67,12 @@ def sync_buffers(module: nn.Module, coll: Collectives) -> None:
     bufs = [b for b in module.buffers() if b is not None and not b.is_meta]
     if not bufs:
         return
-    coll.begin("rank 0's buffers")
+    nbytes = [b.numel() * b.element_size() for b in bufs]
+    top, low = coll.begin("rank 0's buffers", [len(bufs), sum(nbytes)])
+    if top != low:  # the ranks are in step (the header matched): every rank refuses alike
+        raise InvalidRequest(f"buffers: the ranks' models hold different buffers ({low[0]} to {top[0]} buffers, "
+                             f"{low[1]} to {top[1]} bytes; this rank {len(bufs)}, {sum(nbytes)}): every rank must "
+                             "hold the same buffers to take rank 0's")
     with torch.no_grad():
         flat = torch.cat([b.detach().contiguous().reshape(-1).view(torch.uint8).to(coll.ranks.device)
                           for b in bufs])
