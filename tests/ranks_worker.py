@@ -7,7 +7,8 @@ AdamW and ``clip_grad_norm_``), ``kill`` (pagemem, and rank ``victim`` SIGKILLs 
 forward of step ``at``), ``hang`` (rank ``victim`` stops calling the engine at step ``at`` and
 sleeps), ``mismatch`` (rank ``victim`` makes its engine over another model), ``save0`` (rank 0
 alone saves at step ``at``, catching what it raises), ``close-early`` (rank ``victim`` closes its
-engine after step ``at`` and sleeps), ``unused`` /
+engine after step ``at`` and sleeps), ``fail1`` (rank ``victim``'s backward fails at step ``at``,
+caught, and it goes on), ``unused`` /
 ``unused-ddp`` (``Branchy``, a head unused on some ranks' steps, pagemem or DDP), ``loop`` /
 ``loop-ddp`` (``run_loop``: loop habits), ``batchnorm`` / ``batchnorm-ddp`` (``run_batchnorm``). Every rank trains on its slice of each step's combined batch
 (``batch_of``); rank 0 writes the final weights (``torch.save``) to OUT. Options: ``steps``,
@@ -112,6 +113,13 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                     raise
             x = batch_of(step, rank, world)
             loss = engine(input_ids=x, labels=x).loss
+            if mode == "fail1" and rank == victim and step == int(opts.get("at", 2)):
+                try:  # a backward that fails on one rank alone, caught: "as if its batch had been skipped"
+                    loss.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("a failing hook")))
+                    engine.backward(loss)
+                except RuntimeError as err:
+                    print(f"rank {rank}'s backward failed: {err}", file=sys.stderr)
+                continue
             try:
                 engine.backward(loss)
             except pagemem.RankFailed:
@@ -246,11 +254,23 @@ def run_loop(rank: int, world: int, out: str, opts: dict[str, str], ddp: bool) -
         torch.save(result, out)
 
 
+class Shift(torch.nn.Module):
+    """A buffer of three floats ahead of BatchNorm's: its int64 ``num_batches_tracked`` then lies
+    at a byte offset that is no multiple of 8 in the buffers' bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.arange(3.0) + 10 * float(torch.rand(())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset.sum() * 0.01
+
+
 def run_batchnorm(rank: int, world: int, out: str, ddp: bool) -> None:
     """An MLP with BatchNorm, each rank's model initialised with its own seed (no common seed),
     5 steps; every rank writes its weights and buffers to ``OUT.r<rank>``."""
     torch.manual_seed(100 + rank)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.BatchNorm1d(24), torch.nn.ReLU(),
+    model = torch.nn.Sequential(Shift(), torch.nn.Linear(12, 24), torch.nn.BatchNorm1d(24), torch.nn.ReLU(),
                                 torch.nn.Linear(24, 3))
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(model)

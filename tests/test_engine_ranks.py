@@ -125,7 +125,7 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
         model = make_model()
         n = len(list(model.parameters()))
         header = 3 * 2 * 8  # each operation's count, name and number of values, max and min, int64
-        per_step = 4 * sum(p.numel() for p in model.parameters()) + header + 16 * n  # the sums; header, flags
+        per_step = 4 * sum(p.numel() for p in model.parameters()) + header + 16 * (2 + n)  # sums; header, counts, flags
         buffers = list(model.buffers())  # rank 0's, before each forward
         if buffers:
             per_step += header + 2 * 2 * 8 + sum(b.numel() * b.element_size() for b in buffers) // 2  # + sizes
@@ -237,8 +237,8 @@ def test_replicas_start_from_rank_zero_and_follow_its_buffers_as_ddp(tmp_path):
         ddp = weights(Path(f"{tmp_path / 'batchnorm-ddp.pt'}.r{r}"))
         assert distance(ours, ddp) == 0.0
     rank0, rank1 = (weights(Path(f"{tmp_path / 'batchnorm.pt'}.r{r}")) for r in range(2))
-    assert not torch.equal(rank0["1.running_mean"], rank1["1.running_mean"])  # each rank's last forward
-    assert torch.equal(rank0["0.weight"], rank1["0.weight"])
+    assert not torch.equal(rank0["2.running_mean"], rank1["2.running_mean"])  # each rank's last forward
+    assert torch.equal(rank0["1.weight"], rank1["1.weight"]) and torch.equal(rank0["0.offset"], rank1["0.offset"])
 
 
 def test_a_save_on_rank_zero_alone_fails_every_rank_at_once(tmp_path):
@@ -269,6 +269,15 @@ def test_a_rank_that_closes_its_engine_releases_the_others_at_once(tmp_path):
                               collective_timeout=100)
     assert rcs[1] not in (0, None)
     assert "rank(s) 0 closed their engine" in errs[1], errs[1][-2000:]
+
+
+def test_a_backward_failed_on_one_rank_alone_fails_every_rank_at_the_next_average(tmp_path):
+    """Rank 1 catches its failed backward and goes on: its batches no longer line up with rank
+    0's, so the next average finds the ranks at different steps and every rank raises."""
+    rcs, errs, _ = launch("fail1", 2, tmp_path / "f.pt", timeout=120, victim=1, at=2, collective_timeout=100)
+    assert all(rc not in (0, None) for rc in rcs)
+    for e in errs:
+        assert "the ranks are at different steps" in e, e[-2000:]
 
 
 def test_ranks_over_different_models_all_refuse(tmp_path):

@@ -48,6 +48,8 @@ class BackwardMixin:
     calls: CallLock
     _phase_seconds: dict[str, float]
     failed_backwards: int
+    backwards: int
+    global_step: int
     owner_pid: int
     collectives: "Collectives | None"
     ledger: "GradLedger"
@@ -111,6 +113,7 @@ class BackwardMixin:
             raise
         self.guard.enter()  # exited once, by the move out of the backward (_end_backward, _abort_backward)
         self.phase.begin_backward(implicit)
+        self.backwards += 1
         if implicit:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_implicit_backward)
 
@@ -171,7 +174,8 @@ class BackwardMixin:
             self.updater.end_backward()
             if self.collectives is not None and self.phase.micro + 1 >= self.config.accumulation_steps:
                 # [Note: data parallel over the process group]: the step's last backward
-                average_gradients(self.bank, self.ledger, self.updater.zero_grad, self.collectives)
+                average_gradients(self.bank, self.ledger, self.updater.zero_grad, self.collectives,
+                                  (self.global_step, self.backwards))
         except BaseException as exc:
             self._abort_backward(exc, guard_held=False)
             raise
@@ -237,6 +241,8 @@ class BackwardMixin:
         clipping). The 2-norm is computed over the pages; another norm over the gradients
         materialised ([Note: gradient handles]). For every step, ``EngineConfig(max_grad_norm=)``
         clips by the 2-norm."""
+        if self.collectives is not None:  # every rank clips, or the replicas part for good
+            self.collectives.begin("clipping gradients")
         if norm_type in (2, 2.0):
             return self.gradients.clip(max_norm)
         self._usable("clip_grad_norm_")

@@ -187,6 +187,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         """Updates attempted so far (one per ``accumulation_steps`` backward calls)."""
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.failed_backwards = 0
+        self.backwards = 0
+        """Backwards begun, failed ones too (ranks compare it when they average: ``ranks/average.py``)."""
         self.lockfree: LockFreeUpdater | None = None
         """The updating thread, with ``config.lock_free`` ([Note: the lock-free updater])."""
         if config.lock_free:

@@ -67,12 +67,19 @@ def _copy_range(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int, flat: 
 
 
 def average_gradients(bank: ParamBank, ledger: GradLedger, zero: Callable[[int], None],
-                      coll: Collectives) -> None:
+                      coll: Collectives, steps: tuple[int, int]) -> None:
     """Average every rank's gradient sums in place (see the Note). ``zero(i)``: give parameter
-    ``i`` a zero sum (it has a gradient on another rank only)."""
+    ``i`` a zero sum (it has a gradient on another rank only). ``steps``: this rank's updates and
+    backwards so far (failed ones too); ranks whose counts differ average batches of different
+    steps (a backward that failed on one rank alone, one more on one rank): every rank raises."""
     n = len(bank.records)
     mine = [ledger.state(i) in _HAS_GRAD for i in range(n)]
-    anywhere, _ = coll.begin("averaging gradients", [int(m) for m in mine])  # which have gradients anywhere
+    top, low = coll.begin("averaging gradients", list(steps) + [int(m) for m in mine])
+    if top[:2] != low[:2]:
+        coll.fail_out_of_step(f"the ranks are at different steps: updates {low[0]} to {top[0]}, backwards (failed ones "
+                              f"too) {low[1]} to {top[1]}; this rank {steps[0]} and {steps[1]} (a backward failed or "
+                              "ran on some ranks only, so their batches no longer line up)")
+    anywhere = top[2:]  # which parameters have gradients anywhere
     for i in range(n):
         if anywhere[i] and not mine[i]:
             if not bank.is_trainable(i):

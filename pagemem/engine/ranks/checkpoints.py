@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import zlib
 from typing import Callable, TypeVar
 
 import torch
@@ -47,7 +49,9 @@ def save_over_ranks(engine: checkpoint.Checkpointed, coll: Collectives, root: st
                     step: int, refused: Exception | None = None) -> str:
     """Rank 0 writes the checkpoint, every rank returns its path or raises its failure.
     ``refused``: why this rank cannot save (every rank then raises, the ranks still in step)."""
-    (top_step, top_refused), (low_step, _) = coll.begin("saving a checkpoint", [step, int(refused is not None)])
+    where = zlib.crc32(os.path.abspath(root).encode())
+    (top_step, top_refused, top_where), (low_step, _, low_where) = coll.begin(
+        "saving a checkpoint", [step, int(refused is not None), where])
     if refused is not None:
         raise refused
     if top_refused:
@@ -55,5 +59,8 @@ def save_over_ranks(engine: checkpoint.Checkpointed, coll: Collectives, root: st
     if top_step != low_step:
         raise InvalidRequest(f"save: ranks called save() at different steps (this rank at global_step {step}, "
                              f"others from {low_step} to {top_step}); every rank must save at the same step")
+    if top_where != low_where:
+        raise InvalidRequest(f"save: ranks called save() with different directories (this rank {root!r}); rank 0 "
+                             "writes for every rank: pass the same directory, on a filesystem every rank sees")
     rngs = gather_rngs(coll)
     return by_rank_zero(coll, "save", root, lambda: checkpoint.save(engine, root, keep, rank_rngs=rngs))

@@ -53,7 +53,8 @@ BATCH_BYTES = 16 << 20
 _WAIT_MARGIN_S = 30.0
 GIVE_UP_ON_SIGNAL_S = 5.0
 OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter values", "rank 0's buffers",
-              "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint")
+              "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint",
+              "clipping gradients")
 """The engine's operations (``begin``): a header names one by its index here."""
 _serials = itertools.count()
 """Engines made in this process, in order: every rank makes its engines in the same order, so the
@@ -182,6 +183,12 @@ class Collectives:
             self.failed = err
             raise err
         return self._max_min(values, op) if values else ([], [])
+
+    def fail_out_of_step(self, why: str) -> None:
+        """The ranks agreed on an operation but not on where they are in training: ``RankFailed``,
+        and every later call refuses (the engine breaks)."""
+        self.failed = RankFailed(f"rank {self.ranks.rank} of {self.ranks.world_size}: {why}")
+        raise self.failed
 
     def _max_min(self, values: list[int], what: str) -> tuple[list[int], list[int]]:
         t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self.ranks.device)

@@ -84,7 +84,8 @@ class Liveness:
         try:
             closed = self._closed()
             if closed:
-                return f"rank(s) {', '.join(map(str, closed))} closed their engine (close()) while this rank waits"
+                return (f"rank(s) {', '.join(map(str, closed))} closed their engine (close(), or its construction or load "
+                        "failed) while this rank waits")
             stale = []
             for r, (beats, _) in self._read().items():
                 last = self._seen.get(r)
@@ -104,8 +105,8 @@ class Liveness:
         try:
             closed = tuple(self._closed())
             if closed:
-                return (f"rank(s) {', '.join(map(str, closed))} closed their engine (close()) while this rank was "
-                        "in a collective with them", closed)
+                return (f"rank(s) {', '.join(map(str, closed))} closed their engine (close(), or its construction or "
+                        "load failed) while this rank was in a collective with them", closed)
             first = self._read()
             time.sleep(STALE_S)
             second = self._read()

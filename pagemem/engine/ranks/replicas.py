@@ -15,6 +15,8 @@ forward under autograd whose backward ends an accumulation step (when the gradie
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import xxhash
 from torch import nn
@@ -63,24 +65,29 @@ def _broadcast_params(bank: ParamBank, coll: Collectives, params: list[int], siz
 
 
 def sync_buffers(module: nn.Module, coll: Collectives) -> None:
-    """Every buffer of ``module`` takes rank 0's value (one broadcast of their bytes)."""
+    """Every buffer of ``module`` takes rank 0's value (one broadcast of their bytes, each buffer
+    at an offset aligned to 16 bytes, so any dtype can view its slice); ranks whose buffers differ
+    in number, shape or dtype refuse alike."""
     bufs = [b for b in module.buffers() if b is not None and not b.is_meta]
     if not bufs:
         return
-    nbytes = [b.numel() * b.element_size() for b in bufs]
-    top, low = coll.begin("rank 0's buffers", [len(bufs), sum(nbytes)])
+    layout = zlib.crc32(repr([(tuple(b.shape), str(b.dtype)) for b in bufs]).encode())
+    top, low = coll.begin("rank 0's buffers", [len(bufs), layout])
     if top != low:  # the ranks are in step (the header matched): every rank refuses alike
-        raise InvalidRequest(f"buffers: the ranks' models hold different buffers ({low[0]} to {top[0]} buffers, "
-                             f"{low[1]} to {top[1]} bytes; this rank {len(bufs)}, {sum(nbytes)}): every rank must "
-                             "hold the same buffers to take rank 0's")
+        raise InvalidRequest(f"buffers: the ranks' models hold different buffers (in number, shape or dtype; this "
+                             f"rank {len(bufs)}): every rank must hold the same buffers to take rank 0's")
+    offsets, at = [], 0
+    for b in bufs:
+        offsets.append(at)
+        at = -(-(at + b.numel() * b.element_size()) // 16) * 16
     with torch.no_grad():
-        flat = torch.cat([b.detach().contiguous().reshape(-1).view(torch.uint8).to(coll.ranks.device)
-                          for b in bufs])
+        flat = torch.zeros(at, dtype=torch.uint8, device=coll.ranks.device)
+        for b, off in zip(bufs, offsets):
+            n = b.numel() * b.element_size()
+            flat[off:off + n].copy_(b.detach().contiguous().reshape(-1).view(torch.uint8).to(flat.device))
         coll.broadcast(flat, 0, "rank 0's buffers")
         if coll.ranks.rank == 0:
             return
-        at = 0
-        for b in bufs:
-            nbytes = b.numel() * b.element_size()
-            b.copy_(flat[at:at + nbytes].to(b.device).view(b.dtype).reshape(b.shape))
-            at += nbytes
+        for b, off in zip(bufs, offsets):
+            n = b.numel() * b.element_size()
+            b.copy_(flat[off:off + n].to(b.device).view(b.dtype).reshape(b.shape))
