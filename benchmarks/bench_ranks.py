@@ -12,8 +12,10 @@ step after the first two. Anchors, from the same run:
   the ``dev-vm`` profile) plus the all-reduce of its fp32 gradient sums on the profile's network
   (``pagemem/sched/network.py``: the ring moves ``2 (W - 1) / W`` of the bytes). The simulator
   models one GPU per rank: on this 2-core VM, W ranks share two cores, which it does not see;
-- ``ring bytes``: ``2 (W - 1) / W`` x (the fp32 gradient bytes + the 4-byte per-parameter flags the
-  ranks agree on first): what each rank must send; ``sent``: what the engine counted;
+- ``ring bytes``: ``2 (W - 1) / W`` x the fp32 gradient bytes, what a ring all-reduce of the
+  gradients must send per rank; ``sent``: what the engine counted, which adds each operation's
+  header and the per-parameter flags the ranks agree on first (``tests/test_engine_ranks.py``
+  checks that count to the byte);
 - ``zero-3 plan``: the network bytes per rank the scheduler's plan at this world size would send
   (all-gathers and reduce-scatters of shards), which the engine does not run yet.
 
@@ -144,7 +146,7 @@ def main() -> None:
             r["tokens_per_s"] = tokens / statistics.median(r["seconds"][2:] or r["seconds"])
             r["sent_per_iteration"] = statistics.median(r["sent"][2:] or r["sent"])
         r0 = ranks[0]
-        ring = 2 * (world - 1) * 4 * (r0["params"] + r0["n_params"]) // world
+        ring = 2 * (world - 1) * 4 * r0["params"] // world
         allreduce_s = collective_seconds(hw, "all_reduce", 4 * r0["params"], world)
         sim_s = r0["sim_seconds"] + allreduce_s if r0["sim_seconds"] is not None else None
         sim_tps = tokens / sim_s if sim_s else None

@@ -121,7 +121,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                 """The process group's ranks this engine is data parallel over."""
                 self.collectives = join_ranks(self.ranks, model, config)
                 self._build(model, config, groups, source)
-                if self.collectives is not None:  # [Note: replicas agree as DDP makes them]
+                if self.collectives is not None and _values:  # [Note: replicas agree as DDP makes them]; a
+                    # model on meta resumed by Engine.load has no values yet: every rank loads one checkpoint
                     agree_on_values(self.bank, self.collectives)
                     sync_buffers(model, self.collectives)
             except BaseException:

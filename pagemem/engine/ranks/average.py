@@ -10,7 +10,7 @@ an accumulation step (``accumulation_steps``; every backward by habit with the d
 DDP does, or DDP's ``no_sync`` for the earlier micro-batches) the ranks average their fp32
 gradient sums: first they agree which parameters have a gradient on any rank (a parameter
 unused on this rank's batch gets a zero sum, as DDP's ``find_unused_parameters`` gives it), then
-each sum is divided by the world size and the sums are added over the ranks in batches of
+each sum is scaled by 1 / world size (as DDP's reducer does) and the sums are added over the ranks in batches of
 ``BATCH_BYTES`` (two in flight: one filled while the other is reduced), in parameter order on
 every rank. Every rank then holds the same averaged gradients, so ``p.grad``, clipping by the
 global norm, an fp16 overflow (an inf anywhere is an inf in the average), the loss scale and the
@@ -57,13 +57,12 @@ def _copy_range(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int, flat: 
     ``flat`` (``into_pieces``: from ``flat`` into the pieces)."""
     for start, view in pieces:
         a, b = max(lo, start), min(hi, start + view.numel())
-        if a >= b:
-            continue
-        src_dst = (view[a - start:b - start], flat[a - lo:b - lo])
-        if into_pieces:
-            src_dst[0].copy_(src_dst[1])
-        else:
-            src_dst[1].copy_(src_dst[0])
+        if a < b:
+            piece, part = view[a - start:b - start], flat[a - lo:b - lo]
+            if into_pieces:
+                piece.copy_(part)
+            else:
+                part.copy_(piece)
 
 
 def average_gradients(bank: ParamBank, ledger: GradLedger, zero: Callable[[int], None],

@@ -212,9 +212,6 @@ class Collectives:
         self.wait(self.all_reduce(t, what, op))
         return t
 
-    def barrier(self, what: str) -> None:
-        self.reduce_now(torch.zeros(1, device=self.ranks.device), what)
-
     def broadcast(self, t: torch.Tensor, src: int, what: str) -> None:
         """Rank ``src``'s ``t`` into every rank's ``t``, in place (and waited for)."""
         import torch.distributed as dist
