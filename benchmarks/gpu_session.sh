@@ -1,32 +1,50 @@
 #!/usr/bin/env bash
-# Issue 10's work on a GPU machine without network, in steps that each fit a 10-minute command.
-# Run from the repository root, with the kit from scripts/gpu_kit.sh in .whl/:
+# Issue 36's work on a GPU machine without network, as steps run in order of value under one
+# deadline, each figure packed for return as soon as its step ends. From the repository root,
+# with the kit from scripts/gpu_kit.sh in .whl/:
 #
-#   bash benchmarks/gpu_session.sh STEP [STEP ...]
+#   GPU_DEADLINE_S=420 bash benchmarks/gpu_session.sh STEP [STEP ...]
 #
-# Steps (benchmarks/GPU.md says which to batch into one command, and what each costs):
-#   setup     install the kit (libaio, DeepSpeed and its needs) over the machine's own torch, and
-#             build DeepSpeed's CPU Adam and async I/O ops (kept in .whl/ds_ops.tar.gz if present)
-#   test      the not-slow test suite, CUDA tests included, 8 workers
-#   test-all  every test, slow ones too
-#   moves     bench_gpu_moves.py: page moves against a pinned copy_ and the link's bandwidth
-#   fits      bench_engine.py, row fits, a GPT that fits: pagemem against plain PyTorch
-#   offload   bench_offload.py: pagemem, DeepSpeed ZeRO-3 (cpu offload) and plain PyTorch, one GPT
-#   lockfree  bench_lockfree.py --part throughput on the GPU: the lock-free updater against
-#             states in cpu memory, the nvme tier capped (issue 22)
-#   torchrun  pagemem train under torchrun on the GPU (world size 1: the NCCL-capable path, issue 32)
+# Steps (benchmarks/GPU.md says which to batch, and what each costs):
+#   setup       install the kit (libaio, DeepSpeed and its needs) over the machine's own torch; the
+#               versions, the GPU, the PCIe link, host memory and disk; DeepSpeed's CPU Adam and
+#               async I/O ops start building in the background (offload and largest wait for them;
+#               returned as ds_ops.tar.gz: put it in .whl/ and later runs skip the build)
+#   cuda-tests  the CUDA tests (pytest -m cuda), every traceback kept
+#   test        the not-slow suite, 8 workers;   test-all: every test
+#   moves       bench_gpu_moves.py: page moves against a pinned copy_ and the link's bandwidth
+#   fits        bench_engine.py, row fits, a GPT that fits: pagemem against plain PyTorch
+#   offload     bench_offload.py: plain PyTorch, pagemem (cpu offload), DeepSpeed ZeRO-3 (cpu offload)
+#   lockfree    bench_lockfree.py --part throughput on the GPU (issue 22)
+#   torchrun    pagemem train under torchrun on the GPU, one rank (issue 32)
 #   largest-cpu, largest-nvme
-#             bench_offload.py --largest: the largest GPT each trains with that offload
+#               bench_offload.py --largest: the largest GPT each system trains with that offload
 #
-# Logs and JSON results go to $OUT (the device tool's folder) or benchmarks/results/gpu.
+# GPU_DEADLINE_S (seconds from the start, default 3000): a step runs under `timeout` with what is
+# left less GPU_RESERVE_S (default 25), and is skipped with under 30 s left. Logs and JSON go to
+# GPU_WORK (default /tmp/gpu_work), packed after every step into $OUT/gpu.tar.gz, with
+# $OUT/summary.txt (each step's exit and time, and every line a benchmark marks as a goal).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+start=$(date +%s)
+deadline=$((start + ${GPU_DEADLINE_S:-3000}))
+reserve=${GPU_RESERVE_S:-25}
+work="${GPU_WORK:-/tmp/gpu_work}"
 out="${OUT:-benchmarks/results/gpu}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+mkdir -p "$work" "$out"
+marker="$work/.start"; touch "$marker"
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_EXTENSIONS_DIR=/tmp/torch_extensions MAX_JOBS=12
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-py=python3
+py="${PY:-python3}"
 nvme_dir="${NVME_DIR:-/tmp/pagemem_nvme}"
+
+say() { echo "$*" | tee -a "$work/summary.txt"; }
+
+pack() {  # the logs, the results written since the start, the summary: into $out
+  find benchmarks/results -maxdepth 1 -name '*.json' -newer "$marker" -exec cp {} "$work"/ \; 2>/dev/null
+  tar -czf "$out/gpu.tar.gz.tmp" -C "$work" --exclude=.start . && mv "$out/gpu.tar.gz.tmp" "$out/gpu.tar.gz"
+  cp "$work/summary.txt" "$out/summary.txt" 2>/dev/null || true
+}
 
 install_kit() {
   [ -d /tmp/site ] && return 0
@@ -36,49 +54,78 @@ install_kit() {
   if [ -f .whl/ds_ops.tar.gz ]; then mkdir -p "$TORCH_EXTENSIONS_DIR" && tar -xzf .whl/ds_ops.tar.gz -C "$TORCH_EXTENSIONS_DIR"; fi
 }
 
-step() {  # step NAME COMMAND...: run it, its output to the console and $out/NAME.log
-  local name=$1; shift
-  echo "=== $name: $* ($(date +%T))"
-  "$@" 2>&1 | tee "$out/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc ($(date +%T))"
+ds_build_start() {  # DeepSpeed's ops, compiled in the background while the tests run
+  [ -n "${ds_pid:-}" ] && return 0
+  nice -n 10 $py -c "
+import time; t = time.time()
+from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
+CPUAdamBuilder().load(); print('cpu_adam built', round(time.time() - t), 's', flush=True)
+AsyncIOBuilder().load(); print('async_io built', round(time.time() - t), 's', flush=True)
+" > "$work/ds-ops.log" 2>&1 &
+  ds_pid=$!
 }
 
-results() { cp benchmarks/results/*.json "$out"/ 2>/dev/null || true; }
+ds_build_wait() {
+  [ -z "${ds_pid:-}" ] && ds_build_start
+  local left=$((deadline - $(date +%s) - reserve))
+  local waited=0
+  while kill -0 "$ds_pid" 2>/dev/null && [ $waited -lt $left ]; do sleep 2; waited=$((waited + 2)); done
+  say "--- ds-ops: $(tail -n 2 "$work/ds-ops.log" | tr '\n' ' ')"
+  tar -czf "$out/ds_ops.tar.gz" -C "$TORCH_EXTENSIONS_DIR" . 2>/dev/null || true
+}
+
+step() {  # step NAME COMMAND...: under the deadline, to the console and $work/NAME.log
+  local name=$1; shift
+  local left=$((deadline - $(date +%s) - reserve))
+  if [ $left -lt 30 ]; then say "=== $name: skipped, ${left} s left"; return; fi
+  local t0=$(date +%s)
+  echo "=== $name: $* ($(date +%T), up to ${left} s)"
+  timeout -k 10 --signal=INT "$left" "$@" 2>&1 | tee "$work/$name.log"
+  local rc=${PIPESTATUS[0]}
+  say "=== $name: exit $rc in $(( $(date +%s) - t0 )) s$([ "$rc" = 124 ] && echo ' (deadline)')"
+  grep -hiE "^goal|goal .*(met|NOT)|passed|failed|error" "$work/$name.log" | tail -n 25 | sed 's/^/    /' >> "$work/summary.txt"
+  pack
+}
 
 for s in "$@"; do
   install_kit
   case "$s" in
     setup)
-      step machine bash -c "nvidia-smi; $py -c 'import torch, deepspeed, pagemem; print(torch.__version__, torch.version.cuda, deepspeed.__version__, torch.cuda.get_device_name(0))'; nproc; free -g; df -h /tmp"
-      step ds-ops $py -c "from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder; CPUAdamBuilder().load(); AsyncIOBuilder().load()"
-      tar -czf "$out/ds_ops.tar.gz" -C "$TORCH_EXTENSIONS_DIR" . ;;
+      step machine bash -c "nvidia-smi; nvidia-smi -q | grep -iA12 'PCI$\|GPU Link Info' | head -40; $py -c 'import torch, deepspeed, pagemem; print(torch.__version__, torch.version.cuda, deepspeed.__version__, torch.cuda.get_device_name(0))'; nproc; free -g; df -h /tmp; uname -r"
+      ds_build_start ;;
+    cuda-tests)
+      step cuda-tests $py -m pytest -q -m cuda -p no:cacheprovider -rfE --tb=long tests/ ;;
     test)
-      step test $py -m pytest -q -m "not slow" -n 8 -p no:cacheprovider ;;
+      step test $py -m pytest -q -m "not slow" -n 8 -p no:cacheprovider -rfE ;;
     test-all)
-      step test-all $py -m pytest -q -n 8 -p no:cacheprovider ;;
+      step test-all $py -m pytest -q -n 8 -p no:cacheprovider -rfE ;;
     moves)
       step moves $py benchmarks/bench_gpu_moves.py --size 4GiB ;;
     fits)
       step fits $py benchmarks/bench_engine.py --rows fits --layers 12 --hidden 1024 --heads 16 --vocab 50304 \
-        --batch 8 --seq 1024 --iters 10 ;;
+        --batch 8 --seq 1024 --warmup 2 --iters 6 ;;
     offload)
+      ds_build_wait
       step offload $py benchmarks/bench_offload.py --model gpt-1.3b --batch 8 --seq 1024 --offload cpu \
-        --checkpoint-activations ;;
+        --checkpoint-activations --warmup 2 --iters 4 --timeout 240 ;;
     lockfree)
       step lockfree $py benchmarks/bench_lockfree.py --part throughput --gpu_backend cuda ;;
     torchrun)
       step torchrun $py -m torch.distributed.run --standalone --nproc-per-node 1 -m pagemem train --train.steps 20 \
         --train.runs /tmp/pagemem-runs ;;
     largest-cpu)
+      ds_build_wait
       step largest-cpu $py benchmarks/bench_offload.py --largest --hidden 4096 --batch 4 --seq 1024 --offload cpu \
         --checkpoint-activations --systems pagemem,deepspeed --start-layers 16 --timeout 900 ;;
     largest-nvme)
+      ds_build_wait
       mkdir -p "$nvme_dir"
       step largest-nvme $py benchmarks/bench_offload.py --largest --hidden 4096 --batch 4 --seq 1024 --offload nvme \
         --nvme-path "$nvme_dir" --checkpoint-activations --systems pagemem,deepspeed --start-layers 16 --timeout 900 ;;
     *)
       echo "unknown step $s"; exit 2 ;;
   esac
-  results
 done
+[ -n "${ds_pid:-}" ] && ! kill -0 "$ds_pid" 2>/dev/null && tar -czf "$out/ds_ops.tar.gz" -C "$TORCH_EXTENSIONS_DIR" . 2>/dev/null
+say "=== done in $(( $(date +%s) - start )) s"
+pack
