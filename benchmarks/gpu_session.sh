@@ -94,7 +94,7 @@ for s in "$@"; do
       step machine bash -c "nvidia-smi; nvidia-smi -q | grep -iA12 'PCI$\|GPU Link Info' | head -40; $py -c 'import torch, deepspeed, pagemem; print(torch.__version__, torch.version.cuda, deepspeed.__version__, torch.cuda.get_device_name(0))'; nproc; free -g; df -h /tmp; uname -r"
       ds_build_start ;;
     cuda-tests)
-      step cuda-tests $py -m pytest -q -m cuda -p no:cacheprovider -rfE --tb=long tests/ ;;
+      step cuda-tests $py -m pytest -q -m cuda -n 4 --dist loadfile -p no:cacheprovider -rfE --tb=long tests/ ;;
     test)
       step test $py -m pytest -q -m "not slow" -n 8 -p no:cacheprovider -rfE ;;
     test-all)

@@ -115,12 +115,16 @@ class CudaArena:
                 f"gpu_bytes={format_bytes(nbytes)} does not fit on {device}: "
                 f"{format_bytes(free)} free of {format_bytes(total)}"
             )
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:  # fragmented, or taken since the check: a MemoryError as any tier's
+            raise MemoryError(f"gpu_bytes={format_bytes(nbytes)} could not be allocated on {device}: {exc}") from exc
 
     def close(self) -> None:
-        """Free the device memory now, even while views of it remain (using one then raises
-        rather than reading freed memory). Waits for the device first: kernels on any stream
-        may still use it. Idempotent."""
+        """Free the device memory now, even while views of it remain: they share the storage,
+        which then holds no bytes, so none can reach memory the allocator hands out again (a
+        kernel on one faults: the store never launches one). Waits for the device first: kernels
+        on any stream may still use it. Idempotent."""
         if self.closed:
             return
         self.closed = True
