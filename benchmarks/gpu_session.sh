@@ -15,6 +15,8 @@
 #   moves       bench_gpu_moves.py: page moves against a pinned copy_ and the link's bandwidth
 #   fits        bench_engine.py, row fits, a GPT that fits: pagemem against plain PyTorch
 #   offload     bench_offload.py: plain PyTorch, pagemem (cpu offload), DeepSpeed ZeRO-3 (cpu offload)
+#   probe       gpu_probe.py: bench_offload's pagemem row iteration by iteration (modes, where a plan
+#               was left, phase times, a profile); probe-plain: the same without checkpointing
 #   lockfree    bench_lockfree.py --part throughput on the GPU (issue 22)
 #   torchrun    pagemem train under torchrun on the GPU, one rank (issue 32)
 #   largest-cpu, largest-nvme
@@ -33,7 +35,8 @@ work="${GPU_WORK:-/tmp/gpu_work}"
 out="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$work" "$out"
 marker="$work/.start"; touch "$marker"
-export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_EXTENSIONS_DIR=/tmp/torch_extensions MAX_JOBS=12
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_EXTENSIONS_DIR=/tmp/torch_extensions MAX_JOBS=12 \
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # DeepSpeed's builder cannot parse torch's '9.0a'
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py="${PY:-python3}"
 nvme_dir="${NVME_DIR:-/tmp/pagemem_nvme}"
@@ -108,6 +111,11 @@ for s in "$@"; do
       ds_build_wait
       step offload $py benchmarks/bench_offload.py --model gpt-1.3b --batch 8 --seq 1024 --offload cpu \
         --checkpoint-activations --warmup 2 --iters 4 --timeout 240 ;;
+    probe)
+      step probe $py benchmarks/gpu_probe.py --model gpt-1.3b --batch 8 --seq 1024 --offload cpu \
+        --checkpoint-activations --iters 4 --profile ;;
+    probe-plain)
+      step probe-plain $py benchmarks/gpu_probe.py --model gpt-1.3b --batch 4 --seq 1024 --offload cpu --iters 4 ;;
     lockfree)
       step lockfree $py benchmarks/bench_lockfree.py --part throughput --gpu_backend cuda ;;
     torchrun)

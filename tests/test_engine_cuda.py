@@ -21,7 +21,6 @@ import torch
 import pagemem
 from pagemem.models.gpt import GPT, GPTConfig
 from pagemem.sched import least_gpu_bytes
-from pagemem.tracer import trace
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -82,14 +81,22 @@ def reference(model: GPT, compute_dtype: torch.dtype, optimizer_tier: str) -> di
     return {n: m.detach().cpu() for n, m in zip(names, master)}
 
 
-def cuda_budget(model: GPT, param_fraction: float = 1 / 3) -> int:
-    """The least the scheduler accepts for a trace on the GPU (its allocator's non-model bytes),
-    plus a fraction of the parameters: pages move every iteration."""
-    twin = copy.deepcopy(model).cuda()
-    idx, targets = next(batches(1))
-    tr = trace(twin, lambda: loss_of(twin, idx, targets).backward()).with_non_model_peak_reserved()
+def cuda_budget(model: GPT, compute_dtype: torch.dtype = torch.float32, param_fraction: float = 1 / 3) -> int:
+    """The least the scheduler accepts for the trace an engine records on the GPU in its warm-up
+    (its units; the caching allocator's bytes beside its arena: activations, and the gradients
+    autograd makes there before they are copied out), plus a fraction of the parameters: pages
+    move every iteration."""
+    twin = copy.deepcopy(model)
+    n = sum(p.numel() for p in model.parameters())
+    store = pagemem.StoreConfig(gpu_backend="cuda", page_bytes=PAGE, gpu_bytes=(64 * n // PAGE + 64) * PAGE,
+                                cpu_bytes=64 * n + (8 << 20))
+    with pagemem.Engine(twin, pagemem.EngineConfig(store=store, compute_dtype=compute_dtype)) as engine:
+        idx, targets = next(batches(1))
+        engine.backward(loss_of(engine, idx, targets))
+        tr = engine.pager.last_trace
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return -(-(least_gpu_bytes(tr, page_bytes=PAGE) + int(params * param_fraction)) // PAGE) * PAGE
+    least = least_gpu_bytes(tr.with_non_model_peak_reserved(), page_bytes=PAGE)
+    return -(-(least + int(params * param_fraction)) // PAGE) * PAGE
 
 
 @pytest.mark.parametrize("optimizer_tier,compute_dtype", [("gpu", torch.float32), ("cpu", torch.float32),
@@ -99,7 +106,7 @@ def test_training_on_the_gpu_is_bit_identical_to_plain_pytorch(tmp_path, optimiz
     model = small_gpt()
     expected = reference(copy.deepcopy(model), compute_dtype, optimizer_tier)
     n = sum(p.numel() for p in model.parameters())
-    budget = cuda_budget(model) + ((-(-16 * n // PAGE) + 4) * PAGE if optimizer_tier == "gpu" else 0)
+    budget = cuda_budget(model, compute_dtype) + ((-(-16 * n // PAGE) + 4) * PAGE if optimizer_tier == "gpu" else 0)
     store = pagemem.StoreConfig(gpu_backend="cuda", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=64 * n * 4 + (8 << 20),
                                 nvme_bytes=32 * n + (8 << 20) if optimizer_tier == "nvme" else 0,
                                 nvme_path=str(tmp_path) if optimizer_tier == "nvme" else None)

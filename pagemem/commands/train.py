@@ -121,7 +121,15 @@ def _run(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[
             raise ConfigError(f"data: vocab {cfg.data.vocab} and seq {cfg.data.seq} must be at most the model's "
                               f"({built.vocab} and {built.longest})")
         table = cfg.data.table()
-        batch = functools.partial(cfg.data.batch_at, table=table, rank=launch.rank, world_size=launch.world_size)
+        rows = functools.partial(cfg.data.batch_at, table=table, rank=launch.rank, world_size=launch.world_size)
+        import torch
+
+        on_cuda = cfg.engine.store.gpu_backend != "host" and _cuda()
+        device = torch.device("cuda", cfg.engine.store.cuda_device) if on_cuda else torch.device("cpu")
+
+        def batch(i: int) -> torch.Tensor:  # where the model computes: the gpu tier's device
+            return rows(i).to(device, non_blocking=True)
+
         probe = "gpu_bytes" in cfg.auto and (cfg.engine.store.gpu_backend == "host" or not _cuda())
         # a model on meta (its values in files) is sized through a stand-in of the same shapes
         sizing = build(cfg.model, cfg.data.seed, weights=False).model if probe and built.values else model

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.residency import Residency
@@ -211,6 +212,9 @@ class Executor:
         self.residency = residency
         self.totals = totals if totals is not None else ExecutorTotals()
         self.diverged_at: int | None = None
+        self.diverged_on: tuple[str, str] | None = None
+        """The op (event, name) that did not match the trace, where one did not (None where the
+        iteration ended early)."""
         self.n_ops = 0
         """Ops of this iteration that matched the trace so far."""
 
@@ -249,7 +253,7 @@ class Executor:
         sched = self.schedule
         if edge == "start":
             if op_id >= len(sched.expected) or sched.expected[op_id] != (op.event, op.name):
-                self.diverged_at = op_id
+                self.diverged_at, self.diverged_on = op_id, (op.event, op.name)
                 return
             self.n_ops = op_id + 1
             for act in sched.at_start[op_id]:
@@ -260,6 +264,14 @@ class Executor:
         else:
             for act in sched.at_end[op_id]:
                 self._run(act)
+
+    def divergence(self) -> dict[str, Any] | None:
+        """Where this iteration left its plan: the op, what the trace had there, what ran."""
+        if self.diverged_at is None:
+            return None
+        at, expected = self.diverged_at, self.schedule.expected
+        return {"op": at, "of": len(expected), "expected": list(expected[at]) if at < len(expected) else None,
+                "got": list(self.diverged_on) if self.diverged_on else None}
 
     def finish(self) -> None:
         """The iteration's backward is over: an iteration shorter than the trace left the plan."""

@@ -130,6 +130,8 @@ class Pager:
         """The last warm-up's trace (``last_plan`` was made from it, when there is one)."""
         self.plan_note: str | None = None
         """Why the last trace has no plan, if it has none."""
+        self.last_divergence: dict[str, Any] | None = None
+        """Where the last iteration that left its plan left it (``Executor.divergence``)."""
         self.peaks = PeakMeter(self._gpu, self._page_bytes, self._budget_pages)
         """The measured gpu peak per mode (see the Note)."""
         self.saved = SavedTensorHooks(bank, self.residency, lambda: self._recording, self._resident_for_backward)
@@ -225,6 +227,7 @@ class Pager:
             ex.finish()
             if ex.diverged:
                 self.iterations["left_plan"] += 1
+                self.last_divergence = ex.divergence()
                 rec = self.records[self._sig]
                 rec.divergences += 1
                 rec.schedule, rec.next = None, "trace"
@@ -349,6 +352,7 @@ class Pager:
                 "predicted_gpu_peak_bytes": p.predicted_peak["gpu"], "min_gpu_bytes": p.min_gpu_bytes,
                 "planning_seconds": p.planning_seconds},
             "plan_note": self.plan_note,
+            "left_plan_at": self.last_divergence,
         }
 
     def close(self) -> None:
