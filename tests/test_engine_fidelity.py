@@ -73,7 +73,10 @@ def reference(model, steps: int, hp: dict, max_grad_norm=None, accumulation: int
 
 def through_engine(model, steps: int, hp: dict, tmp_path, optimizer_tier="cpu", max_grad_norm=None,
                    accumulation: int = 1, budget: int | None = None, overlap_update: bool | None = True,
-                   copy_threads: int = 2, home_tier: str = "auto", cpu_bytes: int | None = None):
+                   copy_threads: int = 2, home_tier: str = "auto", cpu_bytes: int | None = None,
+                   backward_on=None):
+    """``backward_on(fn, loss)``: runs each ``engine.backward`` (on another thread, say, as
+    autograd's device thread runs backward on CUDA)."""
     budget = budget or gpu_budget(model)
     if optimizer_tier == "gpu":  # the states and gradient sums stay there, beside the paged parameters
         n = sum(p.numel() for p in model.parameters())
@@ -90,7 +93,11 @@ def through_engine(model, steps: int, hp: dict, tmp_path, optimizer_tier="cpu", 
     data = list(batches(steps * accumulation))
     with pagemem.Engine(model, cfg) as engine:
         for s in range(steps * accumulation):
-            engine.backward(loss_of(engine, *data[s]))
+            loss = loss_of(engine, *data[s])
+            if backward_on is None:
+                engine.backward(loss)
+            else:
+                backward_on(engine.backward, loss)
             engine.step()
         stats = engine.stats()
         return engine.state_dict(), stats
@@ -188,6 +195,31 @@ def test_activation_checkpointing_matches(tmp_path):
     got, stats = through_engine(model, 10, HP, tmp_path)
     assert stats["evictions"] > 0
     assert_followed_the_plan(stats, 10)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_activation_checkpointing_with_backward_on_another_thread_follows_the_plan(tmp_path):
+    """On CUDA backward runs on autograd's device thread, numbering its nodes apart from the
+    forward's: the recomputed blocks' ops must come in the traced order every iteration (the
+    first GPU run left the plan at another op each iteration; [Note: nodes an invocation made])."""
+    import concurrent.futures
+
+    model = small_gpt(checkpoint_activations=True)
+    ref = reference(copy.deepcopy(model), 6, HP)
+    drift = iter([300, 5, 900, 0, 40, 7000])
+
+    def elsewhere(fn, loss):  # that thread's numbers move by a different amount each iteration
+        def run():
+            for _ in range(next(drift)):
+                torch.ones(1, requires_grad=True).mul(2)
+            fn(loss)
+        pool.submit(run).result()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        got, stats = through_engine(model, 6, HP, tmp_path, backward_on=elsewhere)
+    assert stats["left_plan_at"] is None
+    assert_followed_the_plan(stats, 6)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
 

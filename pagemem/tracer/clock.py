@@ -36,6 +36,7 @@ do nothing (its lock may have been copied held; [Note: an engine belongs to its 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -106,7 +107,9 @@ class OpClock:
         self._listeners: list[Listener] = []
         self._handles: list[Any] = []
         self._active = False
-        self._starts: dict[int, list[int]] = {}
+        self._starts: dict[int, list[tuple[int, tuple[Any, ...]]]] = {}
+        """Per open module invocation: the next node sequence number at its start, and weak
+        references to its inputs with their versions (see ``_hook_backward``)."""
         self._inv = _INVOCATIONS
         self._stepping: dict[int, Op] = {}
         self._opt_params: dict[int, tuple[int, ...]] = {}
@@ -227,12 +230,16 @@ class OpClock:
                 phase = "backward" if graph_task() != -1 else "forward"
                 self._start("forward_pre", path, phase, module, owned, key)
                 if backward:
-                    starts.setdefault(key, []).append(next_seq())
+                    # weakly: a recomputation stopped early never runs the post-hook, and a strong
+                    # reference would keep the inputs' saved tensors (parameter views) alive
+                    inputs = tuple((weakref.ref(t), t._version) for t in iter_tensors(args) if t.grad_fn is not None)
+                    starts.setdefault(key, []).append((next_seq(), inputs))
 
         return pre
 
     def _make_post(self, path: str, owned: tuple[int, ...], key: int, backward: bool) -> Callable[..., None]:
         graph_task = torch._C._current_graph_task_id
+        next_seq = torch._C._autograd._get_sequence_nr
         starts = self._starts
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
@@ -244,23 +251,39 @@ class OpClock:
                 if backward:
                     stack = starts.get(key)
                     if stack:
-                        lo = stack.pop()
+                        lo, inputs = stack.pop()
                         if torch.is_grad_enabled():
-                            self._hook_backward(path, module, owned, output, lo)
+                            came_from = [t.grad_fn for ref, version in inputs
+                                         if (t := ref()) is not None and t._version == version]
+                            self._hook_backward(path, module, owned, output, lo, next_seq(), came_from)
 
         return post
 
-    def _hook_backward(self, path: str, module: nn.Module, owned: tuple[int, ...], output: Any, lo: int) -> None:
-        """Hook the autograd nodes this module invocation created (sequence number >= lo)."""
+    def _hook_backward(self, path: str, module: nn.Module, owned: tuple[int, ...], output: Any, lo: int, hi: int,
+                       came_from: list[Any]) -> None:
+        """Hook the autograd nodes this module invocation created: those reached from its outputs
+        before its inputs' nodes, numbered in ``[lo, hi)`` (see [Note: nodes an invocation made])."""
+        # [Note: nodes an invocation made]
+        # Autograd numbers the nodes it makes per thread. A forward on one thread is one run of
+        # numbers, and an invocation's nodes are those numbered from its start to its end. But a
+        # checkpointed block recomputes its forward inside backward, on autograd's thread for the
+        # device (CUDA's device thread, not the caller's): numbers of that thread's own, unrelated
+        # to those of the nodes its inputs came from. Bounding the walk below alone then walked
+        # on through the inputs into the whole graph before the block, hooking its nodes as the
+        # recomputed module's, and the ops of backward came in another order each iteration. So
+        # the walk stops at the nodes the inputs came from (an input changed in place since the
+        # start is left out: its node now is one the invocation made), and at numbers outside
+        # the run.
+        stops = {id(fn) for fn in came_from if fn is not None}  # alive in came_from: ids stay theirs
         stack = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
         seen: set[int] = set()
         nodes = []
         while stack:
             node = stack.pop()
-            if node is None or id(node) in seen:
+            if node is None or id(node) in seen or id(node) in stops:
                 continue
             seen.add(id(node))
-            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < lo:
+            if type(node).__name__ == "AccumulateGrad" or not lo <= node._sequence_nr() < hi:
                 continue
             nodes.append(node)
             stack.extend(fn for fn, _ in node.next_functions)

@@ -171,3 +171,31 @@ def test_install_twice_and_bad_input():
     with pytest.raises(TypeError, match="nn.Module"):
         OpClock("not a model")
     assert clock_mod.EDGES == ("start", "end")
+
+
+@pytest.mark.parametrize("case", ["checkpointing", "checkpointing-untied", "tied"])
+def test_backward_on_another_thread_is_numbered_as_on_the_callers(case):
+    """On CUDA, autograd runs backward on its device thread, whose node sequence numbers are its
+    own (thread-local) and far from those of the forward's thread: a checkpointed block's forward,
+    recomputed there, must hook only the nodes it made, so backward numbers its ops as when the
+    caller's thread runs it (the first GPU run found planned iterations leaving their plan at
+    a recomputed block's backward, at another op each time)."""
+    import concurrent.futures
+
+    model = make_gpt(**CASES[case])
+    idx, tgt = gpt_batch(model)
+    with OpClock(model) as clock:
+        heard = listen(clock)
+        model(idx, tgt).backward()  # backward on this thread: the reference numbering
+        clock.reset()
+        n = len(starts(heard))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # one thread kept: its sequence numbers grow
+            for _ in range(3):
+                loss = model(idx, tgt)
+                for _ in range(50):  # the worker's numbers drift from the caller's, as a device thread's do
+                    pool.submit(lambda: torch.ones(1, requires_grad=True).mul(2)).result()
+                pool.submit(loss.backward).result()
+                clock.reset()
+    runs = [starts(heard)[k * n:(k + 1) * n] for k in range(4)]
+    assert len(starts(heard)) == 4 * n
+    assert all(r == runs[0] for r in runs[1:])
