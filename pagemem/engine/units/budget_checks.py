@@ -38,9 +38,21 @@ from pagemem.units import format_bytes
 _MOST_ROUNDS = 64
 
 
+UNIT_CAP_MOST = 64 << 20
+"""Paging units are merged up to this many bytes at most, whatever the budget: see the Note."""
+
+
 def unit_cap(store: StoreConfig) -> int:
     """The byte cap paging units are merged up to under ``store``'s gpu budget."""
-    return max(store.page_bytes, store.pages("gpu") * store.page_bytes // 16)  # type: ignore[operator]
+    # [Note: how far units merge]
+    # Merging lets a LayerNorm travel with its neighbours and a block's small layers cost one
+    # move; a sixteenth of the budget keeps a unit small beside it. But on a large GPU a
+    # sixteenth is gigabytes: the first GPU run (an H200, an 84 GiB budget) merged a whole
+    # 1.3B GPT into one unit, which the warm-up, keeping only what running modules hold,
+    # copied in whole at every op (778 GB in one iteration), and which no plan can overlap
+    # with compute. Past 64 MiB a move's fixed cost is nothing beside its copy (about 1.2 ms at
+    # PCIe 5's 53 GB/s), so units merge no further than that.
+    return max(store.page_bytes, min(store.pages("gpu") * store.page_bytes // 16, UNIT_CAP_MOST))  # type: ignore[operator]
 
 
 def _units(model: nn.Module, dtype: torch.dtype | None, cap: int) -> tuple[list, list[tuple[str, list[int]]], list[int]]:
