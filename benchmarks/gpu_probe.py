@@ -51,13 +51,15 @@ def main() -> None:
     ap.add_argument("--checkpoint-activations", action="store_true")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gpu-fraction", type=float, default=0.6)
+    ap.add_argument("--gpu-bytes", type=int, default=0, help="the gpu budget (default: --gpu-fraction of the free GPU memory; 1 GiB without CUDA)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     spec = {"model": args.model, "seq": args.seq, "checkpoint_activations": args.checkpoint_activations,
             "shape": {"layers": args.layers} if args.layers else {}}
     cfg = gpt_config(spec)
     n = cfg.param_count()
-    gpu_bytes = int(torch.cuda.mem_get_info()[0] * args.gpu_fraction) if torch.cuda.is_available() else 256 << 20
+    gpu_bytes = args.gpu_bytes or (int(torch.cuda.mem_get_info()[0] * args.gpu_fraction) if torch.cuda.is_available()
+                                   else 1 << 30)
     nvme = args.offload == "nvme"
     cpu_bytes = min((2 + 4 + (0 if nvme else 12)) * n + 256 * PAGE, int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.85))
     store = pagemem.StoreConfig(page_bytes=PAGE, gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes,

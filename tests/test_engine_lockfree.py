@@ -14,7 +14,7 @@ from torch import nn
 import pagemem
 from pagemem.engine.updates import lockfree
 from pagemem.engine.updates import update as update_module
-from exactness import HP, assert_same, engine_config, reference, train_both
+from exactness import HP, assert_same, engine_config, reference, same_loop, train_both
 from test_engine_exactness import CASES, hf_model, lm_loss, mse, seeded
 from exactness_models import ParamAfterChild
 
@@ -65,6 +65,33 @@ def test_max_staleness_zero_with_groups_a_scheduler_and_accumulation(tmp_path):
         return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
     train_both(make, loss, 5, tmp_path, groups=groups, scheduler=scheduler, lock_free=True, max_staleness=0)
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+@pytest.mark.parametrize("case", ["parameter read after a child", "class token and position embedding"])
+def test_reads_between_steps_under_max_staleness_zero_are_synchronous_training(case, optimizer_tier, tmp_path):
+    """Between ``step()`` and the next forward, what a loop reads (an EMA, logging, an
+    evaluation) is the weights synchronous training holds: ``named_parameters``,
+    ``model.state_dict()`` and a direct call of the model, bit for bit (one update behind before)."""
+    make, loss = CASES[case]
+    seen: list[list[torch.Tensor]] = []
+
+    def loop(run, model, opt, s, loss):
+        loss(run, model, s).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            reads = [p.detach().clone() for _, p in model.named_parameters()]
+            reads += [v.detach().clone() for v in model.state_dict().values()]
+            reads.append(loss(model, model, s).detach().clone())  # the model itself, not the engine
+        seen.append(reads)
+
+    same_loop(make, loss, loop, 4, tmp_path, optimizer_tier=optimizer_tier, lock_free=True, max_staleness=0)
+    plain, engine = seen[:4], seen[4:]
+    for s, (a, b) in enumerate(zip(plain, engine)):
+        assert len(a) == len(b)
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), (s, k)
 
 
 # ---------------------------------------------------------------- configuration

@@ -370,6 +370,7 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                 if self.lockfree is not None:
                     hps = [check_no_amsgrad(self.optimizer.hyper(g)) for g in range(len(self.optimizer.param_groups))]
                     taken = self.lockfree.submit(hps)
+                    self.lockfree.after_step()  # [Note: reads between steps]
                 else:
                     taken = self.updater.step(consume=consume)
                 if not consume:  # a torch optimizer's step leaves p.grad until zero_grad()

@@ -204,6 +204,21 @@ class LockFreeUpdater:
 
     # ------------------------------------------------------------------ the compute side
 
+    def after_step(self) -> None:
+        """``step()`` returns: what a loop reads before the next forward is the weights the
+        configuration promises ([Note: reads between steps])."""
+        # [Note: reads between steps]
+        # Between step() and the next forward a loop reads parameters (an EMA, logging, an
+        # evaluation, a direct call of the model): plain tensors, whose reads the engine cannot
+        # see. So step() leaves them as promised before it returns. With max_staleness=0 it
+        # waits for the iteration's update and writes it into the buffered parameters: reads
+        # are synchronous training's, bit for bit (the next forward would have waited for it
+        # anyway; what is lost is only the overlap with the loop's own work between the two).
+        # Otherwise it writes what the updating thread has published by then, without
+        # waiting: reads are the latest update applied when step() returned (predicted past its
+        # lag, as the next forward would see it), never older than the last forward's.
+        self.drain(limit=0 if self.max_staleness == 0 else None)
+
     def before_iteration(self) -> None:
         """An iteration starts: write what was published into the buffered parameters, wait
         while a unit lags more than ``max_staleness``, record each unit's staleness."""
