@@ -14,9 +14,8 @@ from torch import nn
 import pagemem
 from pagemem.engine.updates import lockfree
 from pagemem.engine.updates import update as update_module
-from exactness import HP, assert_same, engine_config, reference, same_loop, train_both
-from test_engine_exactness import CASES, hf_model, lm_loss, mse, seeded
-from exactness_models import ParamAfterChild
+from exactness import assert_same, engine_config, same_loop, train_both
+from test_engine_exactness import CASES, hf_model, lm_loss
 
 TIERS = ["cpu", "nvme", "nvme+homes"]
 
