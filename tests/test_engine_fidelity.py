@@ -123,9 +123,8 @@ def test_fp32_training_is_bit_identical_to_plain_pytorch(tmp_path, optimizer_tie
     accumulate = ParamBank.accumulate_grad
     monkeypatch.setattr(ParamBank, "accumulate_grad", lambda bank, i, *a, **kw: (copied_grads.append(i),
                                                                                   accumulate(bank, i, *a, **kw)))
-    # updates overlap backward (by default for states on the gpu: see below)
-    got, stats = through_engine(model, 50, HP, tmp_path, optimizer_tier,
-                                overlap_update=None if optimizer_tier == "gpu" else True)
+    # updates overlap backward (asked for: by default states on the gpu are updated in step())
+    got, stats = through_engine(model, 50, HP, tmp_path, optimizer_tier, overlap_update=True)
     if optimizer_tier == "gpu":
         # fp32 beside states on the gpu: the parameters are views of the master pages, which never
         # move; the gpu holds 16 bytes per parameter (master, gradient sums, two moments), as
@@ -427,7 +426,7 @@ def test_a_learning_rate_schedule_matches_with_updates_during_backward(tmp_path,
     budget = gpu_budget(model) + ((-(-16 * n // PAGE) + 4) * PAGE if optimizer_tier == "gpu" else 0)
     store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=budget, cpu_bytes=8 * state_bytes(model))
     cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier=optimizer_tier,
-                               overlap_update=None if optimizer_tier == "gpu" else True)
+                               overlap_update=True)
     with pagemem.Engine(model, cfg) as engine:
         sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warm)
         with warnings.catch_warnings():

@@ -46,10 +46,11 @@ class EngineConfig:
     iteration's collective waits for every rank's tracing and planning). ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
-    means on when the gpu tier is CUDA (backward runs on the GPU while the CPU updates) or the
-    optimizer states are on the gpu (stepped in the gradient hook from autograd's gradient, which
-    saves copying it into pages), and off for states on cpu or nvme on the host stand-in (CPU
-    Adam would compete with backward for the same cores).
+    means on when the gpu tier is CUDA, for units whose states are off the gpu (backward runs
+    on the GPU while the CPU updates; a unit with states on the gpu is updated in ``step()``:
+    [Note: which updates may overlap backward]), and off on the host stand-in (CPU Adam would
+    compete with backward for the same cores). True also steps states on the gpu in the
+    gradient hook, from autograd's gradient.
     ``executor``: ``"plan"`` (default: the first iteration with given input shapes runs under the
     tracer with demand paging, the scheduler plans it, later ones follow the plan) or
     ``"demand"`` (never trace: demand paging with a one-unit-ahead guess, every iteration).

@@ -37,6 +37,11 @@ HELD_SIGNALS: tuple[signal.Signals, ...] = tuple(
     getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
 """The signals held inside the engine (see the Note)."""
 
+try:  # the C function: signal.getsignal converts its answer to an enum, a cost at every engine call
+    from _signal import getsignal as _getsignal
+except ImportError:  # pragma: no cover - not CPython
+    _getsignal = signal.getsignal
+
 _state = {"depth": 0, "engines": 0}
 _pending: dict[int, tuple[Callable[..., Any], Any]] = {}
 """Held signals, in arrival order: signal number -> (the user's handler, the frame it got)."""
@@ -65,7 +70,7 @@ class HeldHandler:
 
 def _wrap_handlers() -> None:
     for s in HELD_SIGNALS:
-        h = signal.getsignal(s)
+        h = _getsignal(s)
         if callable(h) and not isinstance(h, HeldHandler):
             signal.signal(s, HeldHandler(h))
 
