@@ -317,13 +317,12 @@ def largest(args, spec: dict) -> dict:
     for system in args.systems:
         print(f"  {system}:", flush=True)
         good, bad, n = 0, None, args.start_layers
-        while bad is None:  # double until a run fails
+        while bad is None and good < args.max_layers:  # double until a run fails; --max-layers the last tried
+            n = min(n, args.max_layers)
             if probe(args, spec, system, n):
                 good, n = n, n * 2
             else:
                 bad = n
-            if n > args.max_layers:
-                break
         while bad is not None and bad - good > 1:
             mid = (good + bad) // 2
             if probe(args, spec, system, mid):

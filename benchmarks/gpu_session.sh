@@ -124,12 +124,12 @@ for s in "$@"; do
     largest-cpu)
       ds_build_wait
       step largest-cpu $py benchmarks/bench_offload.py --largest --hidden 4096 --batch 4 --seq 1024 --offload cpu \
-        --checkpoint-activations --systems pagemem,deepspeed --start-layers 16 --timeout 900 ;;
+        --checkpoint-activations --systems pagemem,deepspeed --start-layers 16 --max-layers 64 --timeout 900 ;;
     largest-nvme)
       ds_build_wait
       mkdir -p "$nvme_dir"
       step largest-nvme $py benchmarks/bench_offload.py --largest --hidden 4096 --batch 4 --seq 1024 --offload nvme \
-        --nvme-path "$nvme_dir" --checkpoint-activations --systems pagemem,deepspeed --start-layers 16 --timeout 900 ;;
+        --nvme-path "$nvme_dir" --checkpoint-activations --systems pagemem,deepspeed --start-layers 16 --max-layers 64 --timeout 900 ;;
     *)
       echo "unknown step $s"; exit 2 ;;
   esac
