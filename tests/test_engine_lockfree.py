@@ -66,6 +66,21 @@ def test_max_staleness_zero_with_groups_a_scheduler_and_accumulation(tmp_path):
     train_both(make, loss, 5, tmp_path, groups=groups, scheduler=scheduler, lock_free=True, max_staleness=0)
 
 
+def test_the_staleness_histogram_counts_steps_under_accumulation(tmp_path):
+    """One record per unit per step, as ``iterations`` counts steps, not one per forward of an
+    accumulation (found by an attack: 12 forwards of 6 steps were 156 records of 13 units)."""
+    make, loss = CASES["parameter read after a child"]
+    model = make()
+    cfg = engine_config(make(), loss, tmp_path, max_staleness=0, lock_free=True, accumulation_steps=2)
+    with pagemem.Engine(model, cfg) as engine:
+        for s in range(6):
+            engine.backward(loss(engine, model, s))
+            engine.step()
+        st = engine.stats()["staleness"]
+        units = sum(1 for u in engine.bank.layers if any(engine.bank.is_trainable(i) for i in u.params))
+    assert st["iterations"] == 3 and sum(st["histogram"].values()) == 3 * units
+
+
 @pytest.mark.parametrize("optimizer_tier", TIERS)
 @pytest.mark.parametrize("case", ["parameter read after a child", "class token and position embedding"])
 def test_reads_between_steps_under_max_staleness_zero_are_synchronous_training(case, optimizer_tier, tmp_path):

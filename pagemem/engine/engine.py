@@ -299,7 +299,7 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         t0 = time.perf_counter()
         with shield():  # [Note: Ctrl-C inside the engine]
             if self.lockfree is not None and not self.phase.in_backward:
-                self.lockfree.before_iteration()
+                self.lockfree.before_iteration(first_of_step=self.phase.micro == 0)
             if not self.phase.in_backward:
                 self._follow_requires_grad()
             if (self.collectives is not None and torch.is_grad_enabled()

@@ -219,10 +219,13 @@ class LockFreeUpdater:
         # lag, as the next forward would see it), never older than the last forward's.
         self.drain(limit=0 if self.max_staleness == 0 else None)
 
-    def before_iteration(self) -> None:
+    def before_iteration(self, first_of_step: bool = True) -> None:
         """An iteration starts: write what was published into the buffered parameters, wait
-        while a unit lags more than ``max_staleness``, record each unit's staleness."""
+        while a unit lags more than ``max_staleness``, record each unit's staleness (at the
+        first forward of a step only: the histogram counts steps, as ``iterations`` does)."""
         self.drain(limit=self.max_staleness)
+        if not first_of_step:
+            return
         for unit in self._units:
             if any(self.bank.is_trainable(i) for i in unit.params):
                 self.staleness[unit.lag] += 1
