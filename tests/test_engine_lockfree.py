@@ -14,7 +14,7 @@ from torch import nn
 import pagemem
 from pagemem.engine.updates import lockfree
 from pagemem.engine.updates import update as update_module
-from exactness import assert_same, engine_config, same_loop, train_both
+from exactness import HP, assert_same, engine_config, same_loop, train_both
 from test_engine_exactness import CASES, hf_model, lm_loss
 
 TIERS = ["cpu", "nvme", "nvme+homes"]
@@ -64,6 +64,47 @@ def test_max_staleness_zero_with_groups_a_scheduler_and_accumulation(tmp_path):
         return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
     train_both(make, loss, 5, tmp_path, groups=groups, scheduler=scheduler, lock_free=True, max_staleness=0)
+
+
+def test_under_max_staleness_zero_step_does_not_wait_but_a_read_of_a_unit_not_updated_does(tmp_path, monkeypatch):
+    """[Note: reads between steps]: ``step()`` returns while its update runs (the loop's own work
+    overlaps it); a read of a parameter whose unit is not updated yet waits for it, and then
+    reads synchronous training's value."""
+    make, loss = CASES["parameter read after a child"]
+    ref = make()
+    opt = torch.optim.AdamW(ref.parameters(), fused=True, **HP)
+    for s in range(2):
+        loss(ref, ref, s).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    model = make()
+    cfg = engine_config(make(), loss, tmp_path, lock_free=True, max_staleness=0)
+    release, blocking, left = threading.Event(), threading.Event(), threading.Event()
+
+    def seam(where):
+        if where == "update" and blocking.is_set():
+            release.wait(10)
+            left.set()
+
+    monkeypatch.setattr(lockfree, "SEAM", seam)
+    with pagemem.Engine(model, cfg) as engine:
+        engine.backward(loss(engine, model, 0))
+        engine.step()
+        engine.backward(loss(engine, model, 1))
+        blocking.set()  # the updating thread stops at its next update until released
+        engine.step()
+        returned_before_release = not left.is_set()  # the updating thread is still held
+        got: dict = {}
+        reader = threading.Thread(target=lambda: got.update(
+            {n: p.detach().clone() for n, p in model.named_parameters()}))
+        reader.start()
+        reader.join(0.5)
+        read_waited = reader.is_alive()
+        release.set()
+        reader.join(30)
+    assert returned_before_release and read_waited
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_the_staleness_histogram_counts_steps_under_accumulation(tmp_path):

@@ -209,6 +209,9 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
                            self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i),
                            resident=lambda i: units[unit_of[i]].bound)
+        if self.lockfree is not None and config.max_staleness == 0:  # [Note: reads between steps]
+            settle = self.lockfree.settle
+            self.guard.before_read = lambda i: settle(unit_of[i])
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard,
                            self.updater.wait_for_updates)
         self.clock.install()

@@ -109,6 +109,9 @@ class Guard:
         self._local = threading.local()
         self.reads = 0
         """Unforeseen reads that fetched a unit."""
+        self.before_read: Callable[[int], None] | None = None
+        """Called with each parameter an op reads outside the engine's calls, before it runs (the
+        lock-free updater's ``settle``: [Note: reads between steps])."""
         self.closed: str | None = None
         """Why values can no longer be fetched (set by ``close``)."""
         self.refused: dict[int, str] = {}
@@ -168,6 +171,8 @@ class Guard:
         """An op on guarded parameters: fetch those evicted, then run it (see the Note)."""
         if not getattr(self._local, "quiet", 0):
             for i in self._guarded_in(args, kwargs):
+                if self.before_read is not None and not self._calls:
+                    self.before_read(i)
                 if not self._resident(i):
                     self._fetch_for(i, func)
                 if func == _DATA_GET and self._data_taken is not None:

@@ -205,19 +205,36 @@ class LockFreeUpdater:
     # ------------------------------------------------------------------ the compute side
 
     def after_step(self) -> None:
-        """``step()`` returns: what a loop reads before the next forward is the weights the
-        configuration promises ([Note: reads between steps])."""
+        """``step()`` returns: what the updating thread has published is written into the
+        buffered parameters, without waiting ([Note: reads between steps])."""
         # [Note: reads between steps]
         # Between step() and the next forward a loop reads parameters (an EMA, logging, an
-        # evaluation, a direct call of the model): plain tensors, whose reads the engine cannot
-        # see. So step() leaves them as promised before it returns. With max_staleness=0 it
-        # waits for the iteration's update and writes it into the buffered parameters: reads
-        # are synchronous training's, bit for bit (the next forward would have waited for it
-        # anyway; what is lost is only the overlap with the loop's own work between the two).
-        # Otherwise it writes what the updating thread has published by then, without
-        # waiting: reads are the latest update applied when step() returned (predicted past its
-        # lag, as the next forward would see it), never older than the last forward's.
-        self.drain(limit=0 if self.max_staleness == 0 else None)
+        # evaluation, a direct call of the model, torch.func). Outside the engine's calls every
+        # parameter is guarded ([Note: evicted parameters] in ``guard.py``), so each such read
+        # passes the engine first. With max_staleness=0 the read waits until its unit's update
+        # has landed and is written into the buffered parameters (``settle``): reads are
+        # synchronous training's, bit for bit, while a loop that reads nothing overlaps the
+        # update with its own work until the next forward waits for the rest. Otherwise step()
+        # writes what has been published by then and reads take the buffered parameters as they
+        # are: the latest update published (predicted past its lag, as the next forward sees
+        # it), never older than the last forward's. (A state dict, the engine's or the model's,
+        # drains every update first: ``quiesce``.)
+        self.drain(limit=None)
+
+    def settle(self, unit: int) -> None:
+        """Wait until ``unit``'s submitted updates are in its buffered parameters (a read of
+        one of its parameters between steps under ``max_staleness=0``: see the Note)."""
+        while True:
+            self.check()
+            with self._cond:
+                ready = list(self._published)
+                self._published.clear()
+                if not ready and (self._units[unit].lag == 0 or self._fresh(unit)):
+                    return
+                if not ready:
+                    self._cond.wait(_POLL_SECONDS)
+                    continue
+            self._write(ready)
 
     def before_iteration(self, first_of_step: bool = True) -> None:
         """An iteration starts: write what was published into the buffered parameters, wait
@@ -243,13 +260,17 @@ class LockFreeUpdater:
                 if not ready:
                     self._cond.wait(_POLL_SECONDS)
                     continue
-            for p in ready:
-                _seam("drain")
-                with self._cond:
-                    ahead = self._units[p.unit].lag - p.iterations  # submitted iterations this update lacks
-                self.bank.refresh_unit(_predicted(p, ahead))
-                with self._cond:
-                    self._units[p.unit].lag -= p.iterations
+            self._write(ready)
+
+    def _write(self, ready: list) -> None:
+        """Published updates into the buffered parameters, each predicted for the lag it has now."""
+        for p in ready:
+            _seam("drain")
+            with self._cond:
+                ahead = self._units[p.unit].lag - p.iterations  # submitted iterations this update lacks
+            self.bank.refresh_unit(_predicted(p, ahead))
+            with self._cond:
+                self._units[p.unit].lag -= p.iterations
 
     def _lag(self) -> int:
         """The most submitted iterations a unit lacks, over units the updating thread can take
