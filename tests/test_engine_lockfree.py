@@ -107,6 +107,49 @@ def test_under_max_staleness_zero_step_does_not_wait_but_a_read_of_a_unit_not_up
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
+@pytest.mark.parametrize("where", ["read", "forward"])
+def test_a_write_of_published_updates_that_raises_loses_none(where, tmp_path, monkeypatch):
+    """An exception (a Ctrl-C, a failed write) while published updates are written into the
+    buffered parameters puts the unwritten ones back: the next read or forward writes them and
+    nothing waits forever for an update nobody holds (the attack: every later wait hung)."""
+    make, loss = CASES["parameter read after a child"]
+    ref = make()
+    opt = torch.optim.AdamW(ref.parameters(), fused=True, **HP)
+    for s in range(3):
+        loss(ref, ref, s).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model = make()
+    cfg = engine_config(make(), loss, tmp_path, lock_free=True, max_staleness=0)
+    raised = []
+
+    def seam(at):
+        if at == "drain" and not raised:
+            raised.append(at)
+            raise KeyboardInterrupt
+
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a regression hangs: end the run with the stacks
+    with pagemem.Engine(model, cfg) as engine:
+        engine.backward(loss(engine, model, 0))
+        engine.step()
+        engine.backward(loss(engine, model, 1))
+        monkeypatch.setattr(lockfree, "SEAM", seam)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()  # its non-blocking write of what was published
+            if where == "read":
+                [p.detach() for p in model.parameters()]
+            else:
+                loss(engine, model, 2)
+        assert raised
+        engine.backward(loss(engine, model, 2))
+        engine.step()
+        got = engine.state_dict()
+    faulthandler.cancel_dump_traceback_later()
+    assert_same({k: v.detach() for k, v in ref.state_dict().items()}, got)
+
+
 def test_the_staleness_histogram_counts_steps_under_accumulation(tmp_path):
     """One record per unit per step, as ``iterations`` counts steps, not one per forward of an
     accumulation (found by an attack: 12 forwards of 6 steps were 156 records of 13 units)."""

@@ -373,13 +373,14 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                 if self.lockfree is not None:
                     hps = [check_no_amsgrad(self.optimizer.hyper(g)) for g in range(len(self.optimizer.param_groups))]
                     taken = self.lockfree.submit(hps)
-                    self.lockfree.after_step()  # [Note: reads between steps]
                 else:
                     taken = self.updater.step(consume=consume)
                 if not consume:  # a torch optimizer's step leaves p.grad until zero_grad()
                     self.gradients.show()
                 self.phase.end_step(taken)
                 self.global_step += 1
+                if self.lockfree is not None:  # the step is counted: a Ctrl-C in this write loses nothing
+                    self.lockfree.after_step()  # [Note: reads between steps]
             finally:
                 if not consume:
                     self.phase.leave_step(consume=False)

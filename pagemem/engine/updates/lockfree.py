@@ -69,6 +69,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from pagemem.engine.interrupts import shielded
 from pagemem.engine.updates.adam import AdamW, fused_steps
 from pagemem.engine.updates.adam_threads import Workers
 from pagemem.engine.updates.backward_undo import HOLDS, BackwardUndo
@@ -221,9 +222,12 @@ class LockFreeUpdater:
         # drains every update first: ``quiesce``.)
         self.drain(limit=None)
 
+    @shielded
     def settle(self, unit: int) -> None:
         """Wait until ``unit``'s submitted updates are in its buffered parameters (a read of
-        one of its parameters between steps under ``max_staleness=0``: see the Note)."""
+        one of its parameters between steps under ``max_staleness=0``: see the Note). Shielded
+        as the engine's calls are: a Ctrl-C waits for the write under way ([Note: Ctrl-C inside
+        the engine])."""
         while True:
             self.check()
             with self._cond:
@@ -263,12 +267,20 @@ class LockFreeUpdater:
             self._write(ready)
 
     def _write(self, ready: list) -> None:
-        """Published updates into the buffered parameters, each predicted for the lag it has now."""
-        for p in ready:
-            _seam("drain")
-            with self._cond:
-                ahead = self._units[p.unit].lag - p.iterations  # submitted iterations this update lacks
-            self.bank.refresh_unit(_predicted(p, ahead))
+        """Published updates into the buffered parameters, each predicted for the lag it has now.
+        If one raises (Ctrl-C, a failed write), it and those after it go back to the front of
+        the queue, in order: the next drain writes them (a write is whole values, so writing
+        one again is harmless), and no unit's lag is left waiting for an update nobody holds."""
+        for n, p in enumerate(ready):
+            try:
+                _seam("drain")
+                with self._cond:
+                    ahead = self._units[p.unit].lag - p.iterations  # submitted iterations this update lacks
+                self.bank.refresh_unit(_predicted(p, ahead))
+            except BaseException:
+                with self._cond:
+                    self._published.extendleft(reversed(ready[n:]))
+                raise
             with self._cond:
                 self._units[p.unit].lag -= p.iterations
 
