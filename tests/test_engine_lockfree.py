@@ -14,7 +14,7 @@ from torch import nn
 import pagemem
 from pagemem.engine.updates import lockfree
 from pagemem.engine.updates import update as update_module
-from exactness import HP, assert_same, engine_config, same_loop, train_both
+from exactness import assert_same, engine_config, reference, same_loop, train_both
 from test_engine_exactness import CASES, hf_model, lm_loss
 
 TIERS = ["cpu", "nvme", "nvme+homes"]
@@ -71,13 +71,7 @@ def test_under_max_staleness_zero_step_does_not_wait_but_a_read_of_a_unit_not_up
     overlaps it); a read of a parameter whose unit is not updated yet waits for it, and then
     reads synchronous training's value."""
     make, loss = CASES["parameter read after a child"]
-    ref = make()
-    opt = torch.optim.AdamW(ref.parameters(), fused=True, **HP)
-    for s in range(2):
-        loss(ref, ref, s).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    want = reference(make, loss, 2)
     model = make()
     cfg = engine_config(make(), loss, tmp_path, lock_free=True, max_staleness=0)
     release, blocking, left = threading.Event(), threading.Event(), threading.Event()
@@ -113,12 +107,7 @@ def test_a_write_of_published_updates_that_raises_loses_none(where, tmp_path, mo
     buffered parameters puts the unwritten ones back: the next read or forward writes them and
     nothing waits forever for an update nobody holds (the attack: every later wait hung)."""
     make, loss = CASES["parameter read after a child"]
-    ref = make()
-    opt = torch.optim.AdamW(ref.parameters(), fused=True, **HP)
-    for s in range(3):
-        loss(ref, ref, s).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    want = reference(make, loss, 3)
     model = make()
     cfg = engine_config(make(), loss, tmp_path, lock_free=True, max_staleness=0)
     raised = []
@@ -147,7 +136,7 @@ def test_a_write_of_published_updates_that_raises_loses_none(where, tmp_path, mo
         engine.step()
         got = engine.state_dict()
     faulthandler.cancel_dump_traceback_later()
-    assert_same({k: v.detach() for k, v in ref.state_dict().items()}, got)
+    assert_same(want, got)
 
 
 def test_the_staleness_histogram_counts_steps_under_accumulation(tmp_path):
