@@ -228,17 +228,7 @@ class LockFreeUpdater:
         one of its parameters between steps under ``max_staleness=0``: see the Note). Shielded
         as the engine's calls are: a Ctrl-C waits for the write under way ([Note: Ctrl-C inside
         the engine])."""
-        while True:
-            self.check()
-            with self._cond:
-                ready = list(self._published)
-                self._published.clear()
-                if not ready and (self._units[unit].lag == 0 or self._fresh(unit)):
-                    return
-                if not ready:
-                    self._cond.wait(_POLL_SECONDS)
-                    continue
-            self._write(ready)
+        self._drain_until(lambda: self._units[unit].lag == 0 or self._fresh(unit))
 
     def before_iteration(self, first_of_step: bool = True) -> None:
         """An iteration starts: write what was published into the buffered parameters, wait
@@ -254,12 +244,17 @@ class LockFreeUpdater:
     def drain(self, limit: int | None = None) -> None:
         """Write every published update into the compute pages; with ``limit``, wait (writing
         as updates arrive) until no unit lags more than ``limit`` iterations."""
+        self._drain_until(lambda: limit is None or self._lag() <= limit)
+
+    def _drain_until(self, done: Callable[[], bool]) -> None:
+        """Write published updates as they arrive until none is ready and ``done()`` (under the
+        lock) holds."""
         while True:
             self.check()
             with self._cond:
                 ready = list(self._published)
                 self._published.clear()
-                if not ready and (limit is None or self._lag() <= limit):
+                if not ready and done():
                     return
                 if not ready:
                     self._cond.wait(_POLL_SECONDS)
