@@ -141,11 +141,12 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                 engine.save(opts["save_dir"])
         stats = engine.stats()
         weights = engine.state_dict()
+        optim = engine.optimizer.state_dict()["state"]  # with sharded moments, a collective
         if "weights_dir" in opts:
             paths = engine.save_weights(opts["weights_dir"])
             assert os.path.exists(paths[-1])  # rank 0 wrote them; every rank is told where
     if rank == 0:
-        torch.save({"weights": weights, "stats": stats["ranks"], "made_sent": made_sent,
+        torch.save({"weights": weights, "stats": stats["ranks"], "made_sent": made_sent, "optim": optim,
                     "gpu_bytes": engine.config.store.gpu_bytes,
                     "moved": stats["moved_bytes"]}, out)
 
@@ -302,7 +303,8 @@ def run_ddp(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
         opt.step()
         opt.zero_grad()
     if rank == 0:
-        torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}, out)
+        torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    "optim": opt.state_dict()["state"]}, out)
 
 
 def main() -> None:

@@ -129,11 +129,20 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
         buffers = list(model.buffers())  # rank 0's, before each forward
         if buffers:
             per_step += header + 2 * 2 * 8 + sum(b.numel() * b.element_size() for b in buffers) // 2  # + sizes
+        # [Note: sharded moments]: each rank's updated share of the master weights, gathered
+        assert stats["stats"]["sharded"] and sum(stats["stats"]["moment_shares"]) == sum(p.numel() for p in model.parameters())
+        per_step += (world - 1) * 4 * max(stats["stats"]["moment_shares"])
         assert stats["stats"]["sent_bytes"] - stats["made_sent"] == 8 * per_step
     ddp = run_ok("ddp", world, tmp_path / "ddp.pt")
     reference = plain()
     if world == 2:
         assert distance(ours, ddp) == 0.0
+        # the sharded moments, gathered by optimizer.state_dict(), are DDP's fused AdamW's, bit for bit
+        mine, theirs = torch.load(tmp_path / "engine.pt")["optim"], torch.load(tmp_path / "ddp.pt")["optim"]
+        assert mine.keys() == theirs.keys() and len(mine) > 10
+        for n in theirs:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(mine[n][kind], theirs[n][kind]), (n, kind)
     else:
         assert distance(ours, ddp) <= max(4 * distance(ddp, reference), 1e-6)
     assert distance(ours, reference) <= max(4 * distance(ddp, reference), 1e-6)

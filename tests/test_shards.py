@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from pagemem.engine.ranks.shards import shard_states
+from pagemem.engine.units.shards import shard_states
 
 PAGE = 4096
 

@@ -43,7 +43,10 @@ class EngineConfig:
     Ranks are the process group's, never the config's ([Note: data parallel over the process
     group] in ``ranks/average.py``); ``collective_timeout_s``: how long a collective may wait for
     the other ranks before ``RankFailed`` names the ranks that did not come (the first
-    iteration's collective waits for every rank's tracing and planning). ``adam_threads``: CPU Adam
+    iteration's collective waits for every rank's tracing and planning);
+    ``shard_optimizer_states``: with several ranks, each holds and updates only its share of the
+    Adam moments, and the ranks gather the updated master weights (ZeRO stage 1 for the moments:
+    [Note: sharded moments] in ``units/shards.py``); False keeps a replica on every rank. ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
     means on when the gpu tier is CUDA, for units whose states are off the gpu (backward runs
@@ -72,6 +75,7 @@ class EngineConfig:
     accumulation_steps: int = 1
     loss_scale: str | float | None = "default"
     collective_timeout_s: float = 600.0
+    shard_optimizer_states: bool = True
     adam_threads: int | None = None
     overlap_update: bool | None = None
     executor: str = "plan"
@@ -101,6 +105,7 @@ class EngineConfig:
         if self.collective_timeout_s < 1.0:
             raise ConfigError(f"collective_timeout_s: must be at least 1 second (the first collective waits for every "
                               f"rank's tracing and planning), got {self.collective_timeout_s!r}")
+        check_bool("shard_optimizer_states", self.shard_optimizer_states)
         if self.adam_threads is not None:
             check_int("adam_threads", self.adam_threads, 1, 1024)
         if self.overlap_update is not None:

@@ -50,6 +50,7 @@ from pagemem.engine.units.model_checks import check_no_meta_buffers, check_param
 from pagemem.engine.updates.optimizer_states import OptimizerStates
 from pagemem.engine.paging.pager import Pager
 from pagemem.engine.ranks import Collectives, RankGroup
+from pagemem.engine.ranks.gather import MasterGather
 from pagemem.engine.ranks.join import join_ranks
 from pagemem.engine.ranks.replicas import agree_on_values, sync_buffers
 from pagemem.engine.phase import EnginePhase, PhaseMachine
@@ -146,7 +147,9 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
     def _build(self, model: nn.Module, config: EngineConfig, groups: list | None, source: ValueSource) -> None:
         self.bank = ParamBank(model, self.store, config.compute_dtype, config.optimizer_tier,
                               unit_bytes=unit_cap(config.store), source=source, states_apart=config.lock_free,
-                              home_tier=self._home_tier)
+                              home_tier=self._home_tier,
+                              ranks=((self.ranks.rank, self.ranks.world_size) if config.shard_optimizer_states
+                                     else (0, 1)))
         if isinstance(source, (FromStateDict, FromSafetensors)):
             source.set_buffers(model, self.store.tier("gpu").device)
         if not isinstance(source, FromCheckpoint):
@@ -181,6 +184,10 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         self.bank.copies.record_in(self.ledger)
         self.updater = Updater(self.bank, self.store, config, lambda g: check_no_amsgrad(self.optimizer.hyper(g)),
                                self.ledger, data_parallel=self.ranks.data_parallel)
+        if self.bank.shards is not None:  # [Note: sharded moments]
+            assert self.collectives is not None
+            self.updater.gather_masters = MasterGather(self.bank, self.collectives)
+            self.optimizer.states.whole_moments = self.updater.gather_masters.whole_moments
         self.phase = PhaseMachine()
         """Where the engine stands between backward and the update, with the backwards since the
         last update ([Note: engine phases], ``phase.py``)."""

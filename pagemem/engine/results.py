@@ -225,7 +225,17 @@ class ResultsMixin:
             "home_tier": self.bank.home_tier,  # [Note: homes on nvme]: where compute copies and gradient sums live
             "optimizer_tier": self.config.optimizer_tier,
             "loss_scale": self.updater.scaler.scale,
-            "ranks": (self.collectives.stats() if self.collectives is not None else  # [Note: collectives]
-                      {"rank": 0, "world_size": 1, "backend": self.ranks.backend, "collectives": 0, "sent_bytes": 0,
-                       "collective_wait_seconds": 0.0}),
+            "ranks": self._rank_stats(),
         }
+
+    def _rank_stats(self) -> dict[str, Any]:
+        """The collectives' counts ([Note: collectives]) and each rank's share of the moments
+        ([Note: sharded moments]: elements per rank, in rank order; one process: all of them)."""
+        gather = self.updater.gather_masters
+        shares = ([s.owned_elements for s in gather.shares] if gather is not None else
+                  [sum(p.numel() for _, p in self.bank.params)])
+        counts = (self.collectives.stats() if self.collectives is not None else
+                  {"rank": 0, "world_size": 1, "backend": self.ranks.backend, "collectives": 0, "sent_bytes": 0,
+                   "collective_wait_seconds": 0.0})
+        return {**counts, "moment_shares": shares, "sharded": gather is not None,
+                "gathered_bytes": gather.gathered_bytes if gather is not None else 0}

@@ -51,6 +51,21 @@ writes the checkpoint (every rank's RNG state gathered to it), the others wait f
 and the manifest's ``ranks`` records the world size and that layout. Any number of ranks loads
 it (one included): every rank reads the same files, rank ``r`` takes the RNG state of saved
 rank ``r`` (of ``r`` modulo the saved world size where it had fewer ranks).
+
+[Note: sharded checkpoints] Where the ranks shard the Adam moments ([Note: sharded moments] in
+``units/shards.py``), no rank holds them whole, so each rank writes its own share: rank 0 makes
+the temporary directory and the two moments' files, sized from every rank's count of pages
+(one all-reduce), and each rank writes, verifies and fsyncs its pages into them from its own
+first page on (``write_share``), then tells rank 0 where each parameter's share lies. The
+manifest's ``ranks.layout`` is ``"sharded"``, and a moment's place is a list of pieces, each
+with the element it starts at, that follow one another over the whole parameter; the
+other files are rank 0's, as with replicas (the master weights are whole on every rank). A
+load reads the pieces back into the whole moment and each loading rank keeps its own share of
+it (``ParamBank.set_state``), so a checkpoint saved with N ranks loads with any M, one process
+included, and one saved by one process loads sharded. Why not ``torch.distributed.checkpoint``:
+the page format with its checksums and atomic publication already carries replicas, and the
+shares are ranges of flat pages, which this format describes in a few lines of manifest; DCP
+would bring a second format and a second verification path for one tensor kind.
 """
 
 from __future__ import annotations
@@ -111,9 +126,12 @@ class Checkpointed:
 
 # ---------------------------------------------------------------------------------------- save
 
-def _write_pages(engine: Checkpointed, kind: str, path: str) -> tuple[list[dict | None], list[int]]:
+def _write_pages(engine: Checkpointed, kind: str, path: str, base: int | None = None
+                 ) -> tuple[list[dict | None], list[int]]:
     """Write every page holding a ``kind`` tensor into ``path``, each verified; return where each
-    tensor lies (page positions in the file, offset, bytes) and each page's checksum."""
+    tensor lies (page positions in the file, offset, bytes) and each page's checksum. ``base``:
+    into the existing file ``path``, from its page ``base`` on (a rank's share of sharded moments:
+    [Note: sharded checkpoints]); else a new file of these pages alone."""
     store, bank = engine.store, engine.bank
     pb = store.page_bytes
     order: dict[int, int] = {}
@@ -127,26 +145,79 @@ def _write_pages(engine: Checkpointed, kind: str, path: str) -> tuple[list[dict 
         extents = t.extents()
         for page_id, _lo, _hi in extents:
             order.setdefault(page_id, len(order))
-        tensors.append({"pages": [order[p] for p, _, _ in extents], "offset": extents[0][1] if extents else 0,
+        at = base or 0
+        tensors.append({"pages": [at + order[p] for p, _, _ in extents], "offset": extents[0][1] if extents else 0,
                         "nbytes": t.nbytes})
     digests = [0] * len(order)
     with io_errors("writing", path):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if base is None else 0), 0o600)
         try:
-            os.ftruncate(fd, len(order) * pb)
+            if base is None:
+                os.ftruncate(fd, len(order) * pb)
             for page_id, pos in order.items():
-                digests[pos] = store.export_page(page_id, fd, pos * pb, path)
+                digests[pos] = store.export_page(page_id, fd, ((base or 0) + pos) * pb, path)
             os.fsync(fd)
         finally:
             os.close(fd)
     return tensors, digests
 
 
-def _write_files(engine: Checkpointed, tmp: str, state: dict[str, Any], rank_rngs: list[bytes] | None) -> None:
+# ---------------------------------------------------------------- sharded moments, rank by rank
+
+def share_pages(engine: Checkpointed, kind: str) -> int:
+    """Pages this rank's share of the sharded moment ``kind`` takes in a checkpoint ([Note:
+    sharded checkpoints])."""
+    pages = set()
+    for layer in engine.bank.layers:
+        for t in getattr(layer, kind):
+            if t is not None:
+                pages.update(p for p, _, _ in t.extents())
+    return len(pages)
+
+
+def create_share_files(tmp: str, pages: dict[str, int], page_bytes: int) -> None:
+    """The sharded moments' files in ``tmp``, of ``pages[kind]`` pages each (every rank's share),
+    for the ranks to fill (rank 0 makes them: [Note: sharded checkpoints])."""
+    for kind, n in pages.items():
+        path = os.path.join(tmp, f"{kind}.pages")
+        with io_errors("creating", path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, n * page_bytes)
+            finally:
+                os.close(fd)
+
+
+def write_share(engine: Checkpointed, tmp: str, kind: str, base: int) -> tuple[list[dict | None], list[int]]:
+    """This rank's share of the sharded moment ``kind`` into its file in ``tmp`` from page
+    ``base`` on, verified and fsynced: where each parameter's share lies (with ``start``, its
+    first element) and the pages' checksums."""
+    places, digests = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"), base)
+    return [None if w is None else {**w, "start": engine.bank.owned(i)[0]} for i, w in enumerate(places)], digests
+
+
+def merge_shares(parts: list[tuple[list[dict | None], list[int]]]) -> tuple[list[dict | None], list[int]]:
+    """Every rank's ``write_share`` of one moment (in rank order, their pages in that order in
+    the file) as the manifest's entries: per parameter, its pieces in element order."""
+    n = len(parts[0][0])
+    places: list[dict | None] = []
+    for i in range(n):
+        pieces = sorted((w for rank_places, _ in parts if (w := rank_places[i]) is not None), key=lambda w: w["start"])
+        places.append({"pieces": pieces} if pieces else None)
+    return places, [d for _, digests in parts for d in digests]
+
+
+def _write_files(engine: Checkpointed, tmp: str, state: dict[str, Any], rank_rngs: list[bytes] | None,
+                 moments: dict[str, tuple[list, list[int]]] | None = None) -> None:
     """Every file of a checkpoint into the directory ``tmp``, the manifest last (``rank_rngs``:
-    every rank's RNG state, [Note: checkpoints over ranks])."""
+    every rank's RNG state, [Note: checkpoints over ranks]; ``moments``: the sharded moments'
+    places and page checksums, their files already written by every rank, [Note: sharded
+    checkpoints])."""
     layout, digests = {}, {}
     for kind in KINDS:
+        if moments is not None and kind in moments:
+            layout[kind], digests[kind] = moments[kind]
+            continue
         layout[kind], digests[kind] = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"))
     rng = torch.get_rng_state().numpy().tobytes()
     write_durable(os.path.join(tmp, "rng.bin"), rng)
@@ -167,7 +238,7 @@ def _write_files(engine: Checkpointed, tmp: str, state: dict[str, Any], rank_rng
     if rank_rngs is not None:
         joined = b"".join(rank_rngs)
         write_durable(os.path.join(tmp, "rng-ranks.bin"), joined)
-        body["ranks"] = {"world_size": len(rank_rngs), "layout": "replicated",
+        body["ranks"] = {"world_size": len(rank_rngs), "layout": "replicated" if moments is None else "sharded",
                          "rng": {"file": "rng-ranks.bin", "xxh3": xxhash.xxh3_64_intdigest(joined), "nbytes": len(joined)}}
     mf.validate(body)  # what a load would refuse is never written
     write_durable(os.path.join(tmp, MANIFEST), mf.encode(body))
@@ -178,18 +249,39 @@ def save(engine: Checkpointed, root: str, keep: int | None = None, rank_rngs: li
     ``keep``: then remove all but the newest ``keep`` checkpoints (never the one ``latest``
     names). ``rank_rngs``: every rank's RNG state, written by rank 0 ([Note: checkpoints over
     ranks])."""
+    tmp = begin_save(engine, root)
+    try:
+        return finish_save(engine, root, tmp, keep, rank_rngs)
+    except BaseException:
+        remove(tmp)
+        raise
+
+
+def begin_save(engine: Checkpointed, root: str) -> str:
+    """The new checkpoint's temporary directory under ``root``, made (leftovers of a crashed
+    save removed first); ``finish_save`` fills and publishes it."""
     engine.store.synchronize()
     with io_errors("creating", root):
         os.makedirs(root, exist_ok=True)
     remove_leftovers(root)
+    name = f"step-{engine.training_state()['global_step']:08d}"
+    tmp = os.path.join(root, f"{name}.tmp-{uuid.uuid4().hex[:8]}")
+    with io_errors("creating", tmp):
+        os.mkdir(tmp)
+    return tmp
+
+
+def finish_save(engine: Checkpointed, root: str, tmp: str, keep: int | None = None,
+                rank_rngs: list[bytes] | None = None, moments: dict[str, tuple[list, list[int]]] | None = None
+                ) -> str:
+    """Write the checkpoint's files into ``tmp`` (``begin_save``'s), rename it to its name and
+    point ``latest`` at it ([Note: atomic and durable]); ``moments``: see ``_write_files``. A
+    failure removes what it wrote, ``tmp`` included."""
     state = engine.training_state()
     name = f"step-{state['global_step']:08d}"
-    tmp = os.path.join(root, f"{name}.tmp-{uuid.uuid4().hex[:8]}")
     final = None
     try:
-        with io_errors("creating", tmp):
-            os.mkdir(tmp)
-        _write_files(engine, tmp, state, rank_rngs)
+        _write_files(engine, tmp, state, rank_rngs, moments)
         fsync_dir(tmp)
         final = os.path.join(root, name)
         if os.path.lexists(final):  # saved at this step before (maybe what ``latest`` names): keep it
@@ -360,6 +452,17 @@ def load(make: Callable[..., Any], directory: str, model: torch.nn.Module, confi
     return engine
 
 
+def _bytes_at(raw: np.ndarray, where: dict[str, Any], pb: int) -> np.ndarray:
+    """The bytes of one tensor (or piece) the manifest places in a file read whole as ``raw``."""
+    chunks, left, lo = [], where["nbytes"], where["offset"]
+    for pos in where["pages"]:
+        take = min(pb - lo, left)
+        chunks.append(raw[pos * pb + lo:pos * pb + lo + take])
+        left -= take
+        lo = 0
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
+
+
 def load_into(engine: Checkpointed, ckpt: str, manifest: dict[str, Any]) -> None:
     """Overwrite ``engine``'s states with the checkpoint's, verifying every page and file first
     (the manifest is ``read_manifest``'s, already validated)."""
@@ -390,13 +493,9 @@ def load_into(engine: Checkpointed, ckpt: str, manifest: dict[str, Any]) -> None
         for i, where in enumerate(manifest["tensors"][kind]):
             if where is None or (kind == "compute" and manifest["tensors"]["master"][i] is not None):
                 continue  # a state this parameter had no pages for; a compute copy its master sets
-            chunks, left, lo = [], where["nbytes"], where["offset"]
-            for pos in where["pages"]:
-                take = min(pb - lo, left)
-                chunks.append(raw[pos * pb + lo:pos * pb + lo + take])
-                left -= take
-                lo = 0
-            flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
+            pieces = where["pieces"] if "pieces" in where else [where]  # [Note: sharded checkpoints]
+            parts = [_bytes_at(raw, piece, pb) for piece in pieces]
+            flat = (parts[0] if len(parts) == 1 else np.concatenate(parts)) if parts else np.zeros(0, dtype=np.uint8)
             dtype = (torch.float32 if kind != "compute" else
                      getattr(torch, mf.saved_compute_dtype(manifest["config"], manifest["params"][i])))
             value = torch.from_numpy(flat.copy()).view(dtype).reshape(engine.bank.params[i][1].shape)

@@ -29,6 +29,8 @@ KINDS = ("master", "exp_avg", "exp_avg_sq", "compute")
 """What a checkpoint holds per parameter: its states, and the compute copy (the only value a
 frozen parameter has; the others' is written too, small beside the states)."""
 STATES = KINDS[:3]
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The states a sharded checkpoint holds in pieces, one per rank ([Note: sharded checkpoints])."""
 COMPUTE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PARAM_DTYPES = {f"torch.{n}" for n in COMPUTE_DTYPES} | {"torch.float64"}
 BUFFER_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
@@ -144,6 +146,7 @@ def validate(m: dict[str, Any]) -> None:
         _need(p["dtype"] in PARAM_DTYPES, f"params[{i}].dtype", "a floating dtype", p["dtype"])
         sizes.append(math.prod(shape))
     _check_state(m["state"], len(params), scale)
+    sharded = isinstance(m.get("ranks"), dict) and m["ranks"].get("layout") == "sharded"
     tensors = _dict(m["tensors"], "tensors", KINDS)
     digests = _dict(m["page_digests"], "page_digests", KINDS)
     for kind in KINDS:
@@ -166,7 +169,10 @@ def validate(m: dict[str, Any]) -> None:
                 continue
             _need(kind in ("compute", "master") or not frozen, f"tensors.{kind}[{i}]", "null (a frozen parameter)",
                   where)
-            _extent(where, f"tensors.{kind}[{i}]", pb, pages, sizes[i] * itemsize)
+            if sharded and kind in MOMENTS:
+                _pieces(where, f"tensors.{kind}[{i}]", pb, pages, sizes[i] * itemsize)
+            else:
+                _extent(where, f"tensors.{kind}[{i}]", pb, pages, sizes[i] * itemsize)
     for name in ("rng", "buffers"):
         f = _dict(m[name], name, ("file", "xxh3", "nbytes"))
         _need(f["file"] == f"{name}.bin", f"{name}.file", f"{name}.bin", f["file"])
@@ -176,12 +182,28 @@ def validate(m: dict[str, Any]) -> None:
     if "ranks" in m:  # written by rank 0 of several ([Note: checkpoints over ranks])
         ranks = _dict(m["ranks"], "ranks", ("world_size", "layout", "rng"))
         n = _int(ranks["world_size"], "ranks.world_size", 2, 1 << 20)
-        _need(ranks["layout"] == "replicated", "ranks.layout", "'replicated'", ranks["layout"])
+        _need(ranks["layout"] in ("replicated", "sharded"), "ranks.layout", "'replicated' or 'sharded'", ranks["layout"])
         f = _dict(ranks["rng"], "ranks.rng", ("file", "xxh3", "nbytes"))
         _need(f["file"] == "rng-ranks.bin", "ranks.rng.file", "rng-ranks.bin", f["file"])
         _int(f["xxh3"], "ranks.rng.xxh3", 0, 2 ** 64 - 1)
         _need(_int(f["nbytes"], "ranks.rng.nbytes", 0, 2 ** 48) % n == 0, "ranks.rng.nbytes",
               "a multiple of ranks.world_size", f["nbytes"])
+
+
+def _pieces(where: Any, field: str, pb: int, pages: int, nbytes: int) -> None:
+    """A sharded moment's place ([Note: sharded checkpoints]): pieces, each an ``_extent`` with the
+    element it starts at, that follow one another from element 0 to the end."""
+    pieces = _list(_dict(where, field, ("pieces",))["pieces"], f"{field}.pieces")
+    at = 0
+    for n, piece in enumerate(pieces):
+        name = f"{field}.pieces[{n}]"
+        _dict(piece, name, ("pages", "offset", "nbytes", "start"))
+        _need(piece["start"] == at // 4, f"{name}.start", f"{at // 4} (where the previous piece ends)", piece["start"])
+        size = _int(piece["nbytes"], f"{name}.nbytes", 4, nbytes - at)
+        _need(size % 4 == 0, f"{name}.nbytes", "a multiple of 4", size)
+        _extent(piece, name, pb, pages, size)
+        at += size
+    _need(at == nbytes, f"{field}.pieces", f"pieces of {nbytes} bytes in all", at)
 
 
 def _extent(where: Any, field: str, pb: int, pages: int, nbytes: int) -> None:

@@ -1,4 +1,5 @@
-"""A checkpoint written by rank 0 for every rank ([Note: checkpoints over ranks] in
+"""A checkpoint written for every rank: by rank 0, with each rank's share of sharded moments
+written by that rank ([Note: checkpoints over ranks] and [Note: sharded checkpoints] in
 ``engine/checkpoints/checkpoint.py``)."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Callable, TypeVar
 import torch
 
 from pagemem.engine.checkpoints import checkpoint
+from pagemem.engine.checkpoints.ckpt_io import remove
+from pagemem.engine.units.bank import MOMENTS
 from pagemem.engine.ranks.collectives import Collectives
 from pagemem.errors import InvalidRequest
 
@@ -63,4 +66,66 @@ def save_over_ranks(engine: checkpoint.Checkpointed, coll: Collectives, root: st
         raise InvalidRequest(f"save: ranks called save() with different directories (this rank {root!r}); rank 0 "
                              "writes for every rank: pass the same directory, on a filesystem every rank sees")
     rngs = gather_rngs(coll)
-    return by_rank_zero(coll, "save", root, lambda: checkpoint.save(engine, root, keep, rank_rngs=rngs))
+    if engine.bank.shards is None:
+        return by_rank_zero(coll, "save", root, lambda: checkpoint.save(engine, root, keep, rank_rngs=rngs))
+    return _save_sharded(engine, coll, root, keep, rngs)
+
+
+def _error(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def _save_sharded(engine: checkpoint.Checkpointed, coll: Collectives, root: str, keep: int | None,
+                  rngs: list[bytes]) -> str:
+    """[Note: sharded checkpoints] Rank 0 makes the directory and the moments' files, sized from
+    every rank's count of pages; each rank writes its share into them from its own page on;
+    rank 0 writes the rest and publishes the checkpoint. Every rank takes part in every
+    collective whatever fails, so a rank whose disk fails leaves the others in step."""
+    world, me = coll.ranks.world_size, coll.ranks.rank
+    counts = torch.zeros(len(MOMENTS) * world, dtype=torch.int64, device=coll.ranks.device)
+    for k, kind in enumerate(MOMENTS):
+        counts[k * world + me] = checkpoint.share_pages(engine, kind)
+    coll.reduce_now(counts, "counting every rank's pages of the moments")
+    per_rank = [[int(x) for x in counts[k * world:(k + 1) * world]] for k in range(len(MOMENTS))]
+    tmp, error = None, None
+    if me == 0:
+        try:
+            tmp = checkpoint.begin_save(engine, root)
+            checkpoint.create_share_files(tmp, {kind: sum(per_rank[k]) for k, kind in enumerate(MOMENTS)},
+                                          engine.store.page_bytes)
+        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+            error = exc
+    said = json.loads(coll.broadcast_bytes(json.dumps({"tmp": tmp, "error": _error(error)}).encode()
+                                           if me == 0 else None, 0, "rank 0's checkpoint directory"))
+    if said["error"] is not None:
+        if tmp is not None:
+            remove(tmp)
+        if error is not None:
+            raise error
+        raise InvalidRequest(f"save: rank 0 could not write under {root!r}: {said['error']}")
+    tmp = said["tmp"]
+    part, mine = None, None
+    try:
+        part = {kind: checkpoint.write_share(engine, tmp, kind, sum(per_rank[k][:me])) for k, kind in enumerate(MOMENTS)}
+    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+        mine = exc
+    parts = [json.loads(coll.broadcast_bytes(json.dumps({"part": part, "error": _error(mine)}).encode()
+                                             if r == me else None, r, f"rank {r}'s share of the moments"))
+             for r in range(world)]
+    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p["error"] is not None]
+
+    def publish() -> str:
+        if failed:
+            remove(tmp)
+            raise InvalidRequest(f"save: a rank could not write its share of the moments ({'; '.join(failed)}); "
+                                 "nothing was published, latest is unchanged")
+        moments = {kind: checkpoint.merge_shares([(p["part"][kind][0], p["part"][kind][1]) for p in parts])
+                   for kind in MOMENTS}
+        return checkpoint.finish_save(engine, root, tmp, keep, rngs, moments)
+
+    try:
+        return by_rank_zero(coll, "save", root, publish)
+    except Exception:
+        if mine is not None:
+            raise mine from None
+        raise

@@ -54,7 +54,7 @@ _WAIT_MARGIN_S = 30.0
 GIVE_UP_ON_SIGNAL_S = 5.0
 OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter values", "rank 0's buffers",
               "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint",
-              "clipping gradients")
+              "clipping gradients", "reading the optimizer state")
 """The engine's operations (``begin``): a header names one by its index here."""
 _serials = itertools.count()
 """Engines made in this process, in order: every rank makes its engines in the same order, so the
@@ -206,6 +206,16 @@ class Collectives:
         group = self.ranks.group
         return self._issue(what, lambda: dist.all_reduce(t, reduce_op, group=group, async_op=True),
                            bus_bytes("all_reduce", t.numel() * t.element_size(), self.ranks.world_size))
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, what: str) -> Pending:
+        """Start gathering every rank's ``t`` (the same shape on every rank) into ``out``, one
+        tensor per rank in rank order: the bits as sent (a sum of zero-padded shares would turn
+        ``-0.0`` into ``0.0``)."""
+        import torch.distributed as dist
+
+        group = self.ranks.group
+        return self._issue(what, lambda: dist.all_gather(out, t, group=group, async_op=True),
+                           bus_bytes("all_gather", t.numel() * t.element_size(), self.ranks.world_size))
 
     def reduce_now(self, t: torch.Tensor, what: str, op: str = "sum") -> torch.Tensor:
         """``all_reduce`` and wait; returns ``t``."""

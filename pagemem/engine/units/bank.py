@@ -38,6 +38,10 @@ from pagemem.engine.units.records import (ParamRecord, compute_dtype_of, compute
 from pagemem.engine.units.state_moves import StatesMoved
 from pagemem.engine.units.unit import Unit
 from pagemem.engine.units.values import FromModule, ValueSource, check_source, materialize_meta
+from pagemem.engine.units.shards import StateShards, shard_states
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The states sharded over ranks ([Note: sharded moments] in ``units/shards.py``)."""
 
 
 
@@ -53,13 +57,15 @@ def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 class ParamBank(StatesMoved):
     def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype | None, optimizer_tier: str,
                  unit_bytes: int | None = None, source: ValueSource | None = None,
-                 states_apart: bool = False, home_tier: str = "cpu") -> None:
+                 states_apart: bool = False, home_tier: str = "cpu", ranks: tuple[int, int] = (0, 1)) -> None:
         """``source`` gives the first values (default: the module's own; see [Note: first values]
         in ``values.py``), one module at a time. ``states_apart``: each unit's optimizer states on
         pages of their own (the lock-free updater moves one unit's states at a time);
         ``compute_dtype``: ``EngineConfig.compute_dtype`` ([Note: compute dtypes]). ``home_tier``:
         where compute copies and gradient sums live at rest, ``"cpu"`` or ``"nvme"`` ([Note: homes
-        on nvme] in ``homes.py``; resolved from ``EngineConfig.home_tier`` by ``choose_home_tier``)."""
+        on nvme] in ``homes.py``; resolved from ``EngineConfig.home_tier`` by ``choose_home_tier``).
+        ``ranks``: ``(rank, world_size)`` over which the Adam moments are sharded ([Note: sharded
+        moments] in ``units/shards.py``; ``(0, 1)``: not sharded)."""
         self.store = store
         self.states_apart = states_apart
         self.copies = GradCopies()
@@ -103,6 +109,10 @@ class ParamBank(StatesMoved):
             ends = layout.starts[1:] + (layout.end,)
             for i, start, end in zip(idx, layout.starts, ends):
                 param_nbytes[i] = 0 if self.compute_is_master else end - start
+        self.shards: StateShards | None = None if ranks[1] == 1 else shard_states(
+            [idx for _, idx in layer_specs], [p.numel() for _, p in self.params], [True] * len(self.params),
+            store.page_bytes, *ranks)
+        """Which elements of each parameter's moments this rank holds (None: all of them)."""
         self.layers: list[Unit] = []
         """Every paging unit, in unit order ([Note: the unit owns its state])."""
         layer_of, position = [0] * len(self.params), [0] * len(self.params)
@@ -123,9 +133,9 @@ class ParamBank(StatesMoved):
             every = kind == "compute" or (kind == "master" and self.compute_is_master)
             chained = kind == "grad" or (kind != "compute" and not states_apart)
             for _name, idx in layer_specs:
-                members = [i for i in idx if every or trainable[i]]
-                group = store.allocate_group([(self.params[i][1].shape, dtype or dtypes[i]) for i in members], tier=tier,
-                                             after=tail if chained else None) if members else []
+                members = [i for i in idx if (every or trainable[i]) and (kind not in MOMENTS or self.owned_numel(i))]
+                group = store.allocate_group([(self.state_shape(i, kind), dtype or dtypes[i]) for i in members],
+                                             tier=tier, after=tail if chained else None) if members else []
                 tail = group[-1] if group else tail
                 at = dict(zip(members, group))
                 groups[kind].append([at.get(i) for i in idx])
@@ -161,10 +171,9 @@ class ParamBank(StatesMoved):
             layer.master[k].copy_(value.float())
         if not self.compute_is_master:
             layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
-        zeros = torch.zeros(value.shape)
         for t in (layer.exp_avg[k], layer.exp_avg_sq[k]):
             if t is not None:
-                t.copy_(zeros)
+                t.copy_(torch.zeros(t.shape))
 
     def make_trainable(self, i: int) -> None:
         """Give a frozen parameter what training needs (see [Note: frozen parameters]): fp32
@@ -173,22 +182,22 @@ class ParamBank(StatesMoved):
         if self.records[i].trainable:
             return
         layer, k = self.where(i)
-        shape = self.params[i][1].shape
         tier = layer.state_tier
         kinds = [("exp_avg", tier), ("exp_avg_sq", tier), ("grad", grad_tier_beside(tier, self.home_tier))]
         if not self.compute_is_master:
             kinds.insert(0, ("master", tier))
+        kinds = [(kind, t) for kind, t in kinds if kind not in MOMENTS or self.owned_numel(i)]
         made: dict[str, PagedTensor] = {}
         try:
             for kind, t in kinds:
-                made[kind] = self.store.allocate_group([(shape, torch.float32)], tier=t)[0]
+                made[kind] = self.store.allocate_group([(self.state_shape(i, kind), torch.float32)], tier=t)[0]
         except BaseException:
             for t in made.values():
                 t.free()
             raise
         value = layer.compute[k].to_torch().float()
         for kind, t in made.items():
-            t.copy_(value if kind == "master" else torch.zeros(shape))
+            t.copy_(value if kind == "master" else torch.zeros(t.shape))
             getattr(layer, kind)[k] = t
         self._lasting = {key: v for key, v in self._lasting.items() if key[1] != i}
         self.records[i].trainable = True
@@ -254,12 +263,32 @@ class ParamBank(StatesMoved):
         return t.to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
 
     def host_state(self, i: int, kind: str) -> torch.Tensor:
-        """Parameter ``i``'s ``kind`` state (``exp_avg``, ``exp_avg_sq``, ``master``) on the host."""
+        """Parameter ``i``'s ``kind`` state (``exp_avg``, ``exp_avg_sq``, ``master``) on the host;
+        with sharded moments, this rank's elements of a moment only, flat (``owned`` says which)."""
         layer, k = self.where(i)
         t = getattr(layer, kind)[k]
         if t is None:
+            if kind in MOMENTS and self.is_trainable(i):
+                return torch.zeros(0)
             raise InvalidRequest(f"parameter {self.params[i][0]!r} has no {kind} (it is frozen)")
-        return t.to_torch().cpu().reshape(self.params[i][1].shape)
+        return t.to_torch().cpu().reshape(self.state_shape(i, kind))
+
+    # ------------------------------------------------------------------ sharded moments
+
+    def owned(self, i: int) -> tuple[int, int]:
+        """The elements ``[a, b)`` of parameter ``i``'s moments this rank holds and updates
+        ([Note: sharded moments]; every element with one rank)."""
+        return self.shards.ranges[i] if self.shards is not None else (0, self.params[i][1].numel())
+
+    def owned_numel(self, i: int) -> int:
+        a, b = self.owned(i)
+        return b - a
+
+    def state_shape(self, i: int, kind: str) -> torch.Size:
+        """The shape of parameter ``i``'s ``kind`` pages: its own, or flat for a sharded moment."""
+        if kind in MOMENTS and self.shards is not None:
+            return torch.Size([self.owned_numel(i)])
+        return self.params[i][1].shape
 
     def compute_pages(self, li: int) -> int:
         """Pages unit ``li``'s compute copy moves to and from the gpu (none where it is the master)."""
@@ -278,9 +307,12 @@ class ParamBank(StatesMoved):
                 layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
             return
         t = getattr(layer, kind)[k]
+        if kind in MOMENTS and self.shards is not None:  # this rank's elements of the whole value
+            a, b = self.owned(i)
+            value = value.reshape(-1)[a:b]
         if t is None:
             return
-        t.copy_(value)
+        t.copy_(value.reshape(t.shape))
         if kind == "master":
             self.refresh_compute(i, value)
 
@@ -306,6 +338,13 @@ class ParamBank(StatesMoved):
             layer.compute[k].copy_(master.reshape(shape).to(self.compute_dtype_of(i)))
         else:
             self.store.write(layer.compute[k], master.to(self.compute_dtype_of(i)), start)
+
+    def write_master_range(self, i: int, value: torch.Tensor, start: int) -> None:
+        """Parameter ``i``'s master weights from flat element ``start`` on take ``value`` (another
+        rank's update of its share: [Note: sharded moments]), and every copy of its compute copy."""
+        layer, k = self.where(i)
+        self.store.write(layer.master[k], value, start)
+        self.refresh_compute(i, value, start)
 
     def refresh_unit(self, values: dict[int, torch.Tensor]) -> None:
         """Write new values (``refresh_compute``'s, already in the compute dtype) into the compute

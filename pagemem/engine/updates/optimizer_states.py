@@ -25,6 +25,9 @@ class OptimizerStates:
         landed in the pages; ``serialised(what)``: held while the states are read or written
         (the engine's call lock: a step on another thread lands before or after, never inside)."""
         self.bank = bank
+        self.whole_moments: Callable[[list[int]], dict[int, dict[str, torch.Tensor]]] | None = None
+        """With sharded moments: every rank's shares of the given parameters' moments, gathered
+        (``ranks/gather.py``; a collective), set by the engine."""
         self._groups = param_groups
         self._flush = flush
         self._serialised = serialised
@@ -45,14 +48,12 @@ class OptimizerStates:
     def _read(self) -> dict[int, dict[str, torch.Tensor]]:
         bank = self.bank
         self._flush()
-        out = {}
-        for n, i in enumerate(self._numbered()):
-            steps = bank.records[i].steps
-            if not steps or not bank.is_trainable(i):
-                continue
-            out[n] = {"step": torch.tensor(float(steps)),
-                      **{kind: bank.host_state(i, kind) for kind in ("exp_avg", "exp_avg_sq")}}
-        return out
+        numbered = [(n, i) for n, i in enumerate(self._numbered()) if bank.records[i].steps and bank.is_trainable(i)]
+        if self.whole_moments is not None:  # [Note: sharded moments]
+            whole = self.whole_moments([i for _, i in numbered])
+        else:
+            whole = {i: {kind: bank.host_state(i, kind) for kind in ("exp_avg", "exp_avg_sq")} for _, i in numbered}
+        return {n: {"step": torch.tensor(float(bank.records[i].steps)), **whole[i]} for n, i in numbered}
 
     def _write(self, state: dict[Any, dict[str, Any]]) -> None:
         bank = self.bank

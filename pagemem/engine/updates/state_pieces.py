@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagemem.engine.updates.adam import Chunk
+from pagemem.engine.units.bank import MOMENTS
 
 if TYPE_CHECKING:
     from pagemem.engine.units.bank import ParamBank
@@ -28,7 +29,7 @@ def aligned(master: list, grad: list, exp_avg: list, exp_avg_sq: list) -> list[S
     the fused kernel bit-identical to one call (see ``pagemem.engine.updates.adam``)."""
     parts = (master, grad, exp_avg, exp_avg_sq)
     if all(len(p) == 1 for p in parts):
-        return [(0, Chunk(*(p[0][1] for p in parts)))]
+        return [(master[0][0], Chunk(*(p[0][1] for p in parts)))]
     n = master[-1][0] + master[-1][1].numel()
     cuts = sorted({start for p in parts for start, _ in p} | {n})
     out, at = [], [0, 0, 0, 0]
@@ -64,9 +65,28 @@ def lend(bank: "ParamBank", store: "PageStore", params: list[int],
     n_kinds = len(kinds)
     for n, i in enumerate(leased):
         pieces[i] = [x.pieces for x in leases[n_kinds * n:n_kinds * n + n_kinds]]
+    if bank.shards is not None:  # [Note: sharded moments]: this rank's elements of each
+        for i, ps in pieces.items():
+            a, b = bank.owned(i)
+            ps[:] = [_shifted(p, a) if kind in MOMENTS else _window(p, a, b) for kind, p in zip(kinds, ps)]
     if not grads:  # the master's pieces stand in for the gradient's (the same cuts)
         pieces = {i: [p[0], p[0], p[1], p[2]] for i, p in pieces.items()}
     return [(i, aligned(*pieces[i])) for i in params], leases
+
+def _window(pieces: list[tuple[int, torch.Tensor]], a: int, b: int) -> list[tuple[int, torch.Tensor]]:
+    """The parts of ``(first element, flat view)`` pieces that hold elements ``[a, b)``."""
+    out = []
+    for start, x in pieces:
+        lo, hi = max(a, start), min(b, start + x.numel())
+        if lo < hi:
+            out.append((lo, x[lo - start:hi - start]))
+    return out
+
+
+def _shifted(pieces: list[tuple[int, torch.Tensor]], a: int) -> list[tuple[int, torch.Tensor]]:
+    """Pieces of a sharded moment, which holds elements from ``a`` on, numbered as the parameter's."""
+    return [(start + a, x) for start, x in pieces]
+
 
 def _leases_of(bank: "ParamBank", store: "PageStore", where: list, kinds: tuple[str, ...] = KINDS) -> list:
     """The four leases (master, grad, exp_avg, exp_avg_sq) of each (layer, k), in order, taken

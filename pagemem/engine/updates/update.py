@@ -93,6 +93,9 @@ class Updater(UpdatesInBackward, StreamedUpdate):
         self._early_error: BaseException | None = None
         self._early_taken = False
         self.overlap = self._overlap_exact()
+        self.gather_masters: Callable[[list[int]], None] | None = None
+        """With sharded moments: gathers every rank's updated share of the given parameters'
+        master weights ([Note: sharded moments]; ``ranks/gather.py``), set by the engine."""
         """Updates may run during backward (fixed by the configuration: see the Note)."""
 
     # ------------------------------------------------------------------ the step
@@ -216,15 +219,22 @@ class Updater(UpdatesInBackward, StreamedUpdate):
                         "the last update landed: its states are intact on the cpu and are written back again after "
                         "this one", u):
             self.flush()
-        if not self.bank.on_disk(remaining):
+        sharded = self.bank.shards is not None
+        if not self.bank.on_disk(remaining) and not sharded:
             if not self._update_batch(remaining, u, check=True):  # all in memory: one batch, checked in it
                 return False
         else:  # [Note: homes on nvme] the units pass through the cpu a batch at a time
-            if not u.checked and not self._check_streamed(u, remaining):
+            if not u.checked and not self._check_streamed(u, remaining):  # from whole gradients, sharded too
                 return False
             u.checked = True
-            for batch in self._batches(remaining):
+            if sharded:  # [Note: sharded moments]: this rank updates its share; the rest is counted
+                self._count_unowned(u)
+            for batch in self._batches(u.remaining()):
                 self._update_batch(batch, u, check=False)
+            if sharded:
+                self.flush()  # the gather reads and writes master weights the write-back moves
+                assert self.gather_masters is not None
+                self.gather_masters(u.params)
         self.unfinished = None
         self.scaler.update(overflow=False)
         return True
@@ -273,6 +283,16 @@ class Updater(UpdatesInBackward, StreamedUpdate):
             if disk:
                 self._writeback = self.store.move(disk, "nvme")
         return True
+
+    def _count_unowned(self, u: UnfinishedUpdate) -> None:
+        """The parameters of ``u`` this rank holds no moments of: their steps counted (they are
+        updated by the ranks that hold them, and gathered)."""
+        for i in u.remaining():
+            if not self.bank.owned_numel(i):
+                if i not in u.stepped:
+                    self.bank.count_step(i)
+                    u.stepped.add(i)
+                u.done.add(i)
 
     def _skip(self) -> None:
         """An fp16 overflow: the step is skipped and the loss scale backs off."""

@@ -1,0 +1,73 @@
+"""Which elements of each parameter's Adam moments a rank holds and updates.
+
+[Note: sharded moments]
+With several ranks ([Note: data parallel over the process group] in ``ranks/average.py``) each
+rank keeps the Adam moments (``exp_avg``, ``exp_avg_sq``: 8 of the 12 bytes per parameter of
+fp32 optimizer state) of its share of the elements only, and updates only those: ZeRO stage 1 for
+the moments. The gradients are still averaged whole on every rank, so the loss scale's verdict
+and the clipping coefficient are computed from whole gradients, as one process computes them;
+after the update the ranks all-gather the master weights they updated (``ranks/gather.py``), so
+every rank holds the whole fp32 master (and, from it, the compute copy) again. A real all-gather
+of the bits, not a sum of zero-padded shares, which would turn a ``-0.0`` into ``0.0``.
+
+The shares: a unit's parameters are laid out as the store lays out its fp32 states
+(``store.layout.pack``: back to back, each start aligned to 256 bytes, frozen parameters
+included, so that unfreezing one later finds its share already decided); the unit's pages are
+cut into ``world_size`` runs of whole pages, run ``(rank - unit) mod world_size`` being this
+rank's, so units that fill less than a page per rank spread over the ranks instead of all
+falling to the first. A parameter's share is where its bytes meet the rank's run: one range
+``[a, b)`` per parameter per rank (``a == b``: none), the ranges of every rank partitioning
+``[0, n)``. A cut falls on a page boundary, which lies a multiple of 256 bytes from a parameter's
+start: a multiple of 64 elements, where the fused AdamW kernel gives the bits one call over the
+whole tensor gives (``updates/state_pieces.py``), so the sharded update is bit for bit the
+replicated one. The master weights stay whole on every rank (sharding them too needs
+``host_value`` and ``state_dict`` to become collectives; not built yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagemem.store.layout import pack
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class StateShards:
+    """Each parameter's owned element range on ``rank`` of ``world_size`` (see the Note)."""
+
+    rank: int
+    world_size: int
+    ranges: tuple[tuple[int, int], ...]
+    """Per parameter, in index order: ``(a, b)``, the elements ``[a, b)`` this rank owns (a frozen
+    parameter's: ``(0, 0)``)."""
+
+    def owned(self, i: int) -> int:
+        a, b = self.ranges[i]
+        return b - a
+
+    @property
+    def owned_elements(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
+def shard_states(units: list[list[int]], numels: list[int], trainable: list[bool], page_bytes: int,
+                 rank: int, world_size: int) -> StateShards:
+    """The ranges ``rank`` owns (``units``: each unit's parameter indices, in unit order)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    ranges = [(0, 0)] * len(numels)
+    for u, idx in enumerate(units):
+        members = [i for i in idx if trainable[i]]
+        if not members:
+            continue
+        layout = pack([FP32 * numels[i] for i in members], page_bytes)
+        run = (rank - u) % world_size
+        lo = run * layout.pages // world_size * page_bytes
+        hi = (run + 1) * layout.pages // world_size * page_bytes
+        for i, start, size in zip(members, layout.starts, layout.sizes):
+            a = min(max(lo - start, 0), size)
+            b = min(max(hi - start, 0), size)
+            ranges[i] = (a // FP32, b // FP32) if b > a else (0, 0)
+    return StateShards(rank, world_size, tuple(ranges))

@@ -1,0 +1,91 @@
+"""[Note: sharded moments]: each rank's update of its share, from the same whole gradients,
+gives the bits the replicated update gives on that share (master weights, both moments, the
+compute copy), and the shares put together are the whole replicated update. The ranks are
+simulated in one process: a bank per rank, the gather done by hand (``write_master_range``, as
+``ranks/gather.py`` writes what arrives)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import pagemem
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.updates.update import Updater
+
+PAGE = 4096
+HP = pagemem.AdamW(lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def make_model(sizes: list[tuple[int, int]], seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(nn.Linear(i, o) for i, o in sizes))
+
+
+def make(sizes, seed, ranks, tier, clip, dtype, nvme_dir):
+    model = make_model(sizes, seed)
+    nvme = tier == "nvme"
+    if nvme:
+        os.makedirs(nvme_dir)
+    store = pagemem.PageStore(pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=256 * PAGE,
+                                                  cpu_bytes=4096 * PAGE, nvme_bytes=(4096 * PAGE) if nvme else 0,
+                                                  nvme_path=nvme_dir if nvme else None))
+    cfg = pagemem.EngineConfig(store=store.config, optimizer=HP, optimizer_tier=tier, max_grad_norm=clip,
+                               adam_threads=1, compute_dtype=dtype)
+    bank = ParamBank(model, store, dtype, tier, unit_bytes=4 * PAGE, ranks=ranks)
+    updater = Updater(bank, store, cfg, lambda g: HP)
+    updater.gather_masters = lambda params: None  # done by hand below
+    return model, store, bank, updater
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 96), st.integers(1, 96)), min_size=1, max_size=4),
+       world=st.integers(2, 4), seed=st.integers(0, 3), tier=st.sampled_from(["cpu", "nvme"]),
+       clip=st.sampled_from([None, 0.05]), bf16=st.booleans(), steps=st.integers(1, 3))
+def test_the_shares_updated_apart_are_the_replicated_update_bit_for_bit(sizes, world, seed, tier, clip, bf16, steps):
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    with tempfile.TemporaryDirectory() as d:
+        ref = make(sizes, seed, (0, 1), tier, clip, dtype, d + "/ref")
+        ranks = [make(sizes, seed, (r, world), tier, clip, dtype, d + f"/r{r}") for r in range(world)]
+        try:
+            n = len(ref[2].records)
+            covered = [[0] * ref[2].params[i][1].numel() for i in range(n)]
+            for r, (_, _, bank, _) in enumerate(ranks):
+                for i in range(n):
+                    a, b = bank.owned(i)
+                    assert a % 64 == 0 and (b % 64 == 0 or b == ref[2].params[i][1].numel())
+                    for e in range(a, b):
+                        covered[i][e] += 1
+            assert all(c == 1 for row in covered for c in row)  # every element on exactly one rank
+            g = torch.Generator().manual_seed(seed + 100)
+            for _ in range(steps):
+                grads = [torch.randn(p.shape, generator=g) for _, p in ref[2].params]
+                for _, _, bank, updater in [ref, *ranks]:
+                    for i, grad in enumerate(grads):
+                        updater.set_grad(i, grad)
+                    assert updater.step()
+                for r, (_, _, bank, _) in enumerate(ranks):  # the gather, by hand: every share to every rank
+                    for other in ranks:
+                        for i in range(n):
+                            a, b = bank.owned(i)
+                            if b > a and other[2] is not bank:
+                                value = bank.host_value(i, torch.float32).reshape(-1)[a:b]
+                                other[2].write_master_range(i, value, a)
+            for _, _, bank, _ in ranks:
+                for i in range(n):
+                    a, b = bank.owned(i)
+                    assert torch.equal(bank.host_value(i, torch.float32), ref[2].host_value(i, torch.float32))
+                    layer, k = bank.where(i)
+                    rl, rk = ref[2].where(i)
+                    assert torch.equal(layer.compute[k].to_torch(), rl.compute[rk].to_torch())
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        assert torch.equal(bank.host_state(i, kind), ref[2].host_state(i, kind).reshape(-1)[a:b])
+                    assert bank.records[i].steps == ref[2].records[i].steps == steps
+        finally:
+            for _, store, _, updater in [ref, *ranks]:
+                updater.close()
+                store.close()
