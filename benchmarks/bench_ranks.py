@@ -13,9 +13,13 @@ step after the first two. Anchors, from the same run:
   (``pagemem/sched/network.py``: the ring moves ``2 (W - 1) / W`` of the bytes). The simulator
   models one GPU per rank: on this 2-core VM, W ranks share two cores, which it does not see;
 - ``ring bytes``: ``2 (W - 1) / W`` x the fp32 gradient bytes, what a ring all-reduce of the
-  gradients must send per rank; ``sent``: what the engine counted, which adds each operation's
-  header and the per-parameter flags the ranks agree on first (``tests/test_engine_ranks.py``
-  checks that count to the byte);
+  gradients must send per rank, plus, with sharded moments ([Note: sharded moments]), ``W - 1``
+  x the largest rank's share of the fp32 master weights (the ring all-gather after the update);
+  ``sent``: what the engine counted, which adds each operation's header and the per-parameter
+  flags the ranks agree on first (``tests/test_engine_ranks.py`` checks that count to the byte);
+- each world size runs twice: moments sharded (the default) and replicas
+  (``shard_optimizer_states=False``), with the optimizer-state bytes per rank and ``step()``'s
+  time per rank;
 - ``zero-3 plan``: the network bytes per rank the scheduler's plan at this world size would send
   (all-gathers and reduce-scatters of shards), which the engine does not run yet.
 
@@ -46,7 +50,7 @@ import json, os, statistics, sys, time
 import torch, torch.distributed as dist, pagemem
 from pagemem.models.gpt import GPT, GPTConfig
 from pagemem.sched import HardwareProfile, simulate
-rank, world, port, steps = (int(a) for a in sys.argv[1:5])
+rank, world, port, steps, shard = (int(a) for a in sys.argv[1:6])
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 if world > 1:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -56,7 +60,8 @@ model = GPT(cfg)
 params = sum(p.numel() for p in model.parameters())
 n_params = len(list(model.parameters()))
 store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=64 << 20, cpu_bytes=512 << 20)
-config = pagemem.EngineConfig(store=store, compute_dtype=torch.float32, adam_threads=max(1, (os.cpu_count() or 1) // world))
+config = pagemem.EngineConfig(store=store, compute_dtype=torch.float32, adam_threads=max(1, (os.cpu_count() or 1) // world),
+                              shard_optimizer_states=bool(shard))
 g = torch.Generator().manual_seed(rank)
 seconds, sent = [], []
 with pagemem.Engine(model, config) as engine:
@@ -81,7 +86,9 @@ if world > 1 and trace is not None:
         zero3 = repr(exc)
 print(json.dumps({"rank": rank, "seconds": seconds, "sent": sent, "sim_seconds": sim, "params": params,
                   "n_params": n_params, "wait_seconds": stats["ranks"]["collective_wait_seconds"],
-                  "collectives": stats["ranks"]["collectives"], "zero3_network_bytes": zero3}))
+                  "collectives": stats["ranks"]["collectives"], "zero3_network_bytes": zero3,
+                  "optimizer_state_bytes": stats["optimizer_state_bytes"], "moment_shares": stats["ranks"]["moment_shares"],
+                  "step_seconds": stats["seconds"]["step"] / steps}))
 if world > 1:
     dist.destroy_process_group()
 ''' % {"hidden": HIDDEN, "layers": LAYERS, "vocab": VOCAB, "seq": SEQ, "batch": BATCH}
@@ -89,7 +96,7 @@ if world > 1:
 
 COST = r'''
 import json, sys, time, torch, torch.distributed as dist
-rank, world, port, calls = (int(a) for a in sys.argv[1:5])
+rank, world, port, calls, _ = (int(a) for a in sys.argv[1:6])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 out = {}
@@ -113,12 +120,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, steps: int, script: str = WORKER) -> list[dict]:
+def run(world: int, steps: int, script: str = WORKER, shard: bool = True) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(os.path.join(tmp, f"r{r}.err"), "w+") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), str(port), str(steps)],
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), str(port), str(steps),
+                                   str(int(shard))],
                                   stdout=subprocess.PIPE, stderr=logs[r], text=True, env=env) for r in range(world)]
         outs = [p.communicate(timeout=1800)[0] for p in procs]
         for r, p in enumerate(procs):
@@ -140,29 +148,41 @@ def main() -> None:
     hw = HardwareProfile.builtin("dev-vm")
     rows, out = [], []
     for world in [int(w) for w in args.worlds.split(",")]:
-        ranks = run(world, args.steps)
-        tokens = BATCH * SEQ
-        for r in ranks:
-            r["tokens_per_s"] = tokens / statistics.median(r["seconds"][2:] or r["seconds"])
-            r["sent_per_iteration"] = statistics.median(r["sent"][2:] or r["sent"])
-        r0 = ranks[0]
-        ring = 2 * (world - 1) * 4 * r0["params"] // world
-        allreduce_s = collective_seconds(hw, "all_reduce", 4 * r0["params"], world)
-        sim_s = r0["sim_seconds"] + allreduce_s if r0["sim_seconds"] is not None else None
-        sim_tps = tokens / sim_s if sim_s else None
-        mean_tps = statistics.mean(r["tokens_per_s"] for r in ranks)
-        row = {"world_size": world, "ranks": ranks, "per_rank_tokens_per_s": mean_tps, "sim_tokens_per_s": sim_tps,
-               "sim_iteration_s": sim_s, "sim_allreduce_s": allreduce_s, "ring_bytes_per_iteration": ring,
-               "sent_bytes_per_iteration": r0["sent_per_iteration"], "zero3_plan_network_bytes": r0["zero3_network_bytes"]}
-        out.append(row)
-        mib = 1 << 20
-        z3 = row["zero3_plan_network_bytes"]
-        rows.append([world, f"{mean_tps:.0f}", f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else "on demand",
-                     f"{mean_tps * world:.0f}", f"{row['sent_bytes_per_iteration'] / mib:.2f}", f"{ring / mib:.2f}",
-                     f"{z3 / mib:.2f}" if isinstance(z3, int) else "-",
-                     f"{statistics.mean(r['wait_seconds'] for r in ranks) / args.steps * 1e3:.1f}"])
-    print(table(["ranks", "tokens/s per rank", "sim tokens/s (measured/sim)", "tokens/s all ranks",
-                 "sent MiB/iter", "ring MiB/iter", "zero-3 plan MiB/iter", "collective wait ms/iter"], rows,
+        for shard in ((True, False) if world > 1 else (False,)):
+            ranks = run(world, args.steps, shard=shard)
+            tokens = BATCH * SEQ
+            for r in ranks:
+                r["tokens_per_s"] = tokens / statistics.median(r["seconds"][2:] or r["seconds"])
+                r["sent_per_iteration"] = statistics.median(r["sent"][2:] or r["sent"])
+            r0 = ranks[0]
+            # the anchor: the ring all-reduce of the gradients, and with sharded moments the
+            # all-gather of the largest share of master weights ([Note: sharded moments])
+            share = max(r0["moment_shares"]) if shard else 0
+            ring = 2 * (world - 1) * 4 * r0["params"] // world + (world - 1) * 4 * share
+            comm_s = collective_seconds(hw, "all_reduce", 4 * r0["params"], world) + (
+                collective_seconds(hw, "all_gather", 4 * share, world) if shard else 0.0)
+            sim_s = r0["sim_seconds"] + comm_s if r0["sim_seconds"] is not None else None
+            sim_tps = tokens / sim_s if sim_s else None
+            mean_tps = statistics.mean(r["tokens_per_s"] for r in ranks)
+            row = {"world_size": world, "sharded": shard, "ranks": ranks, "per_rank_tokens_per_s": mean_tps,
+                   "sim_tokens_per_s": sim_tps, "sim_iteration_s": sim_s, "sim_collectives_s": comm_s,
+                   "ring_bytes_per_iteration": ring, "sent_bytes_per_iteration": r0["sent_per_iteration"],
+                   "zero3_plan_network_bytes": r0["zero3_network_bytes"],
+                   "optimizer_state_bytes_per_rank": r0["optimizer_state_bytes"],
+                   "step_seconds_per_rank": statistics.mean(r["step_seconds"] for r in ranks)}
+            out.append(row)
+            mib = 1 << 20
+            z3 = row["zero3_plan_network_bytes"]
+            rows.append([world, "moments" if shard else "replicas", f"{mean_tps:.0f}",
+                         f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else "on demand",
+                         f"{mean_tps * world:.0f}", f"{row['optimizer_state_bytes_per_rank'] / mib:.2f}",
+                         f"{row['step_seconds_per_rank'] * 1e3:.0f}",
+                         f"{row['sent_bytes_per_iteration'] / mib:.2f}", f"{ring / mib:.2f}",
+                         f"{z3 / mib:.2f}" if isinstance(z3, int) else "-",
+                         f"{statistics.mean(r['wait_seconds'] for r in ranks) / args.steps * 1e3:.1f}"])
+    print(table(["ranks", "sharded", "tokens/s per rank", "sim tokens/s (measured/sim)", "tokens/s all ranks",
+                 "optimizer states MiB/rank", "step() ms", "sent MiB/iter", "ring MiB/iter", "zero-3 plan MiB/iter",
+                 "collective wait ms/iter"], rows,
                 title=f"GPT h{HIDDEN} x{LAYERS} layers, vocab {VOCAB}, {BATCH}x{SEQ} tokens per rank per step, gloo "
                       f"on loopback, {os.cpu_count()} cores, {args.steps} steps"))
     cost_rows, costs = [], {}

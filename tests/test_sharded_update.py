@@ -1,7 +1,7 @@
 """[Note: sharded moments]: each rank's update of its share, from the same whole gradients,
 gives the bits the replicated update gives on that share (master weights, both moments, the
 compute copy), and the shares put together are the whole replicated update. The ranks are
-simulated in one process: a bank per rank, the gather done by hand (``write_master_range``, as
+simulated in one process: a bank per rank, the gather done by hand (``write_master_ranges``, as
 ``ranks/gather.py`` writes what arrives)."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_the_shares_updated_apart_are_the_replicated_update_bit_for_bit(sizes, w
                             a, b = bank.owned(i)
                             if b > a and other[2] is not bank:
                                 value = bank.host_value(i, torch.float32).reshape(-1)[a:b]
-                                other[2].write_master_range(i, value, a)
+                                other[2].write_master_ranges([(i, value, a)])
             for _, _, bank, _ in ranks:
                 for i in range(n):
                     a, b = bank.owned(i)

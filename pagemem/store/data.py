@@ -131,22 +131,27 @@ class DataPath:
         offset = (start or 0) * t.dtype.itemsize
         self.write_bytes(t, data, None if start is None else (offset, offset + data.numel()))
 
-    def write_many(self, items: list[tuple[PagedTensor, object]]) -> None:
-        """Each ``(t, src)``: ``src`` into every copy of ``t``, all under one wait for the
-        operations queued on their pages (a unit's parameters in one go: no copy of those pages
-        starts in between)."""
-        for t, _ in items:
+    def write_many(self, items: list[tuple]) -> None:
+        """Each ``(t, src)``: ``src`` into every copy of ``t`` (``(t, src, start)``: into its flat
+        elements from ``start`` on, as ``write``), all under one wait for the operations queued
+        on their pages (a unit's parameters in one go: no copy of those pages starts in between)."""
+        for t, *_ in items:
             self.check(t)
-        writes = [(t, source_bytes(t, src, None)) for t, src in items]
-        pages = list(dict.fromkeys(p for t, _ in items for p in t.page_refs))
+        writes = []
+        for t, src, *rest in items:
+            start = rest[0] if rest else None
+            data = source_bytes(t, src, start)
+            offset = (start or 0) * t.dtype.itemsize
+            writes.append((t, data, None if start is None else (offset, offset + data.numel())))
+        pages = list(dict.fromkeys(p for t, *_ in items for p in t.page_refs))
 
         def check() -> None:
-            for t, _ in items:
+            for t, *_ in items:
                 self.check(t)
 
         def body() -> None:
-            for t, data in writes:
-                self._write_now(t, data, None)
+            for t, data, span in writes:
+                self._write_now(t, data, span)
 
         self.queue.exclusive(pages, body, check)
 

@@ -392,9 +392,10 @@ class PageStore:
         self._owned("write")
         self._data.write(t, src, start)
 
-    def write_many(self, items: "Iterable[tuple[PagedTensor, torch.Tensor]]") -> None:
+    def write_many(self, items: "Iterable[tuple]") -> None:
         """``write`` of several tensors under one wait for the operations queued on their pages:
-        no copy of those pages starts between two of the writes."""
+        no copy of those pages starts between two of the writes. Each item is ``(t, src)`` or
+        ``(t, src, start)`` (``write``'s arguments)."""
         self._owned("write_many")
         self._data.write_many(list(items))
 

@@ -86,13 +86,14 @@ class MasterGather:
             k, outs, p = pending[slot]  # type: ignore[misc]
             pending[slot] = None
             coll.wait(p)
+            ranges = []
             for r in range(world):
                 if r == me:
                     continue
-                for (i, a, b), at in _window(seqs[r], k * elems, (k + 1) * elems):
-                    value = outs[r][at:at + b - a].cpu()
-                    bank.write_master_range(i, value, a)
-                    self.gathered_bytes += value.numel() * 4
+                got = outs[r].cpu()
+                ranges += [(i, got[at:at + b - a], a) for (i, a, b), at in _window(seqs[r], k * elems, (k + 1) * elems)]
+            bank.write_master_ranges(ranges)
+            self.gathered_bytes += sum(v.numel() * 4 for _, v, _ in ranges)
 
         try:
             for k in range(n_batches):

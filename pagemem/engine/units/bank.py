@@ -339,12 +339,18 @@ class ParamBank(StatesMoved):
         else:
             self.store.write(layer.compute[k], master.to(self.compute_dtype_of(i)), start)
 
-    def write_master_range(self, i: int, value: torch.Tensor, start: int) -> None:
-        """Parameter ``i``'s master weights from flat element ``start`` on take ``value`` (another
-        rank's update of its share: [Note: sharded moments]), and every copy of its compute copy."""
-        layer, k = self.where(i)
-        self.store.write(layer.master[k], value, start)
-        self.refresh_compute(i, value, start)
+    def write_master_ranges(self, ranges: list[tuple[int, torch.Tensor, int]]) -> None:
+        """Each ``(i, value, start)``: parameter ``i``'s master weights from flat element ``start``
+        on take ``value`` (another rank's update of its share: [Note: sharded moments]), and
+        every copy of its compute copy, cast; all in one store operation."""
+        items: list[tuple] = []
+        for i, value, start in ranges:
+            layer, k = self.where(i)
+            items.append((layer.master[k], value, start))
+            if not self.compute_is_master:
+                items.append((layer.compute[k], value.to(self.compute_dtype_of(i)), start))
+        if items:
+            self.store.write_many(items)
 
     def refresh_unit(self, values: dict[int, torch.Tensor]) -> None:
         """Write new values (``refresh_compute``'s, already in the compute dtype) into the compute
