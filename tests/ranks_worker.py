@@ -137,7 +137,23 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             if mode == "close-early" and rank == victim and step == int(opts.get("at", 2)):
                 engine.close()  # ran out of data, and goes on with something else
                 time.sleep(60)
-            if "save_dir" in opts and mode != "save0" and step + 1 == int(opts["save_at"]):
+            if mode == "savefail" and step + 1 == int(opts["save_at"]):
+                first = engine.save(opts["save_dir"])  # a whole one, then one whose share fails on ``victim``
+                import errno
+                from pagemem.engine.checkpoints import checkpoint as ck
+                write_share = ck.write_share
+                if rank == victim:
+                    def full(*args, **kwargs):
+                        raise pagemem.TierIOError("writing the share: no space left on device (a full disk, test)", errno.ENOSPC)
+                    ck.write_share = full
+                try:
+                    engine.save(opts["save_dir"])
+                except pagemem.PageMemError as err:
+                    print(f"rank {rank}'s second save raised {type(err).__name__}: {err}", file=sys.stderr)
+                ck.write_share = write_share
+                assert open(os.path.join(opts["save_dir"], "latest")).read().strip() == os.path.basename(first)
+                engine.save(opts["save_dir"])  # the ranks are still in step: the next save works
+            elif "save_dir" in opts and mode != "save0" and step + 1 == int(opts["save_at"]):
                 engine.save(opts["save_dir"])
         stats = engine.stats()
         weights = engine.state_dict()

@@ -250,6 +250,21 @@ def test_replicas_start_from_rank_zero_and_follow_its_buffers_as_ddp(tmp_path):
     assert torch.equal(rank0["1.weight"], rank1["1.weight"]) and torch.equal(rank0["0.offset"], rank1["0.offset"])
 
 
+@pytest.mark.slow
+def test_a_rank_whose_share_of_a_checkpoint_fails_fails_the_save_on_every_rank(tmp_path):
+    """[Note: sharded checkpoints]: rank 1's disk is full while it writes its share of the moments:
+    every rank raises, nothing is published (latest names the last whole checkpoint), the ranks
+    stay in step and the next save and the resume from it work."""
+    ckpt = tmp_path / "ck"
+    rcs, errs, _ = launch("savefail", 2, tmp_path / "s.pt", steps=3, save_dir=ckpt, save_at=2)
+    assert rcs == [0, 0], "\n".join(e[-3000:] for e in errs)
+    assert "rank 1's second save raised TierIOError" in errs[1] and "no space left" in errs[1], errs[1][-2000:]
+    assert "rank 0's second save raised InvalidRequest" in errs[0] and "rank 1" in errs[0], errs[0][-2000:]
+    steps = sorted(p.name for p in ckpt.iterdir())
+    assert not [p for p in steps if ".tmp" in p] and len([p for p in steps if p.startswith("step-")]) == 2
+    run_ok("engine", 2, tmp_path / "resumed.pt", steps=4, resume=ckpt)
+
+
 def test_a_save_on_rank_zero_alone_fails_every_rank_at_once(tmp_path):
     """``if rank == 0: save()``: rank 0's save meets rank 1's averaging; both find it in the
     operation's header and raise at once (not after the timeout), naming both operations."""
