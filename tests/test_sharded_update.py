@@ -89,3 +89,42 @@ def test_the_shares_updated_apart_are_the_replicated_update_bit_for_bit(sizes, w
             for _, store, _, updater in [ref, *ranks]:
                 updater.close()
                 store.close()
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 200)), min_size=1, max_size=5),
+       world=st.integers(1, 4), data=st.data(), frozen=st.booleans())
+def test_the_budget_counts_a_ranks_share_as_the_bank_lays_it_out(sizes, world, data, frozen):
+    """``host_need`` (what the budget checks refuse against) counts exactly the pages a rank's
+    bank takes: whole master weights and gradient sums, its share of the moments."""
+    from pagemem.engine.units.budget_checks import unit_cap
+    from pagemem.engine.units.homes import cpu_pages, host_need
+
+    rank = data.draw(st.integers(0, world - 1))
+    model = make_model(sizes, 0)
+    if frozen:
+        model[0].weight.requires_grad_(False)
+    store_cfg = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=64 * PAGE, cpu_bytes=8192 * PAGE)
+    cfg = pagemem.EngineConfig(store=store_cfg, optimizer=HP, optimizer_tier="cpu", adam_threads=1)
+    need = host_need(model, cfg, unit_cap(store_cfg), (rank, world))
+    with pagemem.PageStore(store_cfg) as store:
+        bank = ParamBank(model, store, None, "cpu", unit_bytes=unit_cap(store_cfg), ranks=(rank, world))
+        used = store.stats().tiers["cpu"].used_bytes // PAGE
+        assert used == cpu_pages(need, "cpu", "cpu")
+        whole = host_need(model, cfg, unit_cap(store_cfg))
+        assert need.states <= whole.states
+        del bank
+
+
+def test_a_ranks_share_of_a_large_layer_is_half_its_moments():
+    from pagemem.engine.units.budget_checks import unit_cap
+    from pagemem.engine.units.homes import host_need
+
+    model = make_model([(256, 256)], 0)  # 256 KiB of fp32 weights: 64 pages per state
+    store_cfg = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=64 * PAGE, cpu_bytes=8192 * PAGE)
+    cfg = pagemem.EngineConfig(store=store_cfg, optimizer=HP, optimizer_tier="cpu", adam_threads=1)
+    whole = host_need(model, cfg, unit_cap(store_cfg))
+    halves = [host_need(model, cfg, unit_cap(store_cfg), (r, 2)) for r in range(2)]
+    master = whole.states // 3
+    shares = [(h.states - master) // 2 for h in halves]  # each rank's pages of one moment
+    assert sum(shares) == master and max(shares) - min(shares) <= 1  # the pages split evenly

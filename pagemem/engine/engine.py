@@ -110,8 +110,9 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         self.config = config
         self.calls = CallLock(self.owner_pid)
         """One public call at a time, from any thread ([Note: calls from several threads], ``calls.py``)."""
-        check_units_fit(model, config)  # [Note: gpu budgets refused early], before anything is made
-        self._home_tier = choose_home_tier(model, config, unit_cap(config.store))  # [Note: homes on nvme]
+        shards = RankGroup.peek(process_group) if config.shard_optimizer_states else (0, 1)  # [Note: sharded moments]
+        check_units_fit(model, config, shards)  # [Note: gpu budgets refused early], before anything is made
+        self._home_tier = choose_home_tier(model, config, unit_cap(config.store), shards)  # [Note: homes on nvme]
         source = source_of(model, init, values, _values)  # a path's files are checked here, before the store
         self.collectives: Collectives | None = None
         """The collectives over the ranks (None: one process)."""

@@ -32,6 +32,21 @@ class RankGroup:
     def single(cls) -> "RankGroup":
         return cls(None, 0, 1, "none", torch.device("cpu"))
 
+    @staticmethod
+    def peek(process_group: Any) -> tuple[int, int]:
+        """``(rank, world_size)`` that ``resolve`` will find, before the store is made (the
+        budget checks count the sharded moments with it); ``(0, 1)`` where ``resolve`` will
+        find one process or refuse the group."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0, 1
+        group = dist.group.WORLD if process_group is None else process_group
+        if not isinstance(group, dist.ProcessGroup):
+            return 0, 1
+        rank = dist.get_rank(group)
+        return (rank, dist.get_world_size(group)) if rank >= 0 else (0, 1)
+
     @classmethod
     def resolve(cls, process_group: Any, gpu_device: torch.device) -> "RankGroup":
         """``process_group`` given (a ``torch.distributed.ProcessGroup``), or else the default

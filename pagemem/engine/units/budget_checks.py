@@ -33,6 +33,7 @@ from pagemem.engine.units.records import compute_dtype_of, compute_is_master, ow
 from pagemem.errors import OutOfMemory
 from pagemem.sched import InfeasiblePlan
 from pagemem.store.layout import pack
+from pagemem.engine.units.shards import moment_pages
 from pagemem.units import format_bytes
 
 _MOST_ROUNDS = 64
@@ -61,9 +62,9 @@ def _units(model: nn.Module, dtype: torch.dtype | None, cap: int) -> tuple[list,
     return params, paging_units(modules, nbytes, cap), nbytes
 
 
-def _need(model: nn.Module, config: EngineConfig, cap: int) -> tuple[int, int, str]:
+def _need(model: nn.Module, config: EngineConfig, cap: int, ranks: tuple[int, int] = (0, 1)) -> tuple[int, int, str]:
     """Gpu pages that must fit with units merged up to ``cap``: (states kept there, the largest
-    unit's compute pages, its name)."""
+    unit's compute pages, its name); ``ranks``: the moments' sharding ([Note: sharded moments])."""
     pb = config.store.page_bytes
     params, units, nbytes = _units(model, config.compute_dtype, cap)
     master_is_compute = compute_is_master((compute_dtype_of(config.compute_dtype, p.dtype) for _, p in params),
@@ -79,21 +80,24 @@ def _need(model: nn.Module, config: EngineConfig, cap: int) -> tuple[int, int, s
         order = [i for _, idx in units for i in idx]
         fp32 = [params[i][1].numel() * 4 for i in order]
         trained = [b for b, i in zip(fp32, order) if params[i][1].requires_grad]
-        static = pack(fp32 if master_is_compute else trained, pb).pages + 3 * pack(trained, pb).pages
+        moments = moment_pages([idx for _, idx in units], [p.numel() for _, p in params],
+                               [p.requires_grad for _, p in params], pb, ranks)
+        static = pack(fp32 if master_is_compute else trained, pb).pages + 2 * moments + pack(trained, pb).pages
     return static, largest, name
 
 
-def check_units_fit(model: nn.Module, config: EngineConfig) -> None:
+def check_units_fit(model: nn.Module, config: EngineConfig, ranks: tuple[int, int] = (0, 1)) -> None:
     """Raise OutOfMemory (naming the least budget) unless the gpu budget holds the states kept
-    there and the largest paging unit (see the Note). Changes nothing."""
+    there and the largest paging unit (see the Note). Changes nothing. ``ranks``: ``(rank,
+    world_size)`` the moments are sharded over."""
     store = config.store
     pb, have = store.page_bytes, store.pages("gpu")
-    static, largest, name = _need(model, config, unit_cap(store))
+    static, largest, name = _need(model, config, unit_cap(store), ranks)
     if static + largest <= have:
         return
     least = 0
     for _ in range(_MOST_ROUNDS):  # the least budget whose own units fit in it
-        s, l, _n = _need(model, config, max(pb, least // 16))  # type: ignore[operator]
+        s, l, _n = _need(model, config, max(pb, least // 16), ranks)  # type: ignore[operator]
         if (s + l) * pb <= least:  # type: ignore[operator]
             break
         least = (s + l) * pb  # type: ignore[operator]

@@ -37,6 +37,7 @@ from pagemem.engine.units.records import (compute_dtype_of, compute_is_master, o
                                           streamed_pages)
 from pagemem.errors import OutOfMemory
 from pagemem.store.layout import pack
+from pagemem.engine.units.shards import moment_pages
 from pagemem.units import format_bytes
 
 HOME_TIERS = ("auto", "cpu", "nvme")
@@ -62,8 +63,9 @@ class HostNeed:
     the lock-free updater reads one unit's states while it updates the one before)."""
 
 
-def host_need(model: nn.Module, config: EngineConfig, unit_cap: int) -> HostNeed:
-    """What the model's states take, counted as the bank will lay them out (works on ``meta``)."""
+def host_need(model: nn.Module, config: EngineConfig, unit_cap: int, ranks: tuple[int, int] = (0, 1)) -> HostNeed:
+    """What the model's states take, counted as the bank will lay them out (works on ``meta``);
+    ``ranks``: ``(rank, world_size)`` the moments are sharded over ([Note: sharded moments])."""
     pb = config.store.page_bytes
     params, modules = owning_layers(model)
     dtypes = [compute_dtype_of(config.compute_dtype, p.dtype) for _, p in params]
@@ -76,7 +78,9 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int) -> HostNeed
     is_trained = set(trained)
     order = [i for _, idx in units for i in idx if i in is_trained]
     kinds = 2 if is_master else 3
-    states = kinds * pack([fp32[i] for i in order], pb).pages
+    moments = moment_pages([idx for _, idx in units], [p.numel() for _, p in params],
+                           [p.requires_grad for _, p in params], pb, ranks)
+    states = (0 if is_master else pack([fp32[i] for i in order], pb).pages) + 2 * moments
     grads = pack([fp32[i] for i in order], pb).pages
     best, name = 0, ""
     for i in trained:  # its states and gradient sums
@@ -116,13 +120,14 @@ def nvme_pages(need: HostNeed, optimizer_tier: str, home_tier: str) -> int:
     return pages
 
 
-def choose_home_tier(model: nn.Module, config: EngineConfig, unit_cap: int) -> str:
+def choose_home_tier(model: nn.Module, config: EngineConfig, unit_cap: int, ranks: tuple[int, int] = (0, 1)) -> str:
     """The home tier for ``config.home_tier`` (resolving ``"auto"``, see the Note); raises
-    ``OutOfMemory`` naming the tier and the least budget that works, before anything is made."""
+    ``OutOfMemory`` naming the tier and the least budget that works, before anything is made.
+    ``ranks``: as ``host_need``'s."""
     store = config.store
     pb = store.page_bytes
     have_cpu, have_nvme = store.pages("cpu"), store.pages("nvme")
-    need = host_need(model, config, unit_cap)
+    need = host_need(model, config, unit_cap, ranks)
     asked = config.home_tier
     tiers = ("cpu", "nvme") if asked == "auto" else (asked,)
     if config.optimizer_tier == "gpu" and asked == "auto":

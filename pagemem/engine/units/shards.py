@@ -71,3 +71,16 @@ def shard_states(units: list[list[int]], numels: list[int], trainable: list[bool
             b = min(max(hi - start, 0), size)
             ranges[i] = (a // FP32, b // FP32) if b > a else (0, 0)
     return StateShards(rank, world_size, tuple(ranges))
+
+
+def moment_pages(units: list[list[int]], numels: list[int], trained: list[bool], page_bytes: int,
+                 ranks: tuple[int, int] = (0, 1)) -> int:
+    """Pages one moment (``exp_avg`` or ``exp_avg_sq``) of the trained parameters takes on
+    ``ranks[0]`` of ``ranks[1]`` ranks, chained as the bank allocates it (each trained parameter
+    whole with one rank, its share flat with several): what the budget checks count."""
+    if ranks[1] == 1:
+        sizes = [FP32 * numels[i] for idx in units for i in idx if trained[i]]
+    else:
+        share = shard_states(units, numels, [True] * len(numels), page_bytes, *ranks)
+        sizes = [FP32 * share.owned(i) for idx in units for i in idx if trained[i] and share.owned(i)]
+    return pack(sizes, page_bytes).pages if sizes else 0
