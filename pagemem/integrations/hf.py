@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.trainer_utils import get_last_checkpoint
 
 from pagemem.engine.config import EngineConfig
 from pagemem.engine.engine import Engine
@@ -124,6 +125,16 @@ class PagememTrainer(transformers.Trainer):
         if self._module is None:
             self._module = EngineModule(self.engine)
         return self._module
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *more: Any, **kwargs: Any) -> Any:
+        """As the Trainer's; a checkpoint to resume must hold the engine's part (``pagemem/``),
+        checked before anything starts."""
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)
+        if isinstance(path, (str, os.PathLike)):
+            engine_checkpoint(os.path.join(path, CHECKPOINT_DIR), "resume_from_checkpoint")
+        return super().train(resume_from_checkpoint, *more, **kwargs)
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         if resume_from_checkpoint is not None:
