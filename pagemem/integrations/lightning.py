@@ -141,8 +141,9 @@ class PagememStrategy(SingleDeviceStrategy):
         self._saved_groups: list[dict[str, Any]] | None = None
         self._whole: tuple[int, str] | None = None
         """The last checkpoint written or resumed: its global step and path."""
+        # no default precision plugin here: Lightning's from Trainer(precision=...) comes through the setter
         super().__init__(device=device_of(config), accelerator=accelerator, checkpoint_io=checkpoint_io,
-                         precision_plugin=PagememPrecision() if precision_plugin is None else precision_plugin)
+                         precision_plugin=precision_plugin)
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> PagememPrecision:
