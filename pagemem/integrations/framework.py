@@ -18,10 +18,12 @@ hyperparameters, and schedulers built over it are pointed at ``engine.optimizer`
 
 Checkpoints: the engine's ``save``/``load`` carry weights, Adam moments, counters, RNG and the
 groups' hyperparameters; a framework's ``optimizer.pt`` (every moment in host memory) is never
-written. A scheduler made after ``Engine.load`` sets its first learning rate in the groups, as
-torch's does after a fresh optimizer; the framework then loads the scheduler's state, and
-:func:`restore_groups` puts back the saved hyperparameters, as ``optimizer.load_state_dict``
-would have.
+written. The Hugging Face Trainer makes its scheduler after the optimizer, so after
+``Engine.load``: the scheduler sets its first learning rate in the groups, as torch's does over a
+fresh optimizer; the Trainer then loads the scheduler's state, and :func:`restore_groups` puts
+back the saved hyperparameters, as ``optimizer.load_state_dict`` would have. Lightning's
+schedulers are made (by ``configure_optimizers``) before the engine, so the groups
+``Engine.load`` restores stand.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ from pagemem.config import StoreConfig
 from pagemem.engine.config import EngineConfig
 from pagemem.engine.engine import Engine
 from pagemem.errors import ConfigError, InvalidRequest
-from pagemem.integrations.framework import (FrameworkKnobs, engine_checkpoint, engine_config, group_settings,
-                                            latest_step, make_engine, rebind_schedulers, restore_groups)
+from pagemem.integrations.framework import (FrameworkKnobs, engine_checkpoint, engine_config, latest_step,
+                                            make_engine, rebind_schedulers)
 
 PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 CLIENT = "lightning-{:08d}.pt"
@@ -138,7 +138,6 @@ class PagememStrategy(SingleDeviceStrategy):
         """The engine, from ``setup`` to ``teardown``."""
         self.config = config
         self._resume: str | None = None
-        self._saved_groups: list[dict[str, Any]] | None = None
         self._whole: tuple[int, str] | None = None
         """The last checkpoint written or resumed: its global step and path."""
         # no default precision plugin here: Lightning's from Trainer(precision=...) comes through the setter
@@ -182,7 +181,6 @@ class PagememStrategy(SingleDeviceStrategy):
                               f"{len(optimizers)}")
         self.engine = self.precision_plugin.engine = make_engine(module, optimizers[0], config,
                                                                  "configure_optimizers", self._resume)
-        self._saved_groups = group_settings(self.engine.optimizer) if self._resume is not None else None
         rebind_schedulers([c.scheduler for c in schedulers], optimizers[0], self.engine.optimizer)
         self.optimizers, self.lr_scheduler_configs = [self.engine.optimizer], schedulers
         self.setup_precision_plugin()
@@ -290,11 +288,8 @@ class PagememStrategy(SingleDeviceStrategy):
         """Nothing: ``Engine.load`` gives the weights in ``setup``."""
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """The groups' saved hyperparameters back after the schedulers ``setup`` made (their
-        states come next); the states themselves came with ``Engine.load``."""
-        if self._saved_groups is not None and self.engine is not None:
-            restore_groups(self.engine.optimizer, self._saved_groups)
-        self._saved_groups = None
+        """Nothing: ``Engine.load`` gave the states and the groups' hyperparameters in ``setup``
+        (the schedulers, made before the engine, left them as saved; their states come next)."""
         self._resume = None
 
     def remove_checkpoint(self, filepath: Any) -> None:
