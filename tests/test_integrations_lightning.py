@@ -207,3 +207,51 @@ def test_a_checkpoint_that_is_not_the_strategys_is_refused(tmp_path):
 def test_a_config_that_is_not_an_engine_config_is_refused():
     with pytest.raises(pagemem.ConfigError, match="config: must be a pagemem.EngineConfig or None, got dict"):
         PagememStrategy({"gpu_bytes": 1})
+
+
+class Regression(pl.LightningModule):
+    """A module whose steps call ``self(x)`` (its own forward, inside the engine's call of it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        g = torch.Generator().manual_seed(1)
+        self.xy = list(zip(torch.randn(32, 32, generator=g), torch.randn(32, 1, generator=g)))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val", torch.nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.xy, batch_size=8)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.xy[:8], batch_size=8)
+
+
+def test_a_module_calling_its_own_forward_trains_and_validates_as_plain_lightning(tmp_path):
+    from exactness import engine_config
+
+    def run(**kw):
+        module = Regression()
+        t = trainer(max_steps=4, limit_val_batches=1, val_check_interval=2, **kw)
+        t.fit(module)
+        t.validate(module)  # after fit: an engine for evaluation only
+        return module.state_dict(), float(t.callback_metrics["val"])
+
+    want, want_val = run()
+    x, y = map(torch.stack, zip(*Regression().xy[:8]))
+    cfg = engine_config(Regression().net, lambda run, m, s: torch.nn.functional.mse_loss(run(x), y), tmp_path)
+    got, got_val = run(strategy=PagememStrategy(cfg))
+    assert not differing(want, got) and got_val == want_val

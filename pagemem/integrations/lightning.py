@@ -205,15 +205,16 @@ class PagememStrategy(SingleDeviceStrategy):
         passed = [a for i, a in enumerate(args) if i not in bound]
 
         def forward(*given: Any, **named: Any) -> Any:
+            module.__dict__.pop("forward", None)  # the step's own self(x) calls the module's forward
             rest = iter(given)
             full = [bound[i] if i in bound else next(rest) for i in range(len(args))]
             return getattr(module, method)(*full, **named)
 
-        module.forward = forward  # for this call only: the engine calls the module
+        module.forward = forward  # for the engine's call of the module only (Lightning's forward redirection)
         try:
             return self.engine(*passed, **kwargs)
         finally:
-            del module.forward
+            module.__dict__.pop("forward", None)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
