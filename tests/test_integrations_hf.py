@@ -41,13 +41,20 @@ def plain(out, data, **kw) -> dict[str, torch.Tensor]:
 
 
 def test_trainer_equals_plain_trainer_for_a_few_steps(tmp_path):
-    """Fast: 4 steps, states on cpu, pages moving."""
-    data = dataset(16)
-    want = plain(tmp_path / "ref", data, max_steps=4, warmup_steps=2)
-    trainer = PagememTrainer(gpt2(), args(tmp_path / "pm", max_steps=4, warmup_steps=2), train_dataset=data,
+    """Fast: 4 steps, states on cpu, pages moving; evaluation before (the engine made for it)
+    and during training through the engine."""
+    data, held_out = dataset(16), dataset(4)
+    kw = dict(max_steps=4, warmup_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=BATCH)
+    ref = transformers.Trainer(gpt2(), args(tmp_path / "ref", **kw), train_dataset=data, eval_dataset=held_out)
+    ref_first = ref.evaluate()["eval_loss"]
+    ref.train()
+    trainer = PagememTrainer(gpt2(), args(tmp_path / "pm", **kw), train_dataset=data, eval_dataset=held_out,
                              pagemem_config=config_for(tmp_path))
+    assert trainer.evaluate()["eval_loss"] == ref_first
     trainer.train()
-    assert not differing(want, trainer.model.state_dict())
+    assert not differing(ref.model.state_dict(), trainer.model.state_dict())
+    evals = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (ref, trainer)]
+    assert len(evals[0]) == 2 and evals[0] == evals[1]
     stats = trainer.engine.stats()
     assert stats["evictions"] > 0 and stats["iterations"]["planned"] > 0
     assert trainer.engine.config.accumulation_steps == 2
@@ -71,7 +78,9 @@ def test_trainer_20_steps_bit_for_bit_saves_and_resumes(tmp_path):
     ckpt = tmp_path / "pm" / "checkpoint-10"
     assert (ckpt / "pagemem" / "latest").is_file() and (ckpt / "scheduler.pt").is_file()
     assert not (ckpt / "optimizer.pt").exists()  # the engine's checkpoint, never every moment in host memory
-    resumed = PagememTrainer(gpt2(), args(tmp_path / "pm", **saving), train_dataset=data, pagemem_config=cfg)
+    resumed = PagememTrainer(gpt2(), args(tmp_path / "pm", **saving), train_dataset=data, eval_dataset=data[:4],
+                             pagemem_config=cfg)
+    resumed.evaluate()  # an engine made before the resume: train() starts again from the checkpoint
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.state.global_step == 20
     assert not differing(want, resumed.model.state_dict())
