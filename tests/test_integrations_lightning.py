@@ -255,3 +255,8 @@ def test_a_module_calling_its_own_forward_trains_and_validates_as_plain_lightnin
     cfg = engine_config(Regression().net, lambda run, m, s: torch.nn.functional.mse_loss(run(x), y), tmp_path)
     got, got_val = run(strategy=PagememStrategy(cfg))
     assert not differing(want, got) and got_val == want_val
+
+
+def test_several_devices_are_refused(tmp_path):
+    with pytest.raises(pagemem.ConfigError, match="Trainer.devices, Trainer.num_nodes: .*got 2 devices on 1 nodes"):
+        trainer(strategy=PagememStrategy(config_for(tmp_path)), devices=2).fit(LM())

@@ -163,6 +163,11 @@ class PagememStrategy(SingleDeviceStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        devices = len(getattr(trainer._accelerator_connector, "_parallel_devices", None) or [self.root_device])
+        if devices > 1 or trainer.num_nodes > 1:
+            raise ConfigError(f"Trainer.devices, Trainer.num_nodes: strategy='pagemem' trains in one process on one "
+                              f"device (the engine's data parallelism is not wired to Lightning yet); got "
+                              f"{devices} devices on {trainer.num_nodes} nodes")
         refuse_sharded(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         config = self.config if self.config is not None else default_config(module)
