@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import warnings
 
 import pytest
@@ -104,8 +105,8 @@ def test_the_strategy_is_registered_by_name():
     assert t.strategy.precision_plugin.precision == "32-true"
 
 
-def checkpoints(tmp_path) -> ModelCheckpoint:
-    return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_last=True, save_top_k=-1)
+def checkpoints(tmp_path, every: int = 10) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_last=True, save_top_k=-1)
 
 
 @pytest.mark.slow
@@ -260,3 +261,37 @@ def test_a_module_calling_its_own_forward_trains_and_validates_as_plain_lightnin
 def test_several_devices_are_refused(tmp_path):
     with pytest.raises(pagemem.ConfigError, match="Trainer.devices, Trainer.num_nodes: .*got 2 devices on 1 nodes"):
         trainer(strategy=PagememStrategy(config_for(tmp_path)), devices=2).fit(LM())
+
+
+def test_a_save_that_fails_leaves_the_last_whole_checkpoint_to_resume(tmp_path):
+    """A full disk while the engine's part is written (Lightning's part already there): resuming
+    the directory takes the checkpoint ``latest`` still names, with its own Lightning part."""
+    from exactness import engine_config
+
+    x, y = map(torch.stack, zip(*Regression().xy[:8]))
+    cfg = engine_config(Regression().net, lambda run, m, s: torch.nn.functional.mse_loss(run(x), y), tmp_path)
+
+    class DiskFull(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 4:
+                def save(*args, **kwargs):
+                    raise OSError(28, "No space left on device")
+                trainer.strategy.engine.save = save
+
+    def run(callbacks=(), ckpt_path=None, **kw):
+        module = Regression()
+        trainer(max_steps=4, callbacks=[checkpoints(tmp_path, every=2), *callbacks], enable_checkpointing=True,
+                **kw).fit(module, ckpt_path=ckpt_path)
+        return module.state_dict()
+
+    want = run(strategy=PagememStrategy(cfg))
+    shutil.rmtree(tmp_path / "ckpt")
+    with pytest.raises(OSError, match="No space left"):
+        run([DiskFull()], strategy=PagememStrategy(cfg))
+    partial, last = tmp_path / "ckpt" / "epoch=1-step=4.ckpt", tmp_path / "ckpt" / "last.ckpt"
+    assert (partial / "lightning-00000004.pt").is_file() and not (partial / "latest").exists()
+    assert (last / "latest").read_text() == "step-00000002"
+    with pytest.raises(pagemem.ConfigError, match="ckpt_path: .*holds no pagemem checkpoint"):
+        run(strategy=PagememStrategy(cfg), ckpt_path=str(partial))
+    got = run(strategy=PagememStrategy(cfg), ckpt_path="last")
+    assert not differing(want, got)
