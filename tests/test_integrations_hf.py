@@ -177,3 +177,38 @@ def test_resuming_a_checkpoint_without_the_engine_part_is_refused(tmp_path):
                              pagemem_config=config_for(tmp_path))
     with pytest.raises(pagemem.ConfigError, match="resume_from_checkpoint: .*holds no pagemem checkpoint"):
         trainer.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_updates_during_backward_where_the_trainer_neither_clips_nor_accumulates(tmp_path):
+    """overlap_update stays possible (here forced on the host stand-in) without clipping or
+    accumulation, and the Trainer then equals the plain one, its grad norm unlogged."""
+    data = dataset(8)
+    kw = dict(max_steps=4, warmup_steps=2, max_grad_norm=0.0, gradient_accumulation_steps=1)
+    want = plain(tmp_path / "ref", data, **kw)
+    cfg = dataclasses.replace(config_for(tmp_path), overlap_update=True)
+    trainer = PagememTrainer(gpt2(), args(tmp_path / "pm", **kw), train_dataset=data, pagemem_config=cfg)
+    trainer.train()
+    assert not differing(want, trainer.model.state_dict())
+    assert trainer.engine.stats()["overlapped_updates"] > 0
+    trainer.engine.close()
+
+
+@pytest.mark.parametrize("targs, match", [
+    (dict(max_grad_norm=1.0, gradient_accumulation_steps=1), "cannot be clipped afterwards"),
+    (dict(max_grad_norm=0.0, gradient_accumulation_steps=2), "an epoch's last may take fewer"),
+])
+def test_updates_during_backward_with_clipping_or_accumulation_are_refused(tmp_path, targs, match):
+    refused(tmp_path, f"pagemem_config.overlap_update: .*{match}",
+            config=dataclasses.replace(config_for(tmp_path), overlap_update=True), targs=targs)
+
+
+@pytest.mark.slow
+def test_an_epoch_ending_in_a_shorter_step_equals_the_plain_trainer(tmp_path):
+    """9 batches an epoch with accumulation 2: each epoch ends with a one-backward step."""
+    data = dataset(18)
+    want = plain(tmp_path / "ref", data, max_steps=6)
+    trainer = PagememTrainer(gpt2(), args(tmp_path / "pm", max_steps=6), train_dataset=data,
+                             pagemem_config=config_for(tmp_path))
+    trainer.train()
+    assert not differing(want, trainer.model.state_dict())
+    trainer.engine.close()

@@ -7,8 +7,15 @@ the ``EngineConfig`` they give says only where the states live. So each knob kee
 framework's. ``engine_config`` takes the framework's accumulation and compute dtype into the
 config and refuses a config that sets either differently (or clips by itself: the framework
 clips through ``engine.clip_grad_norm_``). The accumulation goes into ``accumulation_steps`` so
-that the engine knows which backward ends a step (updates during backward, averaging over
-ranks); the framework's own ``optimizer.step()`` at the boundary updates, and nothing counts twice.
+that the engine knows which backward ends a step (averaging over ranks); the framework's own
+``optimizer.step()`` at the boundary updates, and nothing counts twice.
+
+[Note: updates during backward under a framework]
+``overlap_update`` (updates during the last backward of a step) stays the engine's default only
+where the framework neither clips (the update would land before the clipping) nor accumulates:
+an epoch whose batches do not divide by the accumulation ends with a shorter step, and the engine
+takes the backwards a step had as the next step's count (``phase.per_step``), so the next step's
+first backward would update. Elsewhere it is off, and asking for it is refused.
 
 The optimizer the framework built (a ``torch.optim.AdamW`` with its parameter groups, before any
 step) is read, never stepped: :func:`make_engine` gives the engine the same groups and
@@ -81,10 +88,20 @@ def engine_config(config: Any, knobs: FrameworkKnobs, field: str) -> EngineConfi
     if config.lock_free and knobs.clips:
         raise ConfigError(f"{field}.lock_free: the lock-free updater cannot clip by the global norm; set "
                           f"{knobs.names['clip']} to turn clipping off, or lock_free=False")
+    overlap = config.overlap_update
+    if knobs.clips or knobs.accumulation_steps > 1:  # [Note: updates during backward under a framework]
+        if overlap:
+            why = (f"cannot be clipped afterwards ({knobs.names['clip']} is set)" if knobs.clips else
+                   f"need every step to take {knobs.names['accumulation']} backwards, and an epoch's last may take "
+                   "fewer")
+            raise ConfigError(f"{field}.overlap_update: updates during backward {why}; must be None or False, "
+                              "got True")
+        overlap = False
     if dtype == torch.float16:
         raise ConfigError(f"{knobs.names['precision']}: float16 is not offered through the framework "
                           "integrations yet (its loss scaling needs the engine's backward); use bfloat16 or float32")
-    return dataclasses.replace(config, accumulation_steps=knobs.accumulation_steps, compute_dtype=dtype)
+    return dataclasses.replace(config, accumulation_steps=knobs.accumulation_steps, compute_dtype=dtype,
+                               overlap_update=overlap)
 
 
 def adamw_groups(optimizer: Any, field: str) -> tuple[AdamW, list[dict[str, Any]], list[dict[str, Any]]]:

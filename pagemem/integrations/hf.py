@@ -35,7 +35,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from pagemem.engine.config import EngineConfig
 from pagemem.engine.engine import Engine
-from pagemem.errors import ConfigError
+from pagemem.errors import ConfigError, InvalidRequest
 from pagemem.integrations.framework import (EngineModule, FrameworkKnobs, engine_checkpoint, engine_config,
                                             group_settings, make_engine, rebind_schedulers, restore_groups)
 
@@ -92,6 +92,13 @@ class PagememTrainer(transformers.Trainer):
                               "ACCELERATE_USE_FSDP or an accelerate config); pagemem trains the model in their place")
         self.pagemem_config = engine_config(pagemem_config, knobs_of(self.args), "pagemem_config")
         """The engine's config, with the Trainer's accumulation and compute dtype."""
+        # [Note: the Trainer's backward is the engine's] accelerate's backward (its loss scaled by
+        # its accumulation, as there) goes through engine.backward, as its DeepSpeed path goes
+        # through DeepSpeed's: the engine then knows the last backward of a step from
+        # accumulation_steps, where a backward by habit would guess from the previous step (one
+        # backward after an epoch's partial accumulation, wrong with updates during backward)
+        accelerator = self.accelerator
+        accelerator.backward = lambda loss, **_: self.engine.backward(loss / accelerator.gradient_accumulation_steps)
 
     # ------------------------------------------------------------------ the engine in the Trainer's places
 
@@ -146,7 +153,14 @@ class PagememTrainer(transformers.Trainer):
         return self.engine.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        return self.engine.get_global_grad_norm() if grad_norm is None else grad_norm
+        """The norm clipping returned, else the engine's; None (not logged) where updates ran
+        during backward (``overlap_update``, without clipping): those gradients are gone."""
+        if grad_norm is not None:
+            return grad_norm
+        try:
+            return self.engine.get_global_grad_norm()
+        except InvalidRequest:
+            return None
 
     # ------------------------------------------------------------------ checkpoints
 
