@@ -295,3 +295,22 @@ def test_a_save_that_fails_leaves_the_last_whole_checkpoint_to_resume(tmp_path):
         run(strategy=PagememStrategy(cfg), ckpt_path=str(partial))
     got = run(strategy=PagememStrategy(cfg), ckpt_path="last")
     assert not differing(want, got)
+
+
+def test_updates_during_backward_where_lightning_neither_clips_nor_accumulates(tmp_path):
+    from exactness import engine_config
+
+    def run(**kw):
+        module = Regression()
+        trainer(**{"max_steps": 4, "gradient_clip_val": None, "accumulate_grad_batches": 1, **kw}).fit(module)
+        assert "strategy" not in kw or all(p.grad is None for p in module.parameters())  # no handle outlives it
+        return module.state_dict()
+
+    x, y = map(torch.stack, zip(*Regression().xy[:8]))
+    cfg = engine_config(Regression().net, lambda run, m, s: torch.nn.functional.mse_loss(run(x), y), tmp_path,
+                        overlap_update=True)
+    stats = Stats()
+    assert not differing(run(), run(strategy=PagememStrategy(cfg), callbacks=[stats]))
+    assert stats.stats["overlapped_updates"] > 0
+    with pytest.raises(pagemem.ConfigError, match="PagememStrategy.config.overlap_update: .*cannot be clipped"):
+        run(strategy=PagememStrategy(cfg), gradient_clip_val=0.5)

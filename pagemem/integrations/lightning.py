@@ -191,7 +191,8 @@ class PagememStrategy(SingleDeviceStrategy):
         self.setup_precision_plugin()
 
     def teardown(self) -> None:
-        """The engine closes: the module keeps its trained weights as plain parameters."""
+        """The engine closes: the module keeps its trained weights as plain parameters, without
+        gradients (the engine's handles on ``p.grad`` would outlive it)."""
         engine, self.engine = self.engine, None
         self.precision_plugin.engine = None
         self.optimizers = []
@@ -199,6 +200,9 @@ class PagememStrategy(SingleDeviceStrategy):
             if engine is not None:
                 engine.close()
         finally:
+            if engine is not None:
+                for p in engine.module.parameters():
+                    p.grad = None
             super().teardown()
 
     def _through_engine(self, method: str, args: tuple, kwargs: dict) -> Any:
