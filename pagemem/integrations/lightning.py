@@ -22,7 +22,6 @@ The engine closes when ``fit`` ends (teardown), leaving the module its trained w
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import os
 from typing import Any, Callable, Mapping
