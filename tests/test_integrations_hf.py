@@ -44,7 +44,8 @@ def test_trainer_equals_plain_trainer_for_a_few_steps(tmp_path):
     """Fast: 4 steps, states on cpu, pages moving; evaluation before (the engine made for it)
     and during training through the engine."""
     data, held_out = dataset(16), dataset(4)
-    kw = dict(max_steps=4, warmup_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=BATCH)
+    kw = dict(max_steps=4, warmup_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=BATCH,
+              logging_steps=2)
     ref = transformers.Trainer(gpt2(), args(tmp_path / "ref", **kw), train_dataset=data, eval_dataset=held_out)
     ref_first = ref.evaluate()["eval_loss"]
     ref.train()
@@ -55,6 +56,9 @@ def test_trainer_equals_plain_trainer_for_a_few_steps(tmp_path):
     assert not differing(ref.model.state_dict(), trainer.model.state_dict())
     evals = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (ref, trainer)]
     assert len(evals[0]) == 2 and evals[0] == evals[1]
+    logged = [[(h["loss"], h["grad_norm"], h["learning_rate"]) for h in t.state.log_history if "loss" in h]
+              for t in (ref, trainer)]
+    assert len(logged[0]) == 2 and logged[0] == logged[1]  # the loss, the norm before clipping, the schedule
     stats = trainer.engine.stats()
     assert stats["evictions"] > 0 and stats["iterations"]["planned"] > 0
     assert trainer.engine.config.accumulation_steps == 2
