@@ -5,6 +5,7 @@ move every iteration; ``exactness.engine_config``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -32,13 +33,25 @@ def sequences(n: int) -> list[torch.Tensor]:
 
 
 def config_for(tmp_path, optimizer_tier: str = "cpu", **kw):
-    """An engine config for :func:`gpt2` at batch ``BATCH``, pages moving."""
+    """An engine config for :func:`gpt2` at batch ``BATCH``, pages moving (states on ``cpu``: one
+    config for every test, traced once; it names no path)."""
+    if optimizer_tier == "cpu" and not kw:
+        return _cpu_config()
+    return _config(tmp_path, optimizer_tier, **kw)
+
+
+def _config(tmp_path, optimizer_tier: str, **kw):
     data = torch.stack(sequences(BATCH))
 
     def loss(run, model, s):
         return run(input_ids=data, labels=data).loss
 
     return engine_config(gpt2(), loss, tmp_path, optimizer_tier, **kw)
+
+
+@functools.cache
+def _cpu_config():
+    return _config(None, "cpu")
 
 
 @contextlib.contextmanager
