@@ -35,9 +35,9 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 if "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
   # Keep the torch that is there; constrain everything else.
   grep -v '^torch==' constraints.txt > "$venv/constraints-no-torch.txt"
-  "${pip[@]}" -c "$venv/constraints-no-torch.txt" -e '.[test,hf,plot]' \
+  "${pip[@]}" -c "$venv/constraints-no-torch.txt" -e '.[test,hf,lightning,plot]' \
     || "${pip[@]}" --no-deps --no-build-isolation -e .
 else
-  "${pip[@]}" -c constraints.txt -e '.[test,hf,plot]'
+  "${pip[@]}" -c constraints.txt -e '.[test,hf,lightning,plot]'
 fi
 touch "$venv/.installed"

@@ -100,8 +100,9 @@ def test_from_results_builds_the_table_and_the_combined_json(tmp_path, capsys):
     text = capsys.readouterr().out
     combined = load(out)
     # the default suite, and those run only when named where they have results (bench_lockfree, bench_homes, bench_ranks,
-    # bench_paper_scale)
-    shown = [b.name for b in SUITE if b.default or b.name in ("bench_lockfree", "bench_homes", "bench_paper_scale", "bench_ranks")]
+    # bench_paper_scale, bench_integrations)
+    shown = [b.name for b in SUITE if b.default or b.name in ("bench_lockfree", "bench_homes", "bench_paper_scale", "bench_ranks",
+                                                              "bench_integrations")]
     assert [e["name"] for e in combined["benchmarks"]] == shown
     assert all(e["status"] == "ok" and e["rows"] for e in combined["benchmarks"])
     assert combined["from_results"] is True and combined["failed"] == []

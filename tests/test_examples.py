@@ -82,3 +82,40 @@ def test_train_toml_runs(tmp_path):
     for section in ("model", "data", "engine", "optimizer"):
         assert {k: saved[section][k] for k in given[section]} == given[section], section
     assert saved["optimizer"]["lr"] == 3e-3 and saved["store"]["page_bytes"] == 64 << 10  # not the default's
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on a loaded 2-core machine more threads make torch's ops ten times slower
+
+
+@pytest.mark.slow
+def test_hf_trainer_example_trains_through_the_engine_and_checkpoints_it():
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    r = example("hf_trainer.py", "--steps", "12", env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    held = next(ln for ln in r.stdout.splitlines() if ln.startswith("checkpoint-10 holds "))
+    assert "'pagemem'" in held and "optimizer.pt" not in held
+    paged = int(r.stdout.split("layers paged in: ")[1].split(" KiB")[0])
+    read = int(r.stdout.split("read from nvme: ")[1].split(" KiB")[0])
+    assert paged > 0 and read > 0
+
+
+@pytest.mark.slow
+def test_lightning_example_resumes_from_last():
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    r = example("lightning_strategy.py", "--steps", "20", env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    assert "'latest', 'lightning-00000010.pt', 'step-00000010'" in r.stdout
+    assert "step   20  loss" in r.stdout and "(resumed from last.ckpt)" in r.stdout
+    paged = int(r.stdout.split("layers paged in: ")[1].split(" KiB")[0])
+    assert paged > 0
+
+
+@pytest.mark.slow
+def test_integration_examples_skip_without_their_framework(tmp_path):
+    (tmp_path / "transformers.py").write_text("raise ImportError('no transformers here')\n")
+    for name, says in (("hf_trainer.py", "pagemem[hf]"), ("lightning_strategy.py", "pagemem[lightning,hf]")):
+        r = example(name, "--steps", "1", env={"PYTHONPATH": str(tmp_path)})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("skipped: ") and says in r.stdout and "Traceback" not in r.stderr

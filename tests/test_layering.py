@@ -19,10 +19,12 @@ ALLOWED = {
     "tracer": set(),
     "sched": {"tracer"},
     "engine": {"sched", "tracer", "store"},
+    "integrations": {"engine", "sched", "tracer", "store", "tiers"},  # the top floor, beside the commands
 }
 EXCEPTIONS: dict[tuple[str, str], set[str]] = {}
 """(layer, file) -> layers that one file may import besides its layer's (none today: the commands,
-which drive several layers, live on the top floor, ``pagemem/commands``)."""
+which drive several layers, live on the top floor, ``pagemem/commands``, and so do the framework
+integrations, ``pagemem/integrations``, which import no command)."""
 ROOT = pathlib.Path(pagemem.__file__).parent
 
 

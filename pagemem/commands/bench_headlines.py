@@ -196,6 +196,17 @@ def homes(d: Results) -> list[Headline]:
     return rows
 
 
+def integrations(d: Results) -> list[Headline]:
+    ms = d["ms_per_step"]
+    rows = []
+    for fw, what in (("trainer", "PagememTrainer"), ("lightning", "Lightning strategy='pagemem'")):
+        rows.append(Headline(f"{what}, GPT-2, pages moving (ms/step)", ms[f"pagemem_{fw}"], "engine's own loop",
+                             ms["engine_loop"], "ms", "" if d["bit_identical"][fw] else "weights differ from plain"))
+        rows.append(Headline(f"{what}, GPT-2, pages moving (ms/step)", ms[f"pagemem_{fw}"],
+                             f"plain {fw}, model fits", ms[f"plain_{fw}"], "ms"))
+    return rows
+
+
 def _last_error(result: dict[str, Any] | None) -> str:
     """The last line of a failed run's error (bench_offload joins its last lines with " | ")."""
     if not result:
@@ -232,6 +243,7 @@ HEADLINES: dict[str, Callable[[Results], list[Headline]]] = {
     "bench_gpu_moves": gpu_moves,
     "bench_lockfree": lockfree,
     "bench_offload": offload,
+    "bench_integrations": integrations,
     "bench_homes": homes,
     "bench_ranks": ranks,
 }
