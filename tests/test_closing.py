@@ -204,3 +204,20 @@ def test_the_sweep_removes_only_unlocked_page_files_of_dead_pids(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_after_close_no_parameter_keeps_a_gradient_handle(stepped):
+    """The handles read pages ``close()`` gives back: every ``p.grad`` is None after it, whether a
+    step took the gradients or not, and the weights read as plain tensors."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    cfg = pagemem.EngineConfig(store=pagemem.StoreConfig(gpu_backend="host", gpu_bytes=1 << 20, cpu_bytes=8 << 20,
+                                                         page_bytes=PAGE))
+    engine = pagemem.Engine(model, cfg)
+    engine(torch.randn(4, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    if stepped:
+        engine.optimizer.step()
+    engine.close()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -402,7 +402,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         """Remove the hooks, stop the workers and give the store's memory back. The module keeps
         its trained weights (the fp32 master weights, in each parameter's original dtype, in host
         memory) when host memory has room for them; otherwise it warns, and its parameters refuse
-        every read (load a checkpoint instead). Each step runs even if an earlier one raises (a
+        every read (load a checkpoint instead); every ``p.grad`` is None (the gradient handles
+        read pages given back here). Each step runs even if an earlier one raises (a
         failed nvme write-back), so the store's files and threads are always released; then the
         first error is raised ([Note: closing releases everything], errors.py). In a process
         forked from the owner it raises ``WrongProcess`` and releases nothing."""
@@ -423,6 +424,7 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
             self._hooks, self._state_dict_hooks = [], []
             step(self.clock.remove, quiet=True)
             step(self.pager.close)  # every unit goes home (writes to parameters kept) before the weights come back
+            step(self.gradients.drop_handles)  # p.grad read pages given back below
             step(self.bank.grads_landed)
             if self.guard.closed is None:
                 step(self.updater.flush)

@@ -183,6 +183,16 @@ class Gradients:
         for i, g in assigned.items():
             self.destination.assign(i, g)
 
+    def drop_handles(self) -> None:
+        """At ``close()``: every ``p.grad`` goes back to None (a handle reads pages the engine is
+        about to give back; a gradient assigned by hand meanwhile is dropped with them)."""
+        try:
+            self.handles.take_down()
+        except InvalidRequest:  # a handle of another engine's parameter: clear what is left
+            with torch._C.DisableTorchFunctionSubclass():
+                for p in self.handles.params:
+                    p.grad = None
+
     def show(self) -> list[int]:
         """Put the handles up for every parameter with a gradient (the ledger's ``pending``);
         returns those."""
