@@ -308,6 +308,68 @@ def run_batchnorm(rank: int, world: int, out: str, ddp: bool) -> None:
     torch.save({"weights": state}, f"{out}.r{rank}")
 
 
+class Scaled(torch.nn.Module):
+    """A layer and a 0-dim parameter (CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(16, 4)
+        self.scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.layer(x) * self.scale).square().mean()
+
+
+def run_disagree(rank: int, world: int, out: str) -> None:
+    """What ranks must agree on, each refused on every rank alike: the sharding at construction,
+    a learning rate changed on one rank, different optimizer states loaded; then one rank alone
+    loading one (``RankFailed``). Prints what each raised."""
+    store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=4 << 20, cpu_bytes=16 << 20, page_bytes=4096)
+    cfg = pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), adam_threads=1, collective_timeout_s=60)
+    import dataclasses
+    try:
+        pagemem.Engine(Scaled(), dataclasses.replace(cfg, shard_optimizer_states=rank == 0))
+    except pagemem.ConfigError as err:
+        print(f"sharding: {err}", file=sys.stderr)
+    model = Scaled()
+    engine = pagemem.Engine(model, cfg)
+
+    def step(i: int) -> None:
+        g = torch.Generator().manual_seed(10 * i + rank)
+        engine.backward(engine(torch.randn(4, 16, generator=g)))
+        engine.step()
+
+    step(0)
+    group = engine.optimizer.param_groups[0]
+    if rank == 1:
+        group["lr"] *= 10
+    try:
+        step(1)
+    except pagemem.InvalidRequest as err:
+        print(f"lr: {err}", file=sys.stderr)
+    group["lr"] = HP["lr"]
+    engine.step()  # the kept gradients, with the same lr everywhere now
+    saved = engine.optimizer.state_dict()
+    theirs = {**saved, "param_groups": [{**g, "lr": g["lr"] * (1 + rank)} for g in saved["param_groups"]]}
+    try:
+        engine.optimizer.load_state_dict(theirs)
+    except pagemem.InvalidRequest as err:
+        print(f"load different: {err}", file=sys.stderr)
+    engine.optimizer.load_state_dict(saved)
+    step(2)
+    print(f"steps {engine.global_step} scale {float(model.scale):.6f}", file=sys.stderr)
+    try:
+        if rank == 0:
+            engine.optimizer.load_state_dict(saved)
+        else:
+            step(3)
+    except pagemem.RankFailed as err:
+        print(f"alone: {type(err).__name__}", file=sys.stderr)
+    if rank == 0:
+        torch.save({"ok": True}, out)
+
+
 def run_ddp(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -331,6 +393,8 @@ def main() -> None:
                             timeout=timedelta(seconds=120))
     if mode == "ddp":
         run_ddp(rank, world, out, opts)
+    elif mode == "disagree":
+        run_disagree(rank, world, out)
     elif mode in ("batchnorm", "batchnorm-ddp"):
         run_batchnorm(rank, world, out, ddp=mode == "batchnorm-ddp")
     elif mode in ("loop", "loop-ddp"):

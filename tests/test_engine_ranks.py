@@ -132,6 +132,7 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
         # [Note: sharded moments]: each rank's updated share of the master weights, gathered
         assert stats["stats"]["sharded"] and sum(stats["stats"]["moment_shares"]) == sum(p.numel() for p in model.parameters())
         per_step += (world - 1) * 4 * max(stats["stats"]["moment_shares"])
+        per_step += header + 16  # each step's header: the same hyperparameters on every rank
         assert stats["stats"]["sent_bytes"] - stats["made_sent"] == 8 * per_step
     ddp = run_ok("ddp", world, tmp_path / "ddp.pt")
     reference = plain()
@@ -263,6 +264,22 @@ def test_a_rank_whose_share_of_a_checkpoint_fails_fails_the_save_on_every_rank(t
     steps = sorted(p.name for p in ckpt.iterdir())
     assert not [p for p in steps if ".tmp" in p] and len([p for p in steps if p.startswith("step-")]) == 2
     run_ok("engine", 2, tmp_path / "resumed.pt", steps=4, resume=ckpt)
+
+
+@pytest.mark.slow
+def test_what_the_ranks_must_agree_on_is_refused_on_every_rank(tmp_path):
+    """Found by an attack: a learning rate changed on one rank, or different optimizer states
+    loaded, updated the ranks' shares (or replicas) differently, silently; a sharding that
+    differs hung. Each is refused on every rank alike, the ranks still in step; a model with a
+    0-dim parameter trains; a load on one rank alone is a ``RankFailed``."""
+    rcs, errs, _ = launch("disagree", 2, tmp_path / "d.pt", timeout=180)
+    for r, e in enumerate(errs):
+        assert "sharding: " in e and "shard_optimizer_states" in e, e[-3000:]
+        assert "lr: step: the ranks' optimizer param_groups differ" in e, e[-3000:]
+        assert "load different: optimizer.load_state_dict: the ranks loaded different" in e, e[-3000:]
+        assert "steps 3 scale" in e and "alone: RankFailed" in e, e[-3000:]
+    scales = [line for e in errs for line in e.splitlines() if line.startswith("steps 3 scale")]
+    assert len(scales) == 2 and scales[0] == scales[1]  # the ranks still train one model
 
 
 def test_a_save_on_rank_zero_alone_fails_every_rank_at_once(tmp_path):

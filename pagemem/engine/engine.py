@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -185,6 +186,11 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         self.bank.copies.record_in(self.ledger)
         self.updater = Updater(self.bank, self.store, config, lambda g: check_no_amsgrad(self.optimizer.hyper(g)),
                                self.ledger, data_parallel=self.ranks.data_parallel)
+        if self.collectives is not None:  # every rank loads the same optimizer state
+            coll = self.collectives
+            self.optimizer.states.same_on_every_rank = lambda digest: coll.same_everywhere(
+                "loading the optimizer state", [digest], "optimizer.load_state_dict: the ranks loaded different "
+                "optimizer states, or only some ranks loaded one; nothing was loaded: every rank loads the same one")
         if self.bank.shards is not None:  # [Note: sharded moments]
             assert self.collectives is not None
             self.updater.gather_masters = MasterGather(self.bank, self.collectives)
@@ -382,6 +388,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                     hps = [check_no_amsgrad(self.optimizer.hyper(g)) for g in range(len(self.optimizer.param_groups))]
                     taken = self.lockfree.submit(hps)
                 else:
+                    if self.collectives is not None:
+                        self._same_hyperparameters(self.collectives)
                     taken = self.updater.step(consume=consume)
                 if not consume:  # a torch optimizer's step leaves p.grad until zero_grad()
                     self.gradients.show()
@@ -394,6 +402,16 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                     self.phase.leave_step(consume=False)
         finally:
             self._phase_seconds["step"] += time.perf_counter() - t0
+
+    def _same_hyperparameters(self, coll: Collectives) -> None:
+        """With several ranks, before an update: every rank updates with the same groups'
+        hyperparameters (an lr changed on one rank would update its share, or its replica, with
+        another rate: every rank raises instead, nothing updated, the gradients kept)."""
+        hps = [check_no_amsgrad(self.optimizer.hyper(g)) for g in range(len(self.optimizer.param_groups))]
+        digest = zlib.crc32(repr(hps).encode())
+        coll.same_everywhere("updating", [digest], "step: the ranks' optimizer param_groups differ (a learning rate "
+                             "or other hyperparameter changed on some ranks only); nothing was updated and the "
+                             "gradients are kept: set the same values on every rank and call step() again")
 
     # ------------------------------------------------------------------ results
 

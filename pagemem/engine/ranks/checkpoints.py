@@ -104,6 +104,18 @@ def _save_sharded(engine: checkpoint.Checkpointed, coll: Collectives, root: str,
             raise error
         raise InvalidRequest(f"save: rank 0 could not write under {root!r}: {said['error']}")
     tmp = said["tmp"]
+    try:
+        return _write_and_publish(engine, coll, root, keep, rngs, tmp, per_rank)
+    except BaseException:
+        if me == 0:
+            remove(tmp)  # a peer failed or died part-way: nothing of this save stays (gone once published)
+        raise
+
+
+def _write_and_publish(engine: checkpoint.Checkpointed, coll: Collectives, root: str, keep: int | None,
+                       rngs: list[bytes], tmp: str, per_rank: list[list[int]]) -> str:
+    """``_save_sharded``'s second half: every rank's share into ``tmp``, then rank 0 publishes."""
+    world, me = coll.ranks.world_size, coll.ranks.rank
     part, mine = None, None
     try:
         part = {kind: checkpoint.write_share(engine, tmp, kind, sum(per_rank[k][:me])) for k, kind in enumerate(MOMENTS)}

@@ -46,7 +46,7 @@ import torch
 from pagemem.engine.ranks.group import RankGroup
 from pagemem.engine.interrupts import signal_held
 from pagemem.engine.ranks.liveness import Liveness
-from pagemem.errors import RankFailed
+from pagemem.errors import InvalidRequest, RankFailed
 from pagemem.sched.network import bus_bytes
 
 BATCH_BYTES = 16 << 20
@@ -54,7 +54,7 @@ _WAIT_MARGIN_S = 30.0
 GIVE_UP_ON_SIGNAL_S = 5.0
 OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter values", "rank 0's buffers",
               "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint",
-              "clipping gradients", "reading the optimizer state")
+              "clipping gradients", "reading the optimizer state", "loading the optimizer state", "updating")
 """The engine's operations (``begin``): a header names one by its index here."""
 _serials = itertools.count()
 """Engines made in this process, in order: every rank makes its engines in the same order, so the
@@ -183,6 +183,13 @@ class Collectives:
             self.failed = err
             raise err
         return self._max_min(values, op) if values else ([], [])
+
+    def same_everywhere(self, op: str, values: list[int], refusal: str) -> None:
+        """Begin ``op`` with ``values`` that every rank must share; ``InvalidRequest`` (on every
+        rank alike, the ranks still in step) saying ``refusal`` where they differ."""
+        top, low = self.begin(op, values)
+        if top != low:
+            raise InvalidRequest(f"{refusal} (rank {self.ranks.rank} of {self.ranks.world_size})")
 
     def fail_out_of_step(self, why: str) -> None:
         """The ranks agreed on an operation but not on where they are in training: ``RankFailed``,

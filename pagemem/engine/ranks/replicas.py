@@ -27,7 +27,7 @@ from pagemem.errors import InvalidRequest
 
 
 def _digest(t: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).numpy().tobytes()) >> 1  # fits an int64
+    return xxhash.xxh3_64_intdigest(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) >> 1  # an int64
 
 
 def agree_on_values(bank: ParamBank, coll: Collectives) -> int:

@@ -139,6 +139,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Load a ``torch.optim.AdamW`` (or this optimizer's) state dict: the groups'
         hyperparameters, and each parameter's moments and step into the pages."""
         state = state_dict.get("state", {})
+        if self.states is not None:
+            self.states.check_same(state_dict)  # with several ranks: every rank loads the same one
         super().load_state_dict({**state_dict, "state": {}})
         if self.states is not None:
             self.states.write(state)

@@ -6,6 +6,7 @@ from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
+import xxhash
 
 from pagemem.engine.units.bank import ParamBank
 from pagemem.errors import InvalidRequest
@@ -28,6 +29,9 @@ class OptimizerStates:
         self.whole_moments: Callable[[list[int]], dict[int, dict[str, torch.Tensor]]] | None = None
         """With sharded moments: every rank's shares of the given parameters' moments, gathered
         (``ranks/gather.py``; a collective), set by the engine."""
+        self.same_on_every_rank: Callable[[int], None] | None = None
+        """With several ranks: raises on every rank unless every rank passed the same digest of
+        the state dict being loaded (set by the engine)."""
         self._groups = param_groups
         self._flush = flush
         self._serialised = serialised
@@ -44,6 +48,13 @@ class OptimizerStates:
     def write(self, state: dict[Any, dict[str, Any]]) -> None:
         with self._serialised("optimizer.load_state_dict"):
             self._write(state)
+
+    def check_same(self, state_dict: dict[str, Any]) -> None:
+        """With several ranks, before anything is loaded: every rank loads the same state dict
+        (one rank alone, or ranks loading different ones, would leave the shares of different
+        states, or replicas that part: every rank raises instead)."""
+        if self.same_on_every_rank is not None:
+            self.same_on_every_rank(state_digest(state_dict))
 
     def _read(self) -> dict[int, dict[str, torch.Tensor]]:
         bank = self.bank
@@ -73,3 +84,20 @@ class OptimizerStates:
                                          f"{kind} of its shape")
                 bank.set_state(i, kind, v.detach().float().cpu())
             bank.set_step_count(i, int(float(s.get("step", 0))))
+
+
+def state_digest(state_dict: dict[str, Any]) -> int:
+    """A digest of an optimizer state dict's groups (without their parameters) and per-parameter
+    states (tensors by their bytes), as an int64."""
+    h = xxhash.xxh3_64()
+    for group in state_dict.get("param_groups", []):
+        h.update(repr(sorted((k, v) for k, v in group.items() if k != "params")).encode())
+    for key in sorted(state_dict.get("state", {}), key=str):
+        h.update(repr(key).encode())
+        for name, v in sorted(state_dict["state"][key].items()):
+            h.update(name.encode())
+            if isinstance(v, torch.Tensor):
+                h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(v).encode())
+    return h.intdigest() >> 1
