@@ -190,8 +190,21 @@ def _open(rd: RunDir, plain: dict[str, Any], resume: bool, launch: Launch) -> tu
         if launch.lead:
             rd.keep_metrics_until(engine.global_step)
     else:
-        engine = Engine(model, cfg.engine, values=built.values)
+        try:
+            engine = Engine(model, cfg.engine, values=built.values)
+        except ConfigError as exc:  # the store's and engine's checks name their own fields: give the section
+            raise ConfigError(dotted(str(exc))) from None
     return engine, cfg, loss_of, batches, device
+
+
+def dotted(message: str) -> str:
+    """``message`` with a bare field name it starts with (``gpu_bytes: ...``) given its section
+    (``store.gpu_bytes: ...``)."""
+    name = message.split(":", 1)[0]
+    for section in ("store", "engine", "optimizer"):
+        if f"{section}.{name}" in known_settings():
+            return f"{section}.{message}"
+    return message
 
 
 def _load_newest_intact(rd: RunDir, model: Any, cfg: TrainConfig, launch: Launch) -> Engine:
@@ -235,6 +248,8 @@ def _check_free_space(rd: RunDir, model: Any, cfg: TrainConfig) -> None:
 def _new_run_dir(train: TrainSettings) -> str:
     """Make the run's directory, atomically: a given name that exists is refused; the default
     (the start time) takes a suffix, so runs started in the same second get one each."""
+    if os.path.exists(train.runs) and not os.path.isdir(train.runs):
+        raise ConfigError(f"train.runs: {train.runs} is a file, not a directory; give a directory for the runs")
     os.makedirs(train.runs, exist_ok=True)
     base = os.path.join(train.runs, train.name or time.strftime("%Y%m%d-%H%M%S"))
     for n in range(1, 1000):

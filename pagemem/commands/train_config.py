@@ -318,7 +318,13 @@ def resolve(plain: Mapping[str, Any], run_dir: str) -> TrainConfig:
         auto = tuple(a for a in auto if a != "nvme_bytes")
     store_cfg = from_plain(StoreConfig, store, "store")
     optimizer = from_plain(AdamW, plain.get("optimizer", {}), "optimizer")
-    engine = from_plain(EngineConfig, {**engine_own, "store": store_cfg, "optimizer": optimizer}, "engine")
+    try:
+        engine = from_plain(EngineConfig, {**engine_own, "store": store_cfg, "optimizer": optimizer}, "engine")
+    except ConfigError as exc:
+        if "lock_free" in str(exc) and "float16" in str(exc):  # what to change, as pagemem train's flags
+            raise ConfigError(f"{exc}; give --engine.lock_free false (float16 with loss scaling) or "
+                              "--engine.compute_dtype bfloat16") from None
+        raise
     return TrainConfig(train, model, data, engine, auto)
 
 
