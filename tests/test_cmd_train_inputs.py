@@ -56,6 +56,7 @@ def test_a_name_is_refused_or_round_trips_through_config_toml(name):
     (["--data.validation", "1.5"], "data.validation: must be a fraction in [0, 1)"),
     (["--data.path", "/does/not/exist"], "data.path: /does/not/exist does not exist"),
     (["--train.export", "hf"], 'train.export: "hf" needs model.hf'),
+    (["--model.layers", "200", "--model.hidden", "8192", "--model.heads", "64"], "model: its weights take"),
 ])
 def test_errors_name_the_dotted_field(tmp_path, capsys, argv, needle):
     small = ["--model.layers", "1", "--model.hidden", "32", "--model.heads", "1", "--model.vocab", "32", "--model.seq",

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model.layers", "2", "--model.hidden", "64", "--model.heads", "2", "--model.vocab", "64", "--model.seq", "16",
-         "--data.seq", "16", "--data.batch", "8", "--store.page_bytes", "64KiB", "--train.progress", "false"]
+         "--data.vocab", "64", "--data.seq", "16", "--data.batch", "8", "--store.page_bytes", "64KiB", "--train.progress", "false"]
 SYNC = ["--engine.lock_free", "false", "--optimizer.lr", "3e-3"]
 
 
@@ -147,6 +147,8 @@ def test_sigterm_at_a_random_step_checkpoints_and_the_resumed_token_file_run_end
     assert summary["interrupted"] and summary["steps_done"] == done and cut_at <= done < steps
     assert open(run / "checkpoints" / "latest").read().strip() == f"step-{done:08d}"
     assert not [f for f in os.listdir(run / "nvme")]  # no page file left
+    events = json.load(open(run / "timeline-measured.json"))["traceEvents"]
+    assert {"forward", "backward", "grad norm", "update", "checkpoint"} <= {e["name"] for e in events}
     r = pagemem_cmd(tmp_path, "train", "--resume", str(run))
     assert r.returncode == 0, r.stderr
     a, b = weights(str(tmp_path / "runs" / "whole")), weights(str(run))

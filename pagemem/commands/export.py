@@ -32,15 +32,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagemem.commands.models import build, parameters_on_meta
+    from pagemem.commands.models import shapes_only
     from pagemem.commands.train_config import resolve
     from pagemem.engine import Engine
 
     rd = RunDir.named(args.run_dir)
     out = args.out_dir or rd.file("export")
     cfg = resolve(rd.read_config(), rd.path)
-    with parameters_on_meta():  # [Note: exporting without the model in host memory]
-        model = build(cfg.model, cfg.data.seed, weights=False).model
+    model = shapes_only(cfg.model, cfg.data.seed)  # [Note: exporting without the model in host memory]
     with Engine.load(rd.checkpoints, model, cfg.engine) as engine:
         path = export_weights(engine, cfg, out, args.max_shard_bytes)
     print(f"pagemem export: step {rd.latest_step()} of {rd.path} -> {path}")

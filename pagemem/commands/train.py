@@ -2,7 +2,7 @@
 
 With no arguments it trains the embedded default (``train_config.DEFAULT_TOML``): the project's
 GPT at a small size on a synthetic task generated on the fly, a gpu budget below the model's
-states, optimizer states on nvme under the run directory, the lock-free updater. ``--config
+states, optimizer states on nvme under the run directory, synchronous updates. ``--config
 FILE`` layers a TOML file over it and ``--SECTION.FIELD VALUE`` sets one field
 (``--optimizer.lr 3e-4``, ``--store.gpu_bytes 2GiB``, ``--model.hf gpt2``); ``--help_config``
 lists every setting. ``--resume auto`` continues the newest run under ``train.runs`` from its
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import time
 from typing import Any, Callable
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[str, str],
-           launch: Launch) -> tuple[str, dict[str, Any], bool]:
+           launch: Launch, made: list[str]) -> tuple[str, dict[str, Any], bool]:
     """Rank 0's choice: the run directory, the config it runs with, and whether it resumes
     (``--resume``, or a torchrun restart: ``restart_target``). A resume runs with the run's
     saved config and the settings given with it (saved too, once it has started)."""
@@ -108,32 +109,34 @@ def _start(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dic
         rd = RunDir.newest(runs) if resume == "auto" else RunDir.named(resume)
         return rd.path, overridden(rd.read_config(), overrides), True
     plain = layered(files, overrides, launch.world_size)
-    return _new_run_dir(from_plain(TrainSettings, plain["train"], "train")), plain, False
+    return _new_run_dir(from_plain(TrainSettings, plain["train"], "train"), made), plain, False
 
 
 def _run(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[str, str], launch: Launch) -> int:
     started = time.time()
-    created = False
+    made: list[str] = []  # the run directory this process made (a SIGTERM may land as soon as it exists)
     rd: RunDir | None = None
     try:
-        path, plain, resume = agreed(launch, lambda: _start(args, files, overrides, launch))
+        path, plain, resume = agreed(launch, lambda: _start(args, files, overrides, launch, made))
         rd, plain = RunDir(path), on_device(launch, plain)
-        created = launch.lead and not resume
         if launch.lead:
             rd.lock()  # a second writer is refused, naming this process
         engine, cfg, loss_of, batches, device = _open(rd, plain, resume, launch)
         if launch.lead:
             rd.write_config(cfg.to_plain(), to_toml(cfg.to_plain()))
             rd.add_history(engine.global_step, cfg.to_plain(), overrides)
+            if not (cfg.engine.store.gpu_backend != "host" and _cuda()):
+                print(_host_estimate(engine.module, cfg), file=sys.stderr)
             if resume and not args.resume:
                 print(f"pagemem train: torchrun restart {launch.restart}: resuming {rd.path} from its last "
                       f"checkpoint (step {engine.global_step})", file=sys.stderr)
     except BaseException:  # Ctrl-C and SIGTERM too
-        if created and rd is not None:  # nothing of this run exists yet: leave nothing behind
-            _remove_tree(rd.path)
-        elif rd is not None:
+        if rd is not None:
             rd.unlock()
+        for path in made:  # nothing of this run exists yet: leave nothing behind
+            _remove_tree(path)
         raise
+    created = bool(made)
     try:
         if resume and engine.global_step >= cfg.train.steps:
             engine.close()
@@ -160,6 +163,7 @@ def _open(rd: RunDir, plain: dict[str, Any], resume: bool, launch: Launch) -> tu
     if on_disk and plain.get("store", {}).get("nvme_path") is None:
         os.makedirs(os.path.join(rd.path, "nvme"), exist_ok=True)  # where resolve() puts the page files
     cfg = resolve(plain, rd.path)
+    _check_host_memory(cfg)
     built = build(cfg.model, cfg.data.seed)
     model, loss_of = built.model, built.loss_of
     if cfg.model.hf is not None and (cfg.data.synthetic and cfg.data.vocab > built.vocab or cfg.data.seq > built.longest):
@@ -230,6 +234,45 @@ def _load_newest_intact(rd: RunDir, model: Any, cfg: TrainConfig, launch: Launch
     return engine
 
 
+def _host_estimate(model: Any, cfg: TrainConfig) -> str:
+    """What a step will take on the host stand-in, before the first: about 6 flops per parameter
+    and token (forward and backward), at the rate this machine's matrix products run now."""
+    import torch
+
+    params = sum(p.numel() for p in model.parameters())
+    tokens = cfg.data.batch * cfg.data.seq * cfg.engine.accumulation_steps
+    a = torch.randn(256, 256)
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.05:
+        a @ a
+        done += 1
+    rate = done * 2 * 256**3 / (time.perf_counter() - t0)
+    seconds = 6 * params * tokens / rate
+    return (f"pagemem train: {params / 1e6:,.1f}M parameters, {tokens:,} tokens a step, on the host stand-in (no "
+            f"GPU): about {seconds:,.2f} s a step of compute at this machine's {rate / 1e9:,.0f} GFLOP/s, more with "
+            f"the pages' moves; the first step traces and plans the iteration and takes longer")
+
+
+def _check_host_memory(cfg: TrainConfig) -> None:
+    """Refuse a model whose weights host memory cannot hold while it is built (before building
+    it: an allocation that large fails with a traceback, or wakes the OOM killer). A
+    ``model.hf`` directory with safetensors weights is built on ``meta``: never refused here."""
+    from pagemem.commands.models import has_safetensors, shapes_only
+    from pagemem.machine import host_memory_available
+
+    if cfg.model.hf is not None and os.path.isdir(cfg.model.hf) and has_safetensors(cfg.model.hf):
+        return
+    shape = shapes_only(cfg.model, cfg.data.seed)
+    need = sum(p.numel() * p.element_size() for p in shape.parameters())
+    have = host_memory_available()
+    if have is not None and need > have:
+        from pagemem.units import format_bytes
+
+        raise ConfigError(f"model: its weights take {format_bytes(need)} of host memory while it is built, and "
+                          f"{format_bytes(have)} is available; give a smaller model, or a model.hf directory with "
+                          "safetensors weights (read into the engine a module at a time)")
+
+
 def _check_free_space(rd: RunDir, model: Any, cfg: TrainConfig) -> None:
     """Refuse a run whose disk cannot hold ``train.keep`` checkpoints (and the one being written)."""
     params = sum(p.numel() for p in model.parameters())
@@ -245,7 +288,7 @@ def _check_free_space(rd: RunDir, model: Any, cfg: TrainConfig) -> None:
                           "free space, lower train.keep, or give train.runs on another disk")
 
 
-def _new_run_dir(train: TrainSettings) -> str:
+def _new_run_dir(train: TrainSettings, made: list[str] | None = None) -> str:
     """Make the run's directory, atomically: a given name that exists is refused; the default
     (the start time) takes a suffix, so runs started in the same second get one each."""
     if os.path.exists(train.runs) and not os.path.isdir(train.runs):
@@ -254,12 +297,18 @@ def _new_run_dir(train: TrainSettings) -> str:
     base = os.path.join(train.runs, train.name or time.strftime("%Y%m%d-%H%M%S"))
     for n in range(1, 1000):
         path = base if n == 1 else f"{base}-{n}"
+        held = {signal.SIGINT, signal.SIGTERM}
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, held)  # made and recorded, or neither
         try:
             os.mkdir(path)
+            if made is not None:
+                made.append(path)
             return path
         except FileExistsError:
             if train.name:
                 raise ConfigError(f"train.name: {path} exists; give another name, or --resume {path}") from None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
     raise ConfigError(f"train.runs: no free run directory name under {train.runs}")
 
 

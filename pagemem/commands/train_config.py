@@ -120,8 +120,9 @@ SECTION_CLASSES: dict[str, type] = {"train": TrainSettings, "model": ModelSettin
 
 DEFAULT_TOML = """\
 # pagemem train's embedded default: the project's GPT at a small size on a synthetic task,
-# a gpu budget below the model's states, optimizer states on nvme, the lock-free updater (one
-# process; under torchrun with several ranks the default is lock_free = false).
+# a gpu budget below the model's states, optimizer states on nvme, synchronous updates (the
+# lock-free updater, engine.lock_free = true, is faster but rules out float16 and clipping, and
+# its staleness costs loss where a task approaches zero: issue 33's measurements).
 [train]
 steps = 150
 log_every = 10
@@ -142,7 +143,7 @@ branches = 4
 
 [engine]
 optimizer_tier = "nvme"
-lock_free = true
+lock_free = false
 
 [store]
 page_bytes = "256KiB"
