@@ -51,7 +51,7 @@ def test_a_name_is_refused_or_round_trips_through_config_toml(name):
 @pytest.mark.parametrize("argv,needle", [
     (["--train.name", "a\nb"], "train.name: must be a directory name of printable characters"),
     (["--store.gpu_bytes", "1PiB"], "store.gpu_bytes:"),
-    (["--engine.compute_dtype", "float16"], "give --engine.lock_free false"),
+    (["--engine.compute_dtype", "float16", "--engine.lock_free", "true"], "give --engine.lock_free false"),
     (["--train.schedule", "step"], "train.schedule: must be one of 'constant', 'linear', 'cosine'"),
     (["--data.validation", "1.5"], "data.validation: must be a fraction in [0, 1)"),
     (["--data.path", "/does/not/exist"], "data.path: /does/not/exist does not exist"),
@@ -159,3 +159,28 @@ def test_a_run_directory_has_one_writer(tmp_path):
 def test_nan_and_infinities_are_written_as_null():
     text = _json({"loss": math.nan, "x": [math.inf, 1.0], "y": {"z": -math.inf}})
     assert json.loads(text) == {"loss": None, "x": [None, 1.0], "y": {"z": None}}
+
+
+@pytest.mark.slow
+def test_a_periodic_checkpoint_that_finds_the_disk_full_is_reported_and_training_goes_on(tmp_path, capsys,
+                                                                                         monkeypatch):
+    import errno
+
+    real = pagemem.Engine.save
+    calls = []
+
+    def full_disk_once(self, directory, keep=None):
+        calls.append(self.global_step)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, directory, keep)
+
+    monkeypatch.setattr(pagemem.Engine, "save", full_disk_once)
+    rc = exit_status("train", "--train.runs", str(tmp_path / "runs"), "--train.steps", "6", "--train.save_every", "2",
+                     "--train.progress", "false", "--train.name", "f", "--model.layers", "1", "--model.hidden", "32",
+                     "--model.heads", "1", "--model.vocab", "32", "--model.seq", "8", "--data.vocab", "32",
+                     "--data.seq", "8", "--store.page_bytes", "64KiB")
+    err = capsys.readouterr().err
+    assert rc == 0 and calls == [2, 4, 6]
+    assert "the checkpoint of step 4 failed" in err and "last checkpoint is step 2" in err
+    assert RunDir(str(tmp_path / "runs" / "f")).latest_step() == 6

@@ -17,7 +17,8 @@ Ctrl-C lands at once: a backward it interrupts is discarded (the engine's step t
 gradients no update took are discarded, an update it interrupts is finished (``step()`` again,
 the same bits as an uninterrupted one). Then the engine saves a checkpoint of the last whole
 step, the run directory gets its plots, timelines and summary, and the command exits 130. A second Ctrl-C during that save stops at once; ``latest`` still names
-the previous checkpoint, so the run stays resumable. The batches are a pure function of the
+the previous checkpoint, so the run stays resumable. SIGTERM takes the same path and exits 143
+([Note: SIGTERM as Ctrl-C] in ``train_signals.py``); the loop is ``train_loop.py``. The batches are a pure function of the
 step, and a checkpoint holds the whole training state, so a resumed run ends with the weights
 an uninterrupted one would, bit for bit, where training is deterministic (synchronous updates,
 or ``max_staleness=0``: lock-free staleness depends on thread timing).
@@ -54,7 +55,7 @@ from pagemem.commands.train_loop import Loop
 from pagemem.commands.train_ranks import Launch, agreed, launch_from_env, on_device, process_group, restart_target
 from pagemem.commands.train_signals import sigterm_as_interrupt
 from pagemem.engine import Engine
-from pagemem.errors import ConfigError, OutOfMemory, PageMemError, warn
+from pagemem.errors import ConfigError, OutOfMemory, PageMemError
 from pagemem.plain import from_plain
 
 SET = "set:"
@@ -226,8 +227,8 @@ def _load_newest_intact(rd: RunDir, model: Any, cfg: TrainConfig, launch: Launch
                 engine = Engine.load(os.path.join(rd.checkpoints, name), model, cfg.engine)
             except PageMemError:
                 continue
-            warn(f"pagemem train: the checkpoint latest names is damaged ({first}); resuming from {name}, the "
-                 "newest intact one")
+            print(f"pagemem train: warning: the checkpoint latest names is damaged ({first}); resuming from {name}, "
+                  "the newest intact one", file=sys.stderr)
             break
         else:
             raise
@@ -242,8 +243,9 @@ def _host_estimate(model: Any, cfg: TrainConfig) -> str:
     params = sum(p.numel() for p in model.parameters())
     tokens = cfg.data.batch * cfg.data.seq * cfg.engine.accumulation_steps
     a = torch.randn(256, 256)
+    a @ a  # the thread pool started
     done, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.05:
+    while time.perf_counter() - t0 < 0.1:
         a @ a
         done += 1
     rate = done * 2 * 256**3 / (time.perf_counter() - t0)

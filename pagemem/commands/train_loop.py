@@ -2,7 +2,8 @@
 interrupted by Ctrl-C or SIGTERM, or stopped by a loss that is not finite).
 
 [Note: stopping on a loss that is not finite] Each micro-batch's loss is checked before its
-backward, and the gradient norm before the update: one that is NaN or infinite stops the run
+backward, and the gradient norm before the update (not with loss scaling: float16's overflows
+skip their update, and the scale falls): one that is NaN or infinite stops the run
 before anything of it reaches the weights (with several ranks, the step's exchanged losses are
 checked too, after the update: the run stops without saving). Nothing is saved then: the
 checkpoints are the last good ones, ``latest`` names the newest, the metrics end at the last
@@ -103,6 +104,7 @@ class Loop:
         before = engine.stats()
         acc = self.cfg.engine.accumulation_steps
         base_lrs = [self.cfg.engine.optimizer.lr for _ in engine.optimizer.param_groups]
+        scaled = self.cfg.engine.effective_loss_scale is not None  # an overflow skips its update: no divergence
         for step in range(start, t.steps):
             die_if_asked(self.launch, step + 1)  # a test hook (tests/test_cmd_train_ranks.py)
             t0 = time.perf_counter()
@@ -123,7 +125,7 @@ class Loop:
                     phases += [("forward", a, b), ("backward", b, time.perf_counter())]
                 t1 = time.perf_counter()
                 grad_norm = engine.get_global_grad_norm()
-                if not math.isfinite(grad_norm) and not self.launch.data_parallel:
+                if not math.isfinite(grad_norm) and not self.launch.data_parallel and not scaled:
                     self._drop_gradients()
                     raise Diverged(f"the gradient norm is {grad_norm} at step {step + 1}")
                 factor = lr_factor(step, t.steps, t.schedule, t.warmup_steps, t.min_lr_ratio)
@@ -155,7 +157,7 @@ class Loop:
                 if logged and self.launch.lead:
                     bar.write(log_line(m), file=sys.stdout)
             if t.save_every and (step + 1) % t.save_every == 0:
-                self._save()
+                self._save(periodic=True)
 
     def _drop_gradients(self) -> None:
         """A loss or norm not finite: the step's gradients go, none reaches the weights."""
@@ -228,12 +230,21 @@ class Loop:
                 "time": now, "wall_seconds": self.wall_before + now - self.started,
                 "val_loss": None, "val_perplexity": None}
 
-    def _save(self) -> None:
+    def _save(self, periodic: bool = False) -> None:
+        """A checkpoint of the step; a periodic one that fails for want of disk (or another
+        error of the disk) is reported and training goes on, ``latest`` naming the one before."""
         step = self.engine.global_step
         if step != self.saved_at:
             t0 = time.perf_counter()
             try:
                 self.engine.save(self.rd.checkpoints, keep=self.cfg.train.keep)
+            except OSError as exc:  # TierIOError too
+                if not periodic or self.launch.data_parallel:
+                    raise
+                kept = self.rd.latest_step()
+                print(f"pagemem train: the checkpoint of step {step} failed ({exc}); training goes on, and the "
+                      + (f"last checkpoint is step {kept}" if kept else "run has no checkpoint yet")
+                      + f": free space under {self.rd.checkpoints}", file=sys.stderr)
             finally:  # a Ctrl-C held during the save lands once it is whole: it is saved
                 if self.rd.latest_step() == step:
                     self.saved_at = step
