@@ -184,3 +184,20 @@ def test_a_periodic_checkpoint_that_finds_the_disk_full_is_reported_and_training
     assert rc == 0 and calls == [2, 4, 6]
     assert "the checkpoint of step 4 failed" in err and "last checkpoint is step 2" in err
     assert RunDir(str(tmp_path / "runs" / "f")).latest_step() == 6
+
+
+def test_metrics_go_to_csv_always_and_to_tensorboard_where_installed(tmp_path):
+    rd = RunDir(str(tmp_path))
+    metrics = [{"step": s, "loss": 1.0 / s, "lr": 1e-3, "tier_used_bytes": {"gpu": 4096 * s}, "val_loss": None}
+               for s in (1, 2, 3)]
+    rd.write_csv(metrics)
+    text = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert text[0] == "step,loss,lr,tier_used_bytes.gpu,val_loss" and text[3].startswith("3,0.333")
+    pytest.importorskip("tensorboard")
+    assert rd.write_tensorboard(metrics)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([1.0, 0.5, 1 / 3])
+    assert [e.step for e in events.Scalars("tier_used_bytes/gpu")] == [1, 2, 3]
