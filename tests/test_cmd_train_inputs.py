@@ -201,3 +201,16 @@ def test_metrics_go_to_csv_always_and_to_tensorboard_where_installed(tmp_path):
     events.Reload()
     assert [e.value for e in events.Scalars("loss")] == pytest.approx([1.0, 0.5, 1 / 3])
     assert [e.step for e in events.Scalars("tier_used_bytes/gpu")] == [1, 2, 3]
+
+
+def test_page_files_of_a_killed_run_are_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "nvme").mkdir()
+    for name in (f"pagemem-{gone}-ab.pages", f"pagemem-{os.getpid()}-cd.pages", "notes.txt"):
+        (tmp_path / "nvme" / name).write_text("x")
+    assert RunDir(str(tmp_path)).remove_stale_page_files() == [f"pagemem-{gone}-ab.pages"]
+    assert sorted(os.listdir(tmp_path / "nvme")) == ["notes.txt", f"pagemem-{os.getpid()}-cd.pages"]

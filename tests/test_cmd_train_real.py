@@ -149,7 +149,8 @@ def test_sigterm_at_a_random_step_checkpoints_and_the_resumed_token_file_run_end
     assert open(run / "checkpoints" / "latest").read().strip() == f"step-{done:08d}"
     assert not [f for f in os.listdir(run / "nvme")]  # no page file left
     events = json.load(open(run / "timeline-measured.json"))["traceEvents"]
-    assert {"forward", "backward", "grad norm", "update", "checkpoint"} <= {e["name"] for e in events}
+    assert {"forward", "backward", "grad norm", "update", "checkpoint", "tier used bytes",
+            "moved bytes per second"} <= {e["name"] for e in events}
     r = pagemem_cmd(tmp_path, "train", "--resume", str(run))
     assert r.returncode == 0, r.stderr
     a, b = weights(str(tmp_path / "runs" / "whole")), weights(str(run))

@@ -8,8 +8,8 @@
   ``metrics.csv``; TensorBoard event files in ``tensorboard/`` where ``tensorboard`` is installed;
 - ``trace.json`` and ``trace.chrome.json``: the traced iteration, as data and as a timeline;
 - ``timeline-planned.json``: the simulator's timeline of the plan the engine followed;
-- ``timeline-measured.json``: each step's forward, backward and step as they ran, and the tiers'
-  bytes in use, as counters;
+- ``timeline-measured.json``: each step's forward, backward, grad norm, update, evaluation and
+  checkpoint as they ran, and the tiers' bytes in use and the bytes moved per second, as counters;
 - ``loss.png``, ``memory.png`` and ``throughput.png``; ``summary.json``;
 - ``export/`` (``train.export``): the weights as safetensors (and ``config.json``: a Hugging Face
   model directory);
@@ -61,6 +61,19 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock = fd
+
+    def remove_stale_page_files(self) -> list[str]:
+        """Remove the page files a process that is gone left in the run's own ``nvme/`` (kill -9
+        gives no chance to remove them; ``pagemem-PID-*.pages``); the names removed."""
+        nvme = self.file("nvme")
+        removed = []
+        for name in sorted(os.listdir(nvme)) if os.path.isdir(nvme) else []:
+            parts = name.split("-")
+            if len(parts) >= 3 and parts[0] == "pagemem" and name.endswith(".pages") and parts[1].isdigit():
+                if not _alive(int(parts[1])):
+                    os.remove(os.path.join(nvme, name))
+                    removed.append(name)
+        return removed
 
     def unlock(self) -> None:
         if self._lock is not None:
@@ -151,9 +164,10 @@ class RunDir:
         self._events.append({"name": name, "ph": "X", "pid": 0, "tid": 0, "ts": start * 1e6, "dur": seconds * 1e6,
                              "args": {"step": step}})
 
-    def counters(self, at: float, used: dict[str, int]) -> None:
-        self._events.append({"name": "tier used bytes", "ph": "C", "pid": 0, "ts": at * 1e6,
-                             "args": dict(used)})
+    def counters(self, at: float, used: dict[str, int], name: str = "tier used bytes") -> None:
+        """Counters at ``at`` (``time.perf_counter`` seconds): the tiers' bytes in use, or the
+        step's moves (``name``)."""
+        self._events.append({"name": name, "ph": "C", "pid": 0, "ts": at * 1e6, "args": dict(used)})
 
     def write_timelines(self, trace: Any, planned: Any) -> None:
         """The traced iteration, the planned timeline (a ``SimResult``) and the measured one."""
@@ -272,6 +286,16 @@ def files_of_a_finished_run() -> Iterable[str]:
     return ("config.toml", "config.json", "config-history.jsonl", "metrics.jsonl", "metrics.csv", "trace.json",
             "trace.chrome.json", "timeline-planned.json", "timeline-measured.json", "loss.png", "memory.png",
             "throughput.png", "summary.json", "checkpoints/latest")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def _finite(value: Any) -> Any:

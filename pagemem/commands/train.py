@@ -122,6 +122,8 @@ def _run(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[
         rd, plain = RunDir(path), on_device(launch, plain)
         if launch.lead:
             rd.lock()  # a second writer is refused, naming this process
+            for name in rd.remove_stale_page_files():
+                print(f"pagemem train: removed {name}, a page file a killed run left", file=sys.stderr)
         engine, cfg, loss_of, batches, device = _open(rd, plain, resume, launch)
         if launch.lead:
             rd.write_config(cfg.to_plain(), to_toml(cfg.to_plain()))

@@ -153,6 +153,7 @@ class Loop:
                     for name, a, b in phases:
                         self.rd.phase(name, a, b - a, step + 1)
                     self.rd.counters(t3, m["tier_used_bytes"])
+                    self.rd.counters(t3, m["moved_bytes_per_s"], "moved bytes per second")
                 bar.update(1)
                 if logged and self.launch.lead:
                     bar.write(log_line(m), file=sys.stdout)
