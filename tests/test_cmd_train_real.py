@@ -131,7 +131,8 @@ def test_a_saved_dataset_trains(tmp_path):
 def test_sigterm_at_a_random_step_checkpoints_and_the_resumed_token_file_run_ends_as_an_uninterrupted_one(tmp_path):
     """A token file read mid-epoch: SIGTERM saves, exits 143 with a summary and no page files;
     the resumed run reads the same batches and ends with the same weights, bit for bit."""
-    data = ["--data.path", tokens_file(tmp_path), "--data.batch", "16"]
+    data = ["--data.path", tokens_file(tmp_path), "--data.batch", "16", "--data.validation", "0.1",
+            "--train.eval_every", "7", "--train.schedule", "cosine", "--train.warmup_steps", "5"]
     steps, cut_at = 40, random.Random(os.getpid()).randint(3, 30)
     r = pagemem_cmd(tmp_path, "train", *SMALL, *SYNC, *data, "--train.steps", str(steps), "--train.name", "whole")
     assert r.returncode == 0, r.stderr
@@ -215,3 +216,10 @@ def test_a_damaged_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     assert "resuming from step-00000002, the newest intact one" in r.stderr
     steps = [json.loads(line)["step"] for line in open(tmp_path / "runs" / "c" / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5]
+    r = pagemem_cmd(tmp_path, "export", str(tmp_path / "runs" / "c"))  # the project's GPT: safetensors
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    exported, trained = load_file(tmp_path / "runs" / "c" / "export" / "model.safetensors"), weights(
+        str(tmp_path / "runs" / "c"))
+    assert all(torch.equal(exported[k], trained[k]) for k in exported) and "wte.weight" in exported

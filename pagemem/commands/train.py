@@ -128,6 +128,9 @@ def _run(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[
         if launch.lead:
             rd.write_config(cfg.to_plain(), to_toml(cfg.to_plain()))
             rd.add_history(engine.global_step, cfg.to_plain(), overrides)
+            if cfg.model.hf is not None and os.path.isdir(cfg.model.hf) and cfg.data.synthetic and not resume:
+                print(f"pagemem train: note: {cfg.model.hf}'s weights train on the synthetic task's random tokens; "
+                      "give --data.path to fine-tune them on your data", file=sys.stderr)
             if not (cfg.engine.store.gpu_backend != "host" and _cuda()):
                 print(_host_estimate(engine.module, cfg), file=sys.stderr)
             if resume and not args.resume:
