@@ -205,6 +205,14 @@ def test_a_loss_that_is_not_finite_stops_the_run_and_keeps_the_last_good_checkpo
     assert all(torch.isfinite(v).all() for v in w.values())
 
 
+def test_a_loss_above_max_loss_stops_the_run(tmp_path):
+    r = pagemem_cmd(tmp_path, "train", *SMALL, *SYNC, "--train.steps", "5", "--train.max_loss", "0.5",
+                    "--train.name", "m")
+    assert r.returncode == 1 and "above train.max_loss 0.5 at step 1" in r.stderr, r.stderr
+    summary = json.loads((tmp_path / "runs" / "m" / "summary.json").read_text())
+    assert summary["steps_done"] == 0 and "max_loss" in summary["stopped"]
+
+
 def test_a_damaged_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     r = pagemem_cmd(tmp_path, "train", *SMALL, *SYNC, "--train.steps", "4", "--train.save_every", "2",
                     "--train.keep", "2", "--train.name", "c")

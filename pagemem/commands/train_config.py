@@ -69,6 +69,9 @@ class TrainSettings:
     """Evaluate on the validation data every this many steps and at the end (0: never)."""
     eval_batches: int = 8
     """Validation batches per evaluation."""
+    max_loss: float | None = None
+    """Stop the run as for a loss that is not finite when a micro-batch's loss exceeds this (a
+    diverging run; the initial loss is about ln(vocabulary)); None: only NaN and infinities stop it."""
     export: str = "none"
     """At the end, write the weights: ``safetensors`` (``export/``, sharded as Hugging Face's) or
     ``hf`` (that and ``config.json``, and the tokenizer: a ``from_pretrained`` directory; needs
@@ -88,6 +91,9 @@ class TrainSettings:
         check_int("eval_every", self.eval_every, 0, 1 << 40)
         check_int("eval_batches", self.eval_batches, 1, 1 << 20)
         check_choice("export", self.export, EXPORTS)
+        m = self.max_loss
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0 or m == float("inf")):
+            raise ConfigError(f"max_loss: must be a positive finite number or None, got {m!r}")
         if not isinstance(self.runs, str) or not self.runs or not self.runs.isprintable():
             raise ConfigError(f"runs: must be a directory path of printable characters, got {self.runs!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name or "/" in self.name

@@ -2,7 +2,7 @@
 interrupted by Ctrl-C or SIGTERM, or stopped by a loss that is not finite).
 
 [Note: stopping on a loss that is not finite] Each micro-batch's loss is checked before its
-backward, and the gradient norm before the update (not with loss scaling: float16's overflows
+backward (and against ``train.max_loss``, where given: a diverging run), and the gradient norm before the update (not with loss scaling: float16's overflows
 skip their update, and the scale falls): one that is NaN or infinite stops the run
 before anything of it reaches the weights (with several ranks, the step's exchanged losses are
 checked too, after the update: the run stops without saving). Nothing is saved then: the
@@ -117,9 +117,11 @@ class Loop:
                                                                                           non_blocking=True))
                     value = float(loss.detach())
                     b = time.perf_counter()
-                    if not math.isfinite(value) and not self.launch.data_parallel:
+                    if not self.launch.data_parallel and (not math.isfinite(value) or (
+                            t.max_loss is not None and value > t.max_loss)):
                         self._drop_gradients()
-                        raise Diverged(f"the loss is {value} at step {step + 1}")
+                        above = f", above train.max_loss {t.max_loss}" if math.isfinite(value) else ""
+                        raise Diverged(f"the loss is {value}{above} at step {step + 1}")
                     engine.backward(loss)
                     losses.append(value)
                     phases += [("forward", a, b), ("backward", b, time.perf_counter())]
@@ -137,8 +139,8 @@ class Loop:
                 stats = engine.stats()
                 sent = stats["ranks"]["sent_bytes"] - before["ranks"]["sent_bytes"]
                 rows = self.exchange(sum(losses) / acc, t3 - t0, sent)  # every rank's, in rank order
-                if not all(math.isfinite(r[0]) for r in rows):
-                    raise Diverged(f"a rank's loss is not finite at step {step + 1}")
+                if not all(math.isfinite(r[0]) and (t.max_loss is None or r[0] <= t.max_loss) for r in rows):
+                    raise Diverged(f"a rank's loss is not finite or above train.max_loss at step {step + 1}")
                 m = self._metrics(step + 1, rows, grad_norm, t3 - t0, stats, before, base_lrs[0] * factor)
                 before = stats
                 phases += [("grad norm", t1, t2), ("update", t2, t3)]
