@@ -214,3 +214,25 @@ def test_page_files_of_a_killed_run_are_removed_and_a_live_ones_kept(tmp_path):
         (tmp_path / "nvme" / name).write_text("x")
     assert RunDir(str(tmp_path)).remove_stale_page_files() == [f"pagemem-{gone}-ab.pages"]
     assert sorted(os.listdir(tmp_path / "nvme")) == ["notes.txt", f"pagemem-{os.getpid()}-cd.pages"]
+
+
+def test_a_text_directory_is_read_in_order_without_hidden_files_each_document_ending_with_eos(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from pagemem.commands.train_corpus import load_corpus
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<|endoftext|>": 0, "a": 1, "b": 2, "c": 3, "[UNK]": 4},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / ".hidden").mkdir()
+    (docs / "1.txt").write_text("a b")
+    (docs / "sub" / "2.md").write_text("c c a")
+    (docs / ".hidden" / "3.txt").write_text("b b b")
+    (docs / "image.png").write_bytes(b"\x89PNG")
+    data = DataSettings(path=str(docs), tokenizer=str(tmp_path / "tokenizer.json"), seq=2, batch=1)
+    corpus = load_corpus(data, None)
+    assert corpus.train.tolist() == [1, 2, 0, 3, 3, 1, 0] and corpus.vocab == 5
+    with pytest.raises(pagemem.ConfigError, match="data.tokenizer: text needs a tokenizer"):
+        load_corpus(DataSettings(path=str(docs), seq=2, batch=1), None)

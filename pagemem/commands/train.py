@@ -117,6 +117,7 @@ def _run(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[
     started = time.time()
     made: list[str] = []  # the run directory this process made (a SIGTERM may land as soon as it exists)
     rd: RunDir | None = None
+    engine: Engine | None = None
     try:
         path, plain, resume = agreed(launch, lambda: _start(args, files, overrides, launch, made))
         rd, plain = RunDir(path), on_device(launch, plain)
@@ -137,6 +138,8 @@ def _run(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[
                 print(f"pagemem train: torchrun restart {launch.restart}: resuming {rd.path} from its last "
                       f"checkpoint (step {engine.global_step})", file=sys.stderr)
     except BaseException:  # Ctrl-C and SIGTERM too
+        if engine is not None:
+            engine.close()  # its page files go
         if rd is not None:
             rd.unlock()
         for path in made:  # nothing of this run exists yet: leave nothing behind

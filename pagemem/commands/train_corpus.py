@@ -46,8 +46,6 @@ class Corpus:
     val: Any | None
     vocab: int | None
     """The tokenizer's vocabulary size (None: a token file's, unknown)."""
-    tokenizer_dir: str | None = None
-    """A directory of tokenizer files to ship with an export (None: none)."""
 
     @property
     def train_tokens(self) -> int:
@@ -77,7 +75,7 @@ def load_corpus(data: Any, model_dir: str | None) -> Corpus:
     if kind == "dataset":
         return _dataset(path, data, model_dir)
     tokenizer = Tokenizer.load(data.tokenizer, model_dir)
-    return Corpus(tokenizer.encode_documents(_text_documents(path)), None, tokenizer.vocab, tokenizer.directory)
+    return Corpus(tokenizer.encode_documents(_text_documents(path)), None, tokenizer.vocab)
 
 
 def _guess(path: str) -> str:
@@ -116,10 +114,9 @@ def _text_documents(path: str) -> list[str]:
     if os.path.isfile(path):
         files = [path]
     else:
-        files = sorted(os.path.join(root, n) for root, dirs, names in os.walk(path) for n in names
-                       if not n.startswith(".") and os.path.splitext(n)[1].lower() in TEXT_SUFFIXES)
-        dirs_hidden = [f for f in files if any(part.startswith(".") for part in os.path.relpath(f, path).split(os.sep))]
-        files = [f for f in files if f not in dirs_hidden]
+        files = sorted(os.path.join(root, n) for root, _, names in os.walk(path) for n in names
+                       if os.path.splitext(n)[1].lower() in TEXT_SUFFIXES
+                       and not any(p.startswith(".") for p in os.path.relpath(os.path.join(root, n), path).split(os.sep)))
     docs = []
     for f in files:
         try:
@@ -160,15 +157,14 @@ def _dataset(path: str, data: Any, model_dir: str | None) -> Corpus:
     def encoded(ds: Any) -> Any:
         return tokenizer.encode_documents([t for t in ds[data.text_key] if t])
 
-    return Corpus(encoded(loaded), encoded(val_split) if val_split is not None else None, tokenizer.vocab,
-                  tokenizer.directory)
+    return Corpus(encoded(loaded), encoded(val_split) if val_split is not None else None, tokenizer.vocab)
 
 
 class Tokenizer:
     """A Hugging Face fast tokenizer (the ``tokenizers`` library underneath) from local files."""
 
-    def __init__(self, backend: Any, eos: int | None, directory: str | None) -> None:
-        self.backend, self.eos, self.directory = backend, eos, directory
+    def __init__(self, backend: Any, eos: int | None) -> None:
+        self.backend, self.eos = backend, eos
         self.vocab = int(backend.get_vocab_size(with_added_tokens=True))
 
     @classmethod
@@ -179,7 +175,7 @@ class Tokenizer:
             raise ConfigError("data.tokenizer: text needs a tokenizer: give data.tokenizer (a tokenizer.json file or "
                               "a directory), or a model.hf directory that holds one")
         if os.path.isfile(where):
-            return cls._from_file(where, None, field)
+            return cls._from_file(where, field)
         if not os.path.isdir(where):
             raise ConfigError(f"{field}: {where} does not exist")
         try:
@@ -188,18 +184,18 @@ class Tokenizer:
             tok = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
             if getattr(tok, "backend_tokenizer", None) is None:
                 raise ConfigError(f"{field}: {where} holds a slow tokenizer only; save a fast one (tokenizer.json)")
-            return cls(tok.backend_tokenizer, tok.eos_token_id, where)
+            return cls(tok.backend_tokenizer, tok.eos_token_id)
         except ImportError:
             pass
         except (OSError, ValueError) as exc:
             if not os.path.isfile(os.path.join(where, "tokenizer.json")):
                 raise ConfigError(f"{field}: {where} holds no tokenizer transformers can load ({exc})") from None
         if os.path.isfile(os.path.join(where, "tokenizer.json")):
-            return cls._from_file(os.path.join(where, "tokenizer.json"), where, field)
+            return cls._from_file(os.path.join(where, "tokenizer.json"), field)
         raise ConfigError(f"{field}: {where} has no tokenizer.json")
 
     @classmethod
-    def _from_file(cls, path: str, directory: str | None, field: str) -> "Tokenizer":
+    def _from_file(cls, path: str, field: str) -> "Tokenizer":
         try:
             import tokenizers
         except ImportError:
@@ -209,7 +205,7 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises its own Exception subclass
             raise ConfigError(f"{field}: {path} is not a tokenizer.json ({exc})") from None
         eos = next((backend.token_to_id(n) for n in EOS_NAMES if backend.token_to_id(n) is not None), None)
-        return cls(backend, eos, directory if directory else None)
+        return cls(backend, eos)
 
     def encode_documents(self, docs: list[str]) -> Any:
         """Every document's ids, each followed by the end-of-text token (where there is one)."""
