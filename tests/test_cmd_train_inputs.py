@@ -236,3 +236,18 @@ def test_a_text_directory_is_read_in_order_without_hidden_files_each_document_en
     assert corpus.train.tolist() == [1, 2, 0, 3, 3, 1, 0] and corpus.vocab == 5
     with pytest.raises(pagemem.ConfigError, match="data.tokenizer: text needs a tokenizer"):
         load_corpus(DataSettings(path=str(docs), seq=2, batch=1), None)
+
+
+@pytest.mark.slow
+def test_a_disk_without_room_for_keep_checkpoints_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 4096))
+    rc = exit_status("train", "--train.runs", str(tmp_path / "runs"), "--train.steps", "2", "--train.progress",
+                     "false", "--model.layers", "1", "--model.hidden", "32", "--model.heads", "1", "--model.vocab",
+                     "32", "--model.seq", "8", "--data.vocab", "32", "--data.seq", "8", "--store.page_bytes", "64KiB")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("pagemem train: ConfigError: train.keep: 2 checkpoints") and "\n" not in err
+    assert os.listdir(tmp_path / "runs") == []

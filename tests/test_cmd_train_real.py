@@ -91,7 +91,8 @@ def test_a_hugging_face_model_fine_tunes_on_a_text_file_and_exports_a_directory_
     r = pagemem_cmd(tmp_path, "train", "--model.hf", model, "--data.path", text, "--data.seq", "16", "--data.batch", "8",
                     "--data.validation", "0.1", "--train.eval_every", "10", "--train.steps", "20", "--train.export", "hf",
                     "--train.name", "t", "--train.progress", "false", "--store.page_bytes", "64KiB",
-                    "--optimizer.lr", "3e-3", "--train.schedule", "cosine", "--train.warmup_steps", "5")
+                    "--optimizer.lr", "3e-3", "--train.schedule", "cosine", "--train.warmup_steps", "5",
+                    "--engine.lock_free", "true")
     assert r.returncode == 0, r.stderr
     run = tmp_path / "runs" / "t"
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -146,6 +147,7 @@ def test_sigterm_at_a_random_step_checkpoints_and_the_resumed_token_file_run_end
     assert "preempted (SIGTERM) after step" in err and "Traceback" not in err
     summary = json.load(open(run / "summary.json"))
     done = len(open(run / "metrics.jsonl").read().splitlines())
+    assert summary["wall_seconds"] > 0 and summary["session_steps"] == done
     assert summary["interrupted"] and summary["steps_done"] == done and cut_at <= done < steps
     assert open(run / "checkpoints" / "latest").read().strip() == f"step-{done:08d}"
     assert not [f for f in os.listdir(run / "nvme")]  # no page file left
@@ -156,7 +158,10 @@ def test_sigterm_at_a_random_step_checkpoints_and_the_resumed_token_file_run_end
     assert r.returncode == 0, r.stderr
     a, b = weights(str(tmp_path / "runs" / "whole")), weights(str(run))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    losses = [json.loads(line)["loss"] for line in open(run / "metrics.jsonl")]
+    lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    times, walls = [m["time"] for m in lines], [m["wall_seconds"] for m in lines]
+    assert times == sorted(times) and walls == sorted(walls)  # the resumed part goes on from the first's wall time
+    losses = [m["loss"] for m in lines]
     assert losses == [json.loads(line)["loss"] for line in open(tmp_path / "runs" / "whole" / "metrics.jsonl")]
 
 
