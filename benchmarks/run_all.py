@@ -52,6 +52,8 @@ SUITE: list[Bench] = [
     Bench("bench_lockfree", ("--steps", "20", "--seeds", "1", "--throughput-steps", "10"), default=False),
     Bench("bench_integrations", ("--layers", "2", "--hidden", "64", "--seq", "32", "--vocab", "128", "--steps", "6",
                                  "--warmup", "2"), default=False),
+    Bench("bench_train_loop", ("--steps", "3", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "64",
+                               "--seq", "16")),
     Bench("bench_offload", ("--model", "tiny", "--batch", "1", "--seq", "64", "--warmup", "1", "--iters", "2",
                             "--gpu-bytes", str(64 << 20)), default=False, result="bench_offload_cpu"),
 ]

@@ -1,6 +1,6 @@
 """The ``pagemem`` command: one runner over the commands of ``pagemem.commands``. A
 ``PageMemError`` (bad input, a budget too small, a damaged checkpoint) ends with one line on
-stderr and exit status 2, never a traceback; Ctrl-C with 130."""
+stderr and exit status 2, never a traceback; Ctrl-C with 130 (SIGTERM in ``pagemem train``: 143)."""
 
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f" {exc.filename}" if exc.filename else ""
         print(f"pagemem {args.command}: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
         return USAGE_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C; pagemem train's SIGTERM exits 143 (train_signals.py)
         print(f"pagemem {args.command}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        return int(getattr(exc, "exit_status", INTERRUPTED))
 
 
 if __name__ == "__main__":

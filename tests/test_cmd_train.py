@@ -43,7 +43,7 @@ def test_the_default_run_writes_every_file_and_the_loss_falls(tmp_path, capsys):
     assert sum(m["loss"] for m in metrics[-5:]) < sum(m["loss"] for m in metrics[:5]) - 5 * 0.3
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["steps_done"] == 40 and summary["last_loss"] < summary["first_loss"]
-    assert summary["staleness"]["max"] >= 0  # the default is lock-free
+    assert summary["staleness"] is None  # the default is synchronous (issue 35: lock-free loses quality)
     assert summary["moved_bytes"]["nvme->cpu"] > 0  # optimizer states on nvme: pages really moved
     param_bytes = 4 * sum(p.numel() for p in _model(run).parameters())
     assert summary["moved_bytes"]["cpu->gpu"] > 40 * param_bytes / 2  # the gpu budget makes units move every step

@@ -8,7 +8,7 @@ import re
 
 import pagemem
 from pagemem.commands.train_config import ModelSettings, TrainSettings
-from pagemem.models.tasks import BranchingTask
+from pagemem.commands.train_data import DataSettings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ def reference() -> str:
 def test_the_configuration_reference_names_every_field():
     ref = reference()
     sections = {"[store]": pagemem.StoreConfig, "[engine]": pagemem.EngineConfig, "[optimizer]": pagemem.AdamW,
-                "[train]": TrainSettings, "[model]": ModelSettings, "[data]": BranchingTask}
+                "[train]": TrainSettings, "[model]": ModelSettings, "[data]": DataSettings}
     for section, cls in sections.items():
         assert f"`{section}`" in ref, section
         for f in dataclasses.fields(cls):

@@ -17,11 +17,13 @@ import tokenize
 
 import pytest
 
+import pagemem
 from pagemem import cli
 from pagemem.commands import COMMANDS
 from pagemem.commands.io_sweep import sweep_disk
 from pagemem.commands.measure import measure
 from pagemem.commands.train_config import ModelSettings, TrainSettings
+from pagemem.commands.train_data import DataSettings
 from pagemem.config import StoreConfig
 from pagemem.engine.updates.adam import AdamW
 from pagemem.engine.config import EngineConfig
@@ -36,22 +38,22 @@ from pagemem.tracer.synthetic import TransformerShape
 SCHED_DIR = os.path.dirname(os.path.abspath(tasks.__file__))
 
 FIELD_CLASSES = (StoreConfig, EngineConfig, AdamW, GPTConfig, HardwareProfile, TrainSettings, BranchingTask,
-                 TransformerShape)
+                 DataSettings, TransformerShape)
 """Config dataclasses whose fields a flag may set (``TransformerShape``: the synthetic trace's
 ``batch``, ``seq``, ``dtype``, ``attention``)."""
 FUNCTIONS = {plan: ("trace", "budgets"), simulate: ("plan", "trace", "profile"), measure: (),
-             sweep_disk: ("path", "log")}
+             sweep_disk: ("path", "log"), pagemem.Engine.save_weights: ("self", "directory")}
 """Functions the commands call, whose parameters a flag may set (``--cache_optimizer``,
-``--iterations``, ``--copy_bytes``, ``--total_bytes``), less those named here: what the
+``--iterations``, ``--copy_bytes``, ``--total_bytes``, pagemem export's ``--max_shard_bytes``), less those named here: what the
 function works on, not a knob."""
-SECTIONS = {"train": TrainSettings, "model": ModelSettings, "data": BranchingTask, "engine": EngineConfig,
+SECTIONS = {"train": TrainSettings, "model": ModelSettings, "data": DataSettings, "engine": EngineConfig,
             "store": StoreConfig, "optimizer": AdamW}
 """``pagemem train``'s dotted flags: ``--SECTION.FIELD``."""
 
 COMMAND_ONLY = {
     "help": "argparse's own",
     "out": "the file a command writes (always a file)",
-    "out_dir": "the directory pagemem trace writes its files in",
+    "out_dir": "the directory pagemem trace and pagemem export write their files in",
     "json": "the file pagemem demo writes its results to",
     "plot": "the PNG pagemem plan draws memory to",
     "chrome": "the Chrome trace-event file pagemem simulate writes",

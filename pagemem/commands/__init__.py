@@ -3,6 +3,7 @@
 
 COMMANDS: list[tuple[str, str, str]] = [
     ("train", "pagemem.commands.train", "train a model through the engine from one config into a run directory"),
+    ("export", "pagemem.commands.export", "write a pagemem train run's weights as safetensors / a Hugging Face model directory"),
     ("demo", "pagemem.commands.demo", "store a model-sized set of tensors across the tiers, move them, verify every byte"),
     ("trace", "pagemem.commands.trace", "trace one training iteration of the GPT (or synthesise it) and write trace JSON files"),
     ("plan", "pagemem.commands.plan", "plan one training iteration: the task queue, its validated peak memory"),

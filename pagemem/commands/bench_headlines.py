@@ -207,6 +207,20 @@ def integrations(d: Results) -> list[Headline]:
     return rows
 
 
+def train_loop(d: Results) -> list[Headline]:
+    rows = []
+    for r in d["engine"]:
+        mode = "lock-free" if r["lock_free"] else "synchronous"
+        rows.append(Headline(f"pagemem train {mode}: grad norm per step", 1e3 * r["grad_norm_s"],
+                             "the step (forward, backward, update)", 1e3 * r["step_s"], "ms"))
+        rows.append(Headline(f"pagemem train {mode}: one evaluation batch", 1e3 * r["eval_batch_s"],
+                             "the step (forward, backward, update)", 1e3 * r["step_s"], "ms"))
+    b = d["batches"]
+    rows.append(Headline("pagemem train: a token-file batch (memmap)", 1e3 * b["token_file_batch_s"],
+                         "the synthetic task's batch", 1e3 * b["synthetic_batch_s"], "ms"))
+    return rows
+
+
 def _last_error(result: dict[str, Any] | None) -> str:
     """The last line of a failed run's error (bench_offload joins its last lines with " | ")."""
     if not result:
@@ -242,6 +256,7 @@ HEADLINES: dict[str, Callable[[Results], list[Headline]]] = {
     "bench_nvme": nvme,
     "bench_gpu_moves": gpu_moves,
     "bench_lockfree": lockfree,
+    "bench_train_loop": train_loop,
     "bench_offload": offload,
     "bench_integrations": integrations,
     "bench_homes": homes,

@@ -70,6 +70,17 @@ def build(settings: ModelSettings, seed: int, weights: bool = True) -> Built:
     return Built(model, hf_loss_of, int(cfg.vocab_size), int(longest) - 1, values)
 
 
+def shapes_only(settings: ModelSettings, seed: int) -> nn.Module:
+    """The model with its parameters on ``meta`` (no memory, nothing drawn): to count its bytes,
+    or for ``Engine.load`` to fill from a checkpoint. Buffers are made as the model's code makes
+    them (a Hugging Face model's rotary ``inv_freq``); the project's GPT has none."""
+    if settings.hf is None:
+        with torch.device("meta"):
+            return build(settings, seed, weights=False).model
+    with parameters_on_meta():
+        return build(settings, seed, weights=False).model
+
+
 def has_safetensors(directory: str) -> bool:
     """Whether ``directory`` holds safetensors weights in Hugging Face's layout."""
     return any(os.path.isfile(os.path.join(directory, n)) for n in (SINGLE, INDEX))

@@ -1,13 +1,18 @@
 """A training run's directory: what ``pagemem train`` writes, and how ``--resume`` finds it.
 
 ``runs/<name>/`` holds:
-- ``config.toml`` (to read) and ``config.json`` (what ``--resume`` runs with): the resolved config;
-- ``metrics.jsonl``: one JSON object per step (``METRIC_KEYS``);
+- ``config.toml`` (to read) and ``config.json`` (what ``--resume`` runs with): the resolved config,
+  and ``config-history.jsonl``: the resolved config of every start and resume, with its step;
+- ``lock``: the pid of the process training the run (``flock``: a second one is refused);
+- ``metrics.jsonl``: one JSON object per step (``METRIC_KEYS``; NaN and infinities as null), and
+  ``metrics.csv``; TensorBoard event files in ``tensorboard/`` where ``tensorboard`` is installed;
 - ``trace.json`` and ``trace.chrome.json``: the traced iteration, as data and as a timeline;
 - ``timeline-planned.json``: the simulator's timeline of the plan the engine followed;
-- ``timeline-measured.json``: each step's forward, backward and step as they ran, and the tiers'
-  bytes in use, as counters;
-- ``loss.png`` and ``memory.png``; ``summary.json``;
+- ``timeline-measured.json``: each step's forward, backward, grad norm, update, evaluation and
+  checkpoint as they ran, and the tiers' bytes in use and the bytes moved per second, as counters;
+- ``loss.png``, ``memory.png`` and ``throughput.png``; ``summary.json``;
+- ``export/`` (``train.export``): the weights as safetensors (and ``config.json``: a Hugging Face
+  model directory);
 - ``checkpoints/step-N/`` and ``checkpoints/latest`` (``Engine.save``).
 The timelines are Chrome trace-event JSON: they open in Perfetto (ui.perfetto.dev) and
 ``chrome://tracing``.
@@ -15,15 +20,18 @@ The timelines are Chrome trace-event JSON: they open in Perfetto (ui.perfetto.de
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
 import time
 from typing import Any, Iterable
 
 from pagemem.errors import ConfigError
 
-METRIC_KEYS = ("step", "loss", "grad_norm", "seconds", "tokens_per_s", "gpu_peak_bytes", "gpu_budget_bytes",
-               "tier_used_bytes", "moved_bytes_per_s", "gpu_idle", "staleness_mean")
+METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "seconds", "tokens_per_s", "gpu_peak_bytes", "gpu_budget_bytes",
+               "tier_used_bytes", "moved_bytes_per_s", "gpu_idle", "staleness_mean", "time", "wall_seconds",
+               "val_loss", "val_perplexity")
 """The fields of every line of ``metrics.jsonl``; with several ranks a log step's line also
 holds ``ranks`` ([Note: pagemem train under torchrun])."""
 
@@ -35,6 +43,42 @@ class RunDir:
         self.path = path
         self.checkpoints = os.path.join(path, "checkpoints")
         self._events: list[dict[str, Any]] = []
+        self._lock: int | None = None
+
+    # ------------------------------------------------------------------ one writer
+
+    def lock(self) -> None:
+        """Hold the run for this process (until :meth:`unlock` or its end, kill -9 included: an
+        ``flock``); one held by another process is refused with its pid."""
+        fd = os.open(self.file("lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"resume: {self.path} is being trained by another pagemem train (pid {holder}); "
+                              "wait for it to end, or stop it first") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock = fd
+
+    def remove_stale_page_files(self) -> list[str]:
+        """Remove the page files a process that is gone left in the run's own ``nvme/`` (kill -9
+        gives no chance to remove them; ``pagemem-PID-*.pages``); the names removed."""
+        nvme = self.file("nvme")
+        removed = []
+        for name in sorted(os.listdir(nvme)) if os.path.isdir(nvme) else []:
+            parts = name.split("-")
+            if len(parts) >= 3 and parts[0] == "pagemem" and name.endswith(".pages") and parts[1].isdigit():
+                if not _alive(int(parts[1])):
+                    os.remove(os.path.join(nvme, name))
+                    removed.append(name)
+        return removed
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -80,6 +124,12 @@ class RunDir:
         _write(self.file("config.json"), json.dumps(plain, indent=2))
         _write(self.file("config.toml"), toml_text)
 
+    def add_history(self, step: int, plain: dict[str, Any], overrides: dict[str, str]) -> None:
+        """One line of ``config-history.jsonl``: the config a start (step 0) or resume ran with."""
+        line = {"step": step, "time": time.time(), "overrides": overrides, "config": plain}
+        with open(self.file("config-history.jsonl"), "a") as f:
+            f.write(_json(line) + "\n")
+
     def read_config(self) -> dict[str, Any]:
         with open(self.file("config.json")) as f:
             return json.load(f)
@@ -87,11 +137,18 @@ class RunDir:
     def keep_metrics_until(self, step: int) -> None:
         """Drop metric lines after ``step`` (a resumed run logs them again)."""
         kept = [m for m in self.metrics() if m["step"] <= step]
-        _write(self.file("metrics.jsonl"), "".join(json.dumps(m) + "\n" for m in kept))
+        _write(self.file("metrics.jsonl"), "".join(_json(m) + "\n" for m in kept))
 
     def append_metrics(self, metrics: dict[str, Any]) -> None:
         with open(self.file("metrics.jsonl"), "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+            f.write(_json(metrics) + "\n")
+
+    def update_last_metrics(self, values: dict[str, Any]) -> None:
+        """Set ``values`` on the last metrics line (the end's evaluation)."""
+        metrics = self.metrics()
+        if metrics:
+            metrics[-1].update(values)
+            _write(self.file("metrics.jsonl"), "".join(_json(m) + "\n" for m in metrics))
 
     def metrics(self) -> list[dict[str, Any]]:
         try:
@@ -107,9 +164,10 @@ class RunDir:
         self._events.append({"name": name, "ph": "X", "pid": 0, "tid": 0, "ts": start * 1e6, "dur": seconds * 1e6,
                              "args": {"step": step}})
 
-    def counters(self, at: float, used: dict[str, int]) -> None:
-        self._events.append({"name": "tier used bytes", "ph": "C", "pid": 0, "ts": at * 1e6,
-                             "args": dict(used)})
+    def counters(self, at: float, used: dict[str, int], name: str = "tier used bytes") -> None:
+        """Counters at ``at`` (``time.perf_counter`` seconds): the tiers' bytes in use, or the
+        step's moves (``name``)."""
+        self._events.append({"name": name, "ph": "C", "pid": 0, "ts": at * 1e6, "args": dict(used)})
 
     def write_timelines(self, trace: Any, planned: Any) -> None:
         """The traced iteration, the planned timeline (a ``SimResult``) and the measured one."""
@@ -133,45 +191,140 @@ class RunDir:
 
     # ------------------------------------------------------------------ plots and summary
 
-    def write_plots(self, metrics: list[dict[str, Any]], floor: float | None) -> None:
+    def write_plots(self, metrics: list[dict[str, Any]], floor: float | None,
+                    budgets: dict[str, int] | None = None) -> None:
+        """``loss.png`` (training loss, the validation loss where evaluated, the task's floor),
+        ``memory.png`` (each tier's bytes in use against its budget, the gpu's peak) and
+        ``throughput.png`` (tokens per second), each titled, with axes from 0."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         steps = [m["step"] for m in metrics]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [m["loss"] for m in metrics], lw=1, label="loss")
+        name = os.path.basename(os.path.normpath(self.path))
+
+        def save(fig: Any, ax: Any, title: str, ylabel: str, file: str) -> None:
+            ax.set_title(f"{title} ({name})")
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.set_xlim(left=0)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+            fig.tight_layout()
+            fig.savefig(self.file(file), dpi=100)
+            plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.plot(steps, [_nan(m["loss"]) for m in metrics], lw=1, label="training loss")
+        evals = [m for m in metrics if m.get("val_loss") is not None]
+        if evals:
+            ax.plot([m["step"] for m in evals], [m["val_loss"] for m in evals], "o-", ms=3, lw=1,
+                    label="validation loss")
         if floor is not None:
             ax.axhline(floor, ls=":", color="gray", label=f"task floor ({floor:.3f})")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(self.file("loss.png"), dpi=100)
-        plt.close(fig)
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for tier in ("gpu", "cpu", "nvme"):
+        save(fig, ax, "loss", "loss (nats)", "loss.png")
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        budgets = dict(budgets or {})
+        budgets.setdefault("gpu", metrics[-1]["gpu_budget_bytes"])
+        for tier, color in (("gpu", "C0"), ("cpu", "C1"), ("nvme", "C2")):
             ys = [m["tier_used_bytes"].get(tier, 0) / 2**20 for m in metrics]
-            if any(ys):
-                ax.plot(steps, ys, lw=1, label=f"{tier} in use")
-        ax.plot(steps, [m["gpu_peak_bytes"] / 2**20 for m in metrics], lw=1, ls="--", label="gpu peak")
-        ax.plot(steps, [m["gpu_budget_bytes"] / 2**20 for m in metrics], lw=1, ls=":", label="gpu budget")
-        ax.set_xlabel("step")
-        ax.set_ylabel("MiB")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(self.file("memory.png"), dpi=100)
-        plt.close(fig)
+            budget = budgets.get(tier) or 0
+            if not any(ys) and not budget:
+                continue
+            ax.plot(steps, ys, lw=1.2, color=color, label=f"{tier} in use")
+            if budget:
+                ax.axhline(budget / 2**20, lw=1, ls="--", color=color, label=f"{tier} budget")
+        ax.plot(steps, [m["gpu_peak_bytes"] / 2**20 for m in metrics], lw=1, ls=":", color="C3",
+                label="gpu peak in the step")
+        save(fig, ax, "memory by tier", "MiB", "memory.png")
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.plot(steps, [m["tokens_per_s"] for m in metrics], lw=1, label="tokens/s (all ranks)")
+        save(fig, ax, "throughput", "tokens per second", "throughput.png")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        _write(self.file("summary.json"), json.dumps(summary, indent=2))
+        _write(self.file("summary.json"), _json(summary, indent=2))
+
+    def write_csv(self, metrics: list[dict[str, Any]]) -> None:
+        """``metrics.csv``: the metrics' numbers (a tier's bytes as ``tier_used_bytes.gpu``)."""
+        import csv
+        import io
+
+        rows = [_flat(m) for m in metrics]
+        keys: list[str] = []
+        for r in rows:
+            keys += [k for k in r if k not in keys]
+        out = io.StringIO()
+        writer = csv.DictWriter(out, keys, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        _write(self.file("metrics.csv"), out.getvalue())
+
+    def write_tensorboard(self, metrics: list[dict[str, Any]]) -> bool:
+        """TensorBoard event files in ``tensorboard/``, where ``tensorboard`` is installed
+        (rewritten whole at the end of each session); whether it wrote them."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return False
+        import shutil
+
+        shutil.rmtree(self.file("tensorboard"), ignore_errors=True)
+        with SummaryWriter(self.file("tensorboard")) as writer:
+            for m in metrics:
+                for key, value in _flat(m).items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        writer.add_scalar(key.replace(".", "/"), value, m["step"], walltime=m.get("time"))
+        return True
 
 
 def files_of_a_finished_run() -> Iterable[str]:
     """The files a finished run directory holds (checked by tests)."""
-    return ("config.toml", "config.json", "metrics.jsonl", "trace.json", "trace.chrome.json", "timeline-planned.json",
-            "timeline-measured.json", "loss.png", "memory.png", "summary.json", "checkpoints/latest")
+    return ("config.toml", "config.json", "config-history.jsonl", "metrics.jsonl", "metrics.csv", "trace.json",
+            "trace.chrome.json", "timeline-planned.json", "timeline-measured.json", "loss.png", "memory.png",
+            "throughput.png", "summary.json", "checkpoints/latest")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity as None (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def _json(value: Any, indent: int | None = None) -> str:
+    return json.dumps(_finite(value), indent=indent, allow_nan=False)
+
+
+def _flat(m: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in m.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif not isinstance(v, list):
+            out[prefix + k] = v
+    return out
 
 
 def _write(path: str, text: str) -> None:

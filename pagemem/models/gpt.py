@@ -28,14 +28,19 @@ class GPTConfig:
     """Shape of a GPT model."""
 
     layers: int = 12
+    """Transformer blocks."""
     hidden: int = 768
+    """Width of the residual stream (the embedding size)."""
     heads: int = 12
+    """Attention heads per block (they divide hidden)."""
     ffn: int = 0
     """FFN width; 0 means 4 * hidden."""
     vocab: int = 50304
+    """Vocabulary size (token ids 0 to vocab - 1)."""
     seq: int = 1024
     """Longest sequence (number of position embeddings)."""
     tie_embeddings: bool = True
+    """The output head shares the token embedding's weight."""
     checkpoint_activations: bool = False
     """Recompute each block's activations in backward (torch.utils.checkpoint)."""
 

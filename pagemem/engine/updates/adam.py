@@ -64,10 +64,15 @@ class AdamW:
     (``p *= 1 - lr * weight_decay``), bias-corrected moments, optional AMSGrad."""
 
     lr: float = 1e-3
+    """The learning rate (``pagemem train``: the peak of its schedule)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Decay rates of the first and second moment averages."""
     eps: float = 1e-8
+    """Added to the second moment's square root, for stability."""
     weight_decay: float = 1e-2
+    """Decoupled weight decay (``p *= 1 - lr * weight_decay`` each step)."""
     amsgrad: bool = False
+    """Keep the maximum of the second moments (refused by the lock-free updater)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
