@@ -1,0 +1,158 @@
+"""The lock-free updater's quality against synchronous training, per configuration (issue 33).
+
+Two tasks, generated on the fly: ``counting`` (sequences that count up modulo the vocabulary from
+a random start: learnable to zero, where staleness shows as the whole result) and ``branching``
+(four successors per token, the floor ln 4: ``pagemem/models/tasks.py``). Two models: the
+project's GPT and a Hugging Face GPT-2 (3 layers, hidden 128, 4 heads, vocabulary 64, sequences
+of 64, batch 8), AdamW lr 3e-3 (weight decay 0.01), 120 steps, optimizer states on nvme with the
+tier capped so that moving them in and out takes ``--bandwidth-factor`` synchronous iterations
+with states in cpu memory: the updating thread falls behind. ``--slow-ms`` adds that many
+milliseconds to each unit's update (an artificially slow updater). For each data order the same
+initial weights; tail = the mean loss of the last 20 steps. Goal (issue 33): every lock-free
+variant's mean tail within 0.02 nats of synchronous, on both tasks and models.
+
+Usage: ``python benchmarks/bench_lockfree_quality.py [--variants default,predict_unbounded,...]
+[--tasks counting,branching] [--models gpt,hf-gpt2] [--seeds 3] [--steps 120] [--slow-ms 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from common import RESULTS, table, write_json
+
+import pagemem
+from pagemem.engine.updates import lockfree
+from pagemem.models.gpt import GPT, GPTConfig
+from pagemem.models.tasks import BranchingTask
+from pagemem.sched import least_gpu_bytes
+from pagemem.tracer import trace
+
+PAGE = 64 * 1024
+VOCAB, SEQ, BATCH, LAYERS, HIDDEN = 64, 64, 8, 3, 128
+LR = 3e-3
+GOAL_NATS = 0.02
+
+VARIANTS: dict[str, dict] = {
+    "sync": {},
+    "default": {"lock_free": True},
+    "predict_unbounded": {"lock_free": True, "max_staleness": None, "staleness_correction": "predict"},
+    "none_unbounded": {"lock_free": True, "max_staleness": None, "staleness_correction": "none"},
+    "predict_bound1": {"lock_free": True, "max_staleness": 1, "staleness_correction": "predict"},
+    "none_bound1": {"lock_free": True, "max_staleness": 1, "staleness_correction": "none"},
+    "bound0": {"lock_free": True, "max_staleness": 0},
+}
+"""Engine configurations compared: ``sync`` is the reference; ``default`` is whatever
+``EngineConfig(lock_free=True)`` gives now."""
+
+
+def make_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(GPTConfig(layers=LAYERS, hidden=HIDDEN, heads=4, vocab=VOCAB, seq=SEQ))
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def batch(task: str, step: int, seed: int) -> torch.Tensor:
+    """Batch ``step`` of data order ``seed``: ``[BATCH, SEQ + 1]`` token ids."""
+    if task == "branching":
+        return BranchingTask(vocab=VOCAB, seq=SEQ, batch=BATCH, branches=4, seed=seed).batch_at(step)
+    g = torch.Generator().manual_seed((seed << 32) + 10_000 + step)
+    return (torch.randint(0, VOCAB, (BATCH, 1), generator=g) + torch.arange(SEQ + 1)) % VOCAB
+
+
+def loss_of(run, x: torch.Tensor, model: str) -> torch.Tensor:
+    if model != "gpt":
+        return run(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+    return torch.nn.functional.cross_entropy(run(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def engine_config(model: str, nvme: str | None, bandwidth: int | None, **kw) -> pagemem.EngineConfig:
+    m = make_model(model)
+    x = batch("counting", 0, 0)
+    tr = trace(m, lambda: loss_of(m, x, model).backward()).with_non_model_peak_reserved()
+    nbytes = sum(p.numel() * 4 for p in m.parameters())
+    gpu = -(-(least_gpu_bytes(tr, page_bytes=PAGE) + nbytes // 2 + (4 << 20)) // PAGE) * PAGE
+    store = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=gpu, cpu_bytes=24 * nbytes + (64 << 20),
+                                nvme_bytes=24 * nbytes + (64 << 20) if nvme else 0, nvme_path=nvme, copy_threads=0,
+                                nvme_bandwidth=bandwidth if nvme else None)
+    return pagemem.EngineConfig(store=store, optimizer_tier="nvme" if nvme else "cpu",
+                                optimizer=pagemem.AdamW(lr=LR, weight_decay=0.01), adam_threads=1, **kw)
+
+
+def train(model: str, task: str, cfg: pagemem.EngineConfig, steps: int, seed: int) -> tuple[list[float], list[float], dict]:
+    """Losses, iteration seconds and the engine's staleness statistics of ``steps`` steps."""
+    m = make_model(model)
+    losses, seconds = [], []
+    with pagemem.Engine(m, cfg) as engine:
+        for s in range(steps):
+            t0 = time.perf_counter()
+            loss = loss_of(engine, batch(task, s, seed), model)
+            engine.backward(loss)
+            engine.step()
+            seconds.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        staleness = engine.stats()["staleness"]
+    return losses, seconds, staleness
+
+
+def slow_updater(ms: float) -> None:
+    """Each unit's update takes ``ms`` milliseconds longer (the updating thread's seam)."""
+    lockfree.SEAM = (lambda where: time.sleep(ms / 1e3) if where == "update" else None) if ms else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--tasks", default="counting,branching")
+    ap.add_argument("--models", default="gpt,hf-gpt2")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--slow-ms", type=float, default=0.0, help="added to each unit's update (a slow updater)")
+    ap.add_argument("--bandwidth-factor", type=float, default=2.0)
+    ap.add_argument("--name", default="bench_lockfree_quality", help="the results' file name")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    slow_updater(args.slow_ms)
+    out: dict = {"steps": args.steps, "seeds": args.seeds, "slow_ms": args.slow_ms,
+                 "bandwidth_factor": args.bandwidth_factor, "lr": LR, "runs": {}}
+    rows = []
+    for model in args.models.split(","):
+        with tempfile.TemporaryDirectory() as nvme:
+            probe = train(model, "counting", engine_config(model, None, None), 8, 0)[1]
+            state_bytes = 12 * sum(p.numel() for p in make_model(model).parameters())
+            bandwidth = int(2 * state_bytes / (args.bandwidth_factor * statistics.median(probe[3:])))
+            for task in args.tasks.split(","):
+                res = {}
+                for v in ["sync"] + [v for v in variants if v != "sync"]:
+                    runs = [train(model, task, engine_config(model, nvme, bandwidth, **VARIANTS[v]), args.steps, s)
+                            for s in range(args.seeds)]
+                    tails = [statistics.mean(r[0][-20:]) for r in runs]
+                    res[v] = {"tails": tails, "tail_mean": statistics.mean(tails), "losses": [r[0] for r in runs],
+                              "ms": [1e3 * statistics.median(r[1][5:]) for r in runs],
+                              "staleness": [r[2] for r in runs]}
+                    gap = res[v]["tail_mean"] - res["sync"]["tail_mean"]
+                    st = " ".join(f"{x['mean']:.2f}/{x['max']}" for x in res[v]["staleness"] if x) or ""
+                    rows.append([model, task, v, " ".join(f"{t:.4f}" for t in tails), f"{res[v]['tail_mean']:.4f}",
+                                 f"{gap:+.4f}", "" if v == "sync" else ("met" if gap <= GOAL_NATS else "NOT met"),
+                                 st, f"{statistics.median(res[v]['ms']):.0f}"])
+                    print(" | ".join(rows[-1]), flush=True)
+                out["runs"][f"{model}/{task}"] = {"bandwidth_bytes_per_s": bandwidth, **res}
+    print(table(["model", "task", "variant", "tail per data order", "mean tail", "- sync", f"goal <= {GOAL_NATS}",
+                 "staleness mean/max", "ms/it"], rows,
+                title=f"lock-free quality, {args.steps} steps, {args.seeds} data orders, states on nvme "
+                      f"(cap: {args.bandwidth_factor}x an iteration per state pass), slow updater +{args.slow_ms} ms/unit"))
+    print("wrote", write_json(args.name, out))
+
+
+if __name__ == "__main__":
+    main()
