@@ -41,14 +41,16 @@ GOAL_NATS = 0.02
 VARIANTS: dict[str, dict] = {
     "sync": {},
     "default": {"lock_free": True},
-    "predict_unbounded": {"lock_free": True, "max_staleness": None, "staleness_correction": "predict"},
-    "none_unbounded": {"lock_free": True, "max_staleness": None, "staleness_correction": "none"},
-    "predict_bound1": {"lock_free": True, "max_staleness": 1, "staleness_correction": "predict"},
-    "none_bound1": {"lock_free": True, "max_staleness": 1, "staleness_correction": "none"},
+    "predict_unbounded": {"lock_free": True, "max_staleness": None, "synchronous_steps": 0},
+    "none_unbounded": {"lock_free": True, "max_staleness": None, "synchronous_steps": 0,
+                       "staleness_correction": "none"},
+    "predict_bound1": {"lock_free": True, "max_staleness": 1, "synchronous_steps": 0},
+    "warmup_unbounded": {"lock_free": True, "max_staleness": None, "synchronous_steps": 20},
     "bound0": {"lock_free": True, "max_staleness": 0},
 }
 """Engine configurations compared: ``sync`` is the reference; ``default`` is whatever
-``EngineConfig(lock_free=True)`` gives now."""
+``EngineConfig(lock_free=True)`` gives now (20 synchronous steps, then ``max_staleness`` 1);
+``predict_unbounded`` the default before issue 33 (never waits, weight prediction)."""
 
 
 def make_model(name: str) -> torch.nn.Module:
@@ -112,7 +114,7 @@ def slow_updater(ms: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "bound0"))
     ap.add_argument("--tasks", default="counting,branching")
     ap.add_argument("--models", default="gpt,hf-gpt2")
     ap.add_argument("--seeds", type=int, default=3)
@@ -130,7 +132,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as nvme:
             probe = train(model, "counting", engine_config(model, None, None), 8, 0)[1]
             state_bytes = 12 * sum(p.numel() for p in make_model(model).parameters())
-            bandwidth = int(2 * state_bytes / (args.bandwidth_factor * statistics.median(probe[3:])))
+            # the fastest probe iteration: on a shared machine a median can be several times a quiet one, and
+            # a cap from it would make the synchronous runs crawl
+            bandwidth = int(2 * state_bytes / (args.bandwidth_factor * min(probe[2:])))
             for task in args.tasks.split(","):
                 res = {}
                 for v in ["sync"] + [v for v in variants if v != "sync"]:

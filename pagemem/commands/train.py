@@ -26,6 +26,7 @@ or ``max_staleness=0``: lock-free staleness depends on thread timing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -258,10 +259,22 @@ class _Loop:
         return 0
 
     def _steps(self, start: int, bar: Any) -> None:
+        """The steps; lock-free on the host stand-in, with the compute and the updater on their
+        own cores ([Note: a core partition] in ``engine/updates/partition.py``)."""
+        from pagemem.engine.updates.partition import host_partition
+
+        store = self.cfg.engine.store
+        partition = host_partition(self.cfg.engine.lock_free, store.gpu_backend == "host" or not _cuda())
+        with partition.applied() if partition is not None else contextlib.nullcontext():
+            self._steps_on(start, bar, partition)
+
+    def _steps_on(self, start: int, bar: Any, partition: Any) -> None:
         engine, t = self.engine, self.cfg.train
         before = engine.stats()
         acc = self.cfg.engine.accumulation_steps
         for step in range(start, t.steps):
+            if partition is not None and step == start + 3:  # the engine's threads started since
+                partition.apply()
             die_if_asked(self.launch, step + 1)  # a test hook (tests/test_cmd_train_ranks.py)
             t0 = time.perf_counter()
             losses = []
