@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 import torch
@@ -122,20 +123,47 @@ def run(make, hf: bool, cfg: pagemem.EngineConfig, steps: int, seed: int = 0,
     after the first steps, when the engine has started its threads ([Note: a core partition])."""
     succ = successor_table()
     model = make()
-    losses, seconds = [], []
+    losses, seconds, cpu = [], [], []
     with pagemem.Engine(model, cfg) as engine:
         for s in range(steps):
             if partition is not None and s in (0, 3):
                 partition.apply()
-            t0 = time.perf_counter()
+            t0, c0, o0 = time.perf_counter(), time.thread_time(), _engine_threads_cpu()
             loss = loss_of(engine, batch(s, succ, seed), hf)
             engine.backward(loss)
             engine.step()
             seconds.append(time.perf_counter() - t0)
+            cpu.append((time.thread_time() - c0, _engine_threads_cpu() - o0))
             losses.append(loss.item())
         stats = engine.stats()
+        stats["cpu_s"] = cpu  # per iteration: the compute thread's cpu seconds, and the engine threads'
+
         stats["followed"] = (engine.pager.last_plan, engine.pager.last_trace)
     return losses, seconds, stats
+
+
+def _engine_threads_cpu() -> float:
+    """CPU seconds the engine's threads (``pagemem-*``) have run so far (alive ones)."""
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith("pagemem-") and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except OSError:  # it ended meanwhile
+                pass
+    return total
+
+
+def cpu_ms(r, steps: int) -> dict:
+    """Per iteration (median over the last half): the compute thread's cpu ms, the engine threads'
+    cpu ms, and the compute thread's wall ms less its cpu ms (waiting: for the updater, the GIL, a
+    core taken by another process)."""
+    half = r[2]["cpu_s"][steps // 2:]
+    walls = r[1][steps // 2:]
+    return {"compute_cpu_ms": 1e3 * statistics.median(c for c, _ in half),
+            "engine_threads_cpu_ms": 1e3 * statistics.median(o for _, o in half),
+            "compute_not_running_ms": 1e3 * statistics.median(w - c for w, (c, _) in zip(walls, half)),
+            "waited_for_updater_ms": 1e3 * (r[2]["staleness"] or {}).get("waited_s", 0.0) / steps}
 
 
 def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None = None,
@@ -259,7 +287,8 @@ def throughput(steps: int, bandwidth_factor: float, partition: CorePartition | N
     make = gpt
     lock_free = {"lock_free": True, **(lock_free or {})}
     with tempfile.TemporaryDirectory() as nvme:
-        anchor = run(make, False, config(make, False, "cpu", nvme, None), steps, partition=partition)[1]
+        anchor_run = run(make, False, config(make, False, "cpu", nvme, None), steps, partition=partition)
+        anchor = anchor_run[1]
         t_anchor = statistics.median(anchor[steps // 2:])  # the last half: past the default's synchronous steps
         bandwidth = int(2 * state_bytes(make) / (bandwidth_factor * t_anchor))
         sync = run(make, False, config(make, False, "nvme", nvme, bandwidth), steps, partition=partition)
@@ -277,7 +306,9 @@ def throughput(steps: int, bandwidth_factor: float, partition: CorePartition | N
             "staleness": free[2]["staleness"],
             "predicted": predict(free[2], make, bandwidth, partition, free_cfg.effective_max_staleness),
             "ms_never_waits_nvme": 1e3 * t_never, "ratio_never_waits_nvme": t_never / t_anchor,
-            "staleness_never_waits": never[2]["staleness"]}
+            "staleness_never_waits": never[2]["staleness"],
+            "cpu": {k: cpu_ms(r, steps) for k, r in (("anchor", anchor_run), ("sync_nvme", sync), ("lock_free", free),
+                                                     ("never_waits", never))}}
 
 
 def main() -> None:
@@ -332,17 +363,20 @@ def main() -> None:
         def err(predicted, measured):
             return f"{predicted:.0f} ({100 * (predicted / measured - 1):+.0f}%)" if predicted else "-"
 
-        print(table(["engine", "ms / iteration", "x anchor", "goal", "simulator ms (error)"],
-                    [["states on cpu (anchor)", f"{t['ms_anchor_cpu_states']:.0f}", "1.00", "", ""],
-                     ["states on nvme, synchronous", f"{t['ms_sync_nvme']:.0f}", f"{t['ratio_sync_nvme']:.2f}",
-                      ">= 2: " + ("met" if t["ratio_sync_nvme"] >= 2 else "NOT met"),
-                      err(pr.get("ms_sync"), t["ms_sync_nvme"])],
-                     ["states on nvme, lock-free (default)", f"{t['ms_lock_free_nvme']:.0f}",
-                      f"{t['ratio_lock_free_nvme']:.2f}",
-                      "<= 1.15: " + ("met" if t["ratio_lock_free_nvme"] <= 1.15 else "NOT met"),
-                      err(pr.get("ms_lock_free"), t["ms_lock_free_nvme"])],
-                     ["states on nvme, lock-free, never waits", f"{t['ms_never_waits_nvme']:.0f}",
-                      f"{t['ratio_never_waits_nvme']:.2f}", "", err(pr.get("ms_never_waits"), t["ms_never_waits_nvme"])]],
+        c = t["cpu"]
+        rows = [["states on cpu (anchor)", t["ms_anchor_cpu_states"], 1.0, "", None, c["anchor"]],
+                ["states on nvme, synchronous", t["ms_sync_nvme"], t["ratio_sync_nvme"],
+                 ">= 2: " + ("met" if t["ratio_sync_nvme"] >= 2 else "NOT met"), pr.get("ms_sync"), c["sync_nvme"]],
+                ["states on nvme, lock-free (default)", t["ms_lock_free_nvme"], t["ratio_lock_free_nvme"],
+                 "<= 1.15: " + ("met" if t["ratio_lock_free_nvme"] <= 1.15 else "NOT met"), pr.get("ms_lock_free"),
+                 c["lock_free"]],
+                ["states on nvme, lock-free, never waits", t["ms_never_waits_nvme"], t["ratio_never_waits_nvme"], "",
+                 pr.get("ms_never_waits"), c["never_waits"]]]
+        print(table(["engine", "ms / iteration", "x anchor", "goal", "simulator ms (error)", "compute cpu ms",
+                     "engine threads cpu ms", "compute not running ms", "waited for updater ms"],
+                    [[name, f"{ms:.0f}", f"{x:.2f}", goal, err(p, ms), f"{u['compute_cpu_ms']:.0f}",
+                      f"{u['engine_threads_cpu_ms']:.0f}", f"{u['compute_not_running_ms']:.0f}",
+                      f"{u['waited_for_updater_ms']:.1f}"] for name, ms, x, goal, p, u in rows],
                     title=f"throughput, partition {t['partition']}, load average {t['load_average'][0]:.1f} "
                           f"(nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
                           f"lock-free staleness mean {t['staleness']['mean']:.2f}, max {t['staleness']['max']}, "

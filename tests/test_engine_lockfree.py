@@ -161,7 +161,8 @@ def test_the_staleness_histogram_counts_steps_under_accumulation(tmp_path):
 def test_reads_between_steps_under_max_staleness_zero_are_synchronous_training(case, optimizer_tier, tmp_path):
     """Between ``step()`` and the next forward, what a loop reads (an EMA, logging, an
     evaluation) is the weights synchronous training holds: ``named_parameters``,
-    ``model.state_dict()`` and a direct call of the model, bit for bit (one update behind before)."""
+    ``model.state_dict()``, a direct call of the model, a forward hook's view and a
+    ``torch.func.functional_call``, bit for bit (one update behind before)."""
     make, loss = CASES[case]
     seen: list[list[torch.Tensor]] = []
 
@@ -172,7 +173,12 @@ def test_reads_between_steps_under_max_staleness_zero_are_synchronous_training(c
         with torch.no_grad():
             reads = [p.detach().clone() for _, p in model.named_parameters()]
             reads += [v.detach().clone() for v in model.state_dict().values()]
+            hooked: list[torch.Tensor] = []
+            hook = model.register_forward_hook(lambda m, i, out: hooked.append(out.detach().clone()))
             reads.append(loss(model, model, s).detach().clone())  # the model itself, not the engine
+            hook.remove()
+            reads += hooked
+            reads.append(loss(lambda *a, **k: torch.func.functional_call(model, {}, a, k), model, s).detach().clone())
         seen.append(reads)
 
     same_loop(make, loss, loop, 4, tmp_path, optimizer_tier=optimizer_tier, lock_free=True, max_staleness=0)

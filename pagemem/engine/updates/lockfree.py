@@ -33,7 +33,8 @@ first, fell further behind: half the steps on the 300-step task); the hyperparam
 a unit its buffered parameters lack when an iteration starts (``stats()["staleness"]``: mean,
 max, histogram). ``max_staleness``: the compute side waits at an iteration's start until no
 unit lags more than that (0: every update lands first, which is synchronous training, bit for
-bit); None never waits (the paper's behaviour). Refused with it: clipping by the global norm and
+bit); None never waits (the paper's behaviour); the default is 1 after 20 synchronous steps
+([Note: the lock-free default] in ``staleness.py``). Refused with it: clipping by the global norm and
 loss scaling (both need every unit's gradient before any update), updates during backward, and
 optimizer states on the gpu. ``zero_grad`` cannot take back gradients that share a sum with
 submitted ones: it is refused while the iteration has gradients. A failed backward can: the sums
@@ -64,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections import Counter, deque
 from typing import Any, Callable, Iterator
 
@@ -138,6 +140,8 @@ class LockFreeUpdater:
         self.updates = 0
         self.staleness: Counter = Counter()
         """How many (unit, iteration start) pairs saw each staleness."""
+        self.waited_s = 0.0
+        """Seconds the compute side waited for the updating thread (bounds, reads, drains)."""
         # one torch thread, as the Adam workers: two intra-op pools on the same cores thrash
         self._worker = Workers(1, name="pagemem-lockfree")
         self._running = self._worker.submit(self._run)
@@ -275,7 +279,9 @@ class LockFreeUpdater:
                 if not ready and done():
                     return
                 if not ready:
+                    t0 = time.perf_counter()
                     self._cond.wait(_POLL_SECONDS)
+                    self.waited_s += time.perf_counter() - t0
                     continue
             self._write(ready)
 
@@ -332,7 +338,8 @@ class LockFreeUpdater:
         seen = sum(self.staleness.values())
         return {"iterations": self.iterations, "updates": self.updates,
                 "mean": sum(k * c for k, c in self.staleness.items()) / seen if seen else 0.0,
-                "max": max(self.staleness, default=0), "histogram": dict(sorted(self.staleness.items()))}
+                "max": max(self.staleness, default=0), "histogram": dict(sorted(self.staleness.items())),
+                "waited_s": self.waited_s}
 
     def close(self) -> None:
         """Apply what was submitted, then stop the thread (raises its error, if any)."""
