@@ -12,12 +12,14 @@ initial weights; tail = the mean loss of the last 20 steps. Goal (issue 33): eve
 variant's mean tail within 0.02 nats of synchronous, on both tasks and models.
 
 Usage: ``python benchmarks/bench_lockfree_quality.py [--variants default,predict_unbounded,...]
-[--tasks counting,branching] [--models gpt,hf-gpt2] [--seeds 3] [--steps 120] [--slow-ms 0]``.
+[--tasks counting,branching] [--models gpt,hf-gpt2] [--seeds 3] [--steps 120] [--slow-ms 0] [--name N]``
+(results/N.json and N.png; ``--merge a.json,b.json --name N`` joins runs made side by side).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -114,7 +116,46 @@ def slow_updater(ms: float) -> None:
     lockfree.SEAM = (lambda where: time.sleep(ms / 1e3) if where == "update" else None) if ms else None
 
 
+def plot(runs: dict, path: str) -> None:
+    """Loss curves of data order 0, one panel per model and task, every variant run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
+    for ax, (key, res) in zip(axes[0], sorted(runs.items())):
+        sync = res["sync"]["tail_mean"]
+        for v, r in res.items():
+            if not isinstance(r, dict) or "losses" not in r:
+                continue
+            st = r["staleness"][0]
+            extra = f", staleness {st['mean']:.2f}/{st['max']}" if st else ""
+            ax.plot(r["losses"][0], lw=1, label=f"{v}: tail {r['tail_mean']:.4f} ({r['tail_mean'] - sync:+.4f}){extra}")
+        ax.set_yscale("log")
+        ax.set_title(f"{key}, data order 0 (tails: mean of {len(res['sync']['tails'])} orders)", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def merge(paths: list[str], name: str) -> None:
+    """Several runs' JSON (e.g. one per model, run side by side) into one, with its plot."""
+    out: dict = {"runs": {}}
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        for k, v in d["runs"].items():
+            out["runs"].setdefault(k, {}).update(v)
+        out.update({k: v for k, v in d.items() if k not in ("runs", "benchmark", "machine")})
+    plot(out["runs"], os.path.join(RESULTS, f"{name}.png"))
+    print("wrote", write_json(name, out))
+
+
 def main() -> None:
+    global VOCAB, LAYERS, LR
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "bound0"))
     ap.add_argument("--tasks", default="counting,branching")
@@ -124,10 +165,23 @@ def main() -> None:
     ap.add_argument("--slow-ms", type=float, default=0.0, help="added to each unit's update (a slow updater)")
     ap.add_argument("--bandwidth-factor", type=float, default=2.0)
     ap.add_argument("--name", default="bench_lockfree_quality", help="the results' file name")
+    ap.add_argument("--torch-threads", type=int, default=1, help="the compute's torch threads")
+    ap.add_argument("--merge", default="", help="comma-separated result files to merge into --name (and plot); "
+                                                 "nothing is run")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="the vocabulary (and the tasks' tokens)")
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--lr", type=float, default=LR)
     args = ap.parse_args()
+    VOCAB, LAYERS, LR = args.vocab, args.layers, args.lr
+    if args.merge:
+        merge(args.merge.split(","), args.name)
+        return
     variants = args.variants.split(",")
+    # one torch thread for the compute: on a shared machine two OpenMP threads spin at each barrier
+    # while the other is descheduled (measured under load: 0.6-6.7 s per step against 0.07-0.12 s)
+    torch.set_num_threads(args.torch_threads)
     slow_updater(args.slow_ms)
-    out: dict = {"steps": args.steps, "seeds": args.seeds, "slow_ms": args.slow_ms,
+    out: dict = {"vocab": VOCAB, "layers": LAYERS, "steps": args.steps, "seeds": args.seeds, "slow_ms": args.slow_ms, "torch_threads": args.torch_threads,
                  "bandwidth_factor": args.bandwidth_factor, "lr": LR, "runs": {}}
     rows = []
     for model in args.models.split(","):
@@ -159,6 +213,7 @@ def main() -> None:
                  "staleness mean/max", "ms/it"], rows,
                 title=f"lock-free quality, {args.steps} steps, {args.seeds} data orders, states on nvme "
                       f"(cap: {args.bandwidth_factor}x an iteration per state pass), slow updater +{args.slow_ms} ms/unit"))
+    plot(out["runs"], os.path.join(RESULTS, f"{args.name}.png"))
     print("wrote", write_json(args.name, out))
 
 

@@ -18,7 +18,7 @@ EXECUTORS = ("plan", "demand")
 HOME_TIERS = ("auto", "cpu", "nvme")
 STALENESS_CORRECTIONS = ("predict", "none")
 DEFAULT_MAX_STALENESS = 1
-"""``max_staleness="default"`` with ``lock_free``: one iteration ([Note: the lock-free default] in ``lockfree.py``)."""
+"""``max_staleness="default"`` with ``lock_free``: one iteration ([Note: the lock-free default] in ``staleness.py``)."""
 
 
 def check_no_amsgrad(hp: AdamW) -> AdamW:
@@ -62,7 +62,7 @@ class EngineConfig:
     iteration waits (0: synchronous, bit for bit; None: never waits; ``"default"``: 1 with
     ``lock_free``, resolved when used as ``effective_max_staleness``); ``synchronous_steps``: with
     it, the first steps wait for every update, as ``max_staleness=0`` (DeepSpeed's delayed
-    parameter update; default 20; [Note: the lock-free default] in ``lockfree.py``);
+    parameter update; default 20; [Note: the lock-free default] in ``updates/staleness.py``);
     ``staleness_correction``: ``"predict"`` (default) buffers a lagging unit's parameters
     extrapolated by its last update per iteration it lags, ``"none"`` buffers the update as
     applied ([Note: predicting past the staleness] in ``lockfree.py``).
@@ -128,8 +128,7 @@ class EngineConfig:
         check_choice("staleness_correction", self.staleness_correction, STALENESS_CORRECTIONS)
         check_int("synchronous_steps", self.synchronous_steps, 0, 1 << 40)
         if self.max_staleness not in (None, "default"):
-            if isinstance(self.max_staleness, str) or isinstance(self.max_staleness, bool) \
-                    or not isinstance(self.max_staleness, int) or not 0 <= self.max_staleness <= 1 << 20:
+            if type(self.max_staleness) is not int or not 0 <= self.max_staleness <= 1 << 20:
                 raise ConfigError(f"max_staleness: must be an integer in [0, {1 << 20}], None (never waits) or "
                                   f"'default' ({DEFAULT_MAX_STALENESS} with lock_free), got {self.max_staleness!r}")
             if not self.lock_free:
