@@ -3,7 +3,7 @@
 [Note: the lock-free default]
 Stale gradients cost AdamW most while the weights move fast: in the first steps of a run, where
 the loss falls steeply. Measured on the counting task of issue 33 (a 3-layer GPT and Hugging
-Face GPT-2, lr 3e-3, 120 steps; ``benchmarks/bench_lockfree_quality.py`` and BENCHMARKS.md):
+Face GPT-2, lr 3e-3, 120 steps; ``benchmarks/lockfree_quality.py`` and BENCHMARKS.md):
 plain PyTorch one step late from the start ends 3-15x synchronous training's tail loss, two
 steps late 100x and more, and neither weight prediction nor a learning rate scaled by the
 staleness brings one step within 0.02 nats on both models; the same lateness after 20

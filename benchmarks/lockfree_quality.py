@@ -1,5 +1,8 @@
 """The lock-free updater's quality against synchronous training, per configuration (issue 33).
 
+A study, not a speed benchmark (so not ``bench_*.py`` and not in ``run_all.SUITE``): it takes
+tens of minutes, and its figures are losses, recorded in BENCHMARKS.md and results/.
+
 Two tasks, generated on the fly: ``counting`` (sequences that count up modulo the vocabulary from
 a random start: learnable to zero, where staleness shows as the whole result) and ``branching``
 (four successors per token, the floor ln 4: ``pagemem/models/tasks.py``). Two models: the
@@ -11,7 +14,7 @@ milliseconds to each unit's update (an artificially slow updater). For each data
 initial weights; tail = the mean loss of the last 20 steps. Goal (issue 33): every lock-free
 variant's mean tail within 0.02 nats of synchronous, on both tasks and models.
 
-Usage: ``python benchmarks/bench_lockfree_quality.py [--variants default,predict_unbounded,...]
+Usage: ``python benchmarks/lockfree_quality.py [--variants default,predict_unbounded,...]
 [--tasks counting,branching] [--models gpt,hf-gpt2] [--seeds 3] [--steps 120] [--slow-ms 0] [--name N]``
 (results/N.json and N.png; ``--merge a.json,b.json --name N`` joins runs made side by side).
 """

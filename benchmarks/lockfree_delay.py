@@ -9,10 +9,11 @@ Corrections: ``predict`` (the weights extrapolated by the last update, ``alpha``
 of delay: the engine's ``staleness_correction="predict"``), ``lrscale`` (lr / (1 + delay)),
 ``lrsqrt`` (lr / sqrt(1 + delay)), ``predlr`` (both), ``halflr`` (lr / 2, no delay: what
 ``lrscale`` costs by itself); ``warmup`` steps synchronous first (DeepSpeed's delayed parameter
-update). Tail = the mean loss of the last 20 steps. The engine's default was chosen from these
+update). Tail = the mean loss of the last 20 steps. A study beside ``lockfree_quality.py``
+(not a speed benchmark, so not in ``run_all.SUITE``). The engine's default was chosen from these
 ([Note: the lock-free default] in ``engine/updates/staleness.py``).
 
-Usage: ``python benchmarks/bench_lockfree_delay.py --model gpt|hf-gpt2 [--task counting|branching] SPEC...``, each SPEC
+Usage: ``python benchmarks/lockfree_delay.py --model gpt|hf-gpt2 [--task counting|branching] SPEC...``, each SPEC
 ``delay:mode[:warmup[:alpha]]`` (e.g. ``1:predict``, ``2:none:20``).
 """
 
@@ -45,7 +46,7 @@ TASK = "counting"
 
 
 def batch(step: int, seed: int) -> torch.Tensor:
-    if TASK == "branching":  # as bench_lockfree_quality.py's
+    if TASK == "branching":  # as lockfree_quality.py's
         return BranchingTask(vocab=V, seq=SEQ, batch=B, branches=4, seed=0).batch_at(1_000_003 * seed + step)
     g = torch.Generator().manual_seed(10_000 + step + 1000 * seed)
     return (torch.randint(0, V, (B, 1), generator=g) + torch.arange(SEQ + 1)) % V
