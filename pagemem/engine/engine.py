@@ -328,6 +328,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         gradients are consumed: the next backward starts new sums (``engine.optimizer.step()``
         keeps them until ``zero_grad()``, as a torch optimizer does)."""
         self._usable("step")
+        if self.lockfree is not None:  # a failed updating thread says so at every step(), with or without gradients
+            self.lockfree.check()
         if self.phase.micro < self.config.accumulation_steps:
             return False
         if self.phase.in_backward:
