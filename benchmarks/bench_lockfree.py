@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 import torch
@@ -41,6 +42,7 @@ from bench_engine import median_durations, with_durations
 from common import RESULTS, table, write_json
 
 import pagemem
+from pagemem.engine.updates.partition import CorePartition
 from pagemem.models.gpt import GPT, GPTConfig
 from pagemem.sched import HardwareProfile, least_gpu_bytes, simulate
 from pagemem.sched.sim_lockfree import simulate_lock_free
@@ -57,6 +59,8 @@ TASK = "branching"
 GPU_BACKEND = "host"
 """``--gpu_backend``: ``host`` (the stand-in) or ``cuda`` (a GPU session: benchmarks/GPU.md)."""
 SEED_STRIDE = 1000
+NEVER_WAITS = {"lock_free": True, "max_staleness": None, "synchronous_steps": 0}
+"""The paper's lock-free updater (the engine's default before issue 33): never waits."""
 
 
 def successor_table() -> torch.Tensor:
@@ -112,29 +116,63 @@ def config(make, hf: bool, tier: str, nvme: str, bandwidth: int | None, **kw) ->
                                 adam_threads=1, **kw)
 
 
-def run(make, hf: bool, cfg: pagemem.EngineConfig, steps: int, seed: int = 0) -> tuple[list[float], list[float], dict]:
+def run(make, hf: bool, cfg: pagemem.EngineConfig, steps: int, seed: int = 0,
+        partition: CorePartition | None = None) -> tuple[list[float], list[float], dict]:
     """Losses and iteration seconds of ``steps`` steps, and the engine's stats (with the plan and
-    trace it followed, as ``stats["followed"]``)."""
+    trace it followed, as ``stats["followed"]``). ``partition``: applied at the start and again
+    after the first steps, when the engine has started its threads ([Note: a core partition])."""
     succ = successor_table()
     model = make()
-    losses, seconds = [], []
+    losses, seconds, cpu = [], [], []
     with pagemem.Engine(model, cfg) as engine:
         for s in range(steps):
-            t0 = time.perf_counter()
+            if partition is not None and s in (0, 3):
+                partition.apply()
+            t0, c0, o0 = time.perf_counter(), time.thread_time(), _engine_threads_cpu()
             loss = loss_of(engine, batch(s, succ, seed), hf)
             engine.backward(loss)
             engine.step()
             seconds.append(time.perf_counter() - t0)
+            cpu.append((time.thread_time() - c0, _engine_threads_cpu() - o0))
             losses.append(loss.item())
         stats = engine.stats()
+        stats["cpu_s"] = cpu  # per iteration: the compute thread's cpu seconds, and the engine threads'
+
         stats["followed"] = (engine.pager.last_plan, engine.pager.last_trace)
     return losses, seconds, stats
 
 
-def predict(stats: dict, make, bandwidth: int) -> dict:
+def _engine_threads_cpu() -> float:
+    """CPU seconds the engine's threads (``pagemem-*``) have run so far (alive ones)."""
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith("pagemem-") and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except OSError:  # it ended meanwhile
+                pass
+    return total
+
+
+def cpu_ms(r, steps: int) -> dict:
+    """Per iteration (median over the last half): the compute thread's cpu ms, the engine threads'
+    cpu ms, and the compute thread's wall ms less its cpu ms (waiting: for the updater, the GIL, a
+    core taken by another process)."""
+    half = r[2]["cpu_s"][steps // 2:]
+    walls = r[1][steps // 2:]
+    return {"compute_cpu_ms": 1e3 * statistics.median(c for c, _ in half),
+            "engine_threads_cpu_ms": 1e3 * statistics.median(o for _, o in half),
+            "compute_not_running_ms": 1e3 * statistics.median(w - c for w, (c, _) in zip(walls, half)),
+            "waited_for_updater_ms": 1e3 * (r[2]["staleness"] or {}).get("waited_s", 0.0) / steps}
+
+
+def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None = None,
+            max_staleness: int | None = None) -> dict:
     """The simulator's iteration for the plan the engine followed, synchronous and lock-free, on
     the ``dev-vm`` profile with the disk at the capped bandwidth and op durations timed now
-    (per op, the median of three traces of a copy of the model)."""
+    (per op, the median of three traces of a copy of the model, on the compute's cores when
+    partitioned). With ``partition``, only the compute and the stand-in's copies share a
+    processor, and CPU Adam runs at the profile's rate per thread times the other cores."""
     plan_, engine_trace = stats["followed"]
     if plan_ is None:
         return {}
@@ -147,9 +185,16 @@ def predict(stats: dict, make, bandwidth: int) -> dict:
     hw = HardwareProfile.builtin("dev-vm")
     share = hw.ranks_per_server  # the profile's nvme rates are the server's
     hw = dataclasses.replace(hw, nvme_read_bytes_per_s=bandwidth * share, nvme_write_bytes_per_s=bandwidth * share)
+    if partition is not None:
+        measured_threads = 2  # dev-vm.json's cpu_adam: "2 threads"
+        hw = dataclasses.replace(hw, shared_processor=("compute", "h2d", "d2h"),
+                                 cpu_adam_elements_per_s=hw.cpu_adam_elements_per_s * len(partition.others)
+                                 / measured_threads)
     sync = simulate(plan_, tr, hw)
-    free = simulate_lock_free(plan_, tr, hw)
+    free = simulate_lock_free(plan_, tr, hw, max_staleness)
+    never = simulate_lock_free(plan_, tr, hw)
     return {"ms_sync": 1e3 * sync.iteration_time, "ms_lock_free": 1e3 * free.iteration_time,
+            "ms_never_waits": 1e3 * never.iteration_time,
             "ms_update_pass": 1e3 * free.update_pass_time, "staleness": free.staleness,
             "pass_busy_ms": {k: 1e3 * v for k, v in free.pass_busy.items()}}
 
@@ -198,7 +243,7 @@ def convergence(steps: int, bandwidth_factor: float, seeds: int) -> dict:
             for seed in range(seeds):
                 runs["sync"].append(run(make, hf, config(make, hf, "nvme", nvme, bandwidth), steps, seed))
                 for correction in ("predict", "none"):
-                    runs[correction].append(run(make, hf, config(make, hf, "nvme", nvme, bandwidth, lock_free=True,
+                    runs[correction].append(run(make, hf, config(make, hf, "nvme", nvme, bandwidth, **NEVER_WAITS,
                                                                  staleness_correction=correction), steps, seed))
                 runs["plain_late"].append((delayed(make, hf, steps, 1, seed), [], {}))
         tails = {k: [statistics.mean(r[0][-20:]) for r in v] for k, v in runs.items()}
@@ -235,19 +280,35 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def throughput(steps: int, bandwidth_factor: float) -> dict:
+def throughput(steps: int, bandwidth_factor: float, partition: CorePartition | None = None,
+               lock_free: dict | None = None) -> dict:
+    """The three rows, each with ``partition`` ([Note: a core partition]); ``lock_free``: the
+    lock-free row's knobs (default: the engine's defaults)."""
     make = gpt
+    lock_free = {"lock_free": True, **(lock_free or {})}
     with tempfile.TemporaryDirectory() as nvme:
-        anchor = run(make, False, config(make, False, "cpu", nvme, None), steps)[1]
-        t_anchor = statistics.median(anchor[5:])
+        anchor_run = run(make, False, config(make, False, "cpu", nvme, None), steps, partition=partition)
+        anchor = anchor_run[1]
+        t_anchor = statistics.median(anchor[steps // 2:])  # the last half: past the default's synchronous steps
         bandwidth = int(2 * state_bytes(make) / (bandwidth_factor * t_anchor))
-        sync = run(make, False, config(make, False, "nvme", nvme, bandwidth), steps)
-        free = run(make, False, config(make, False, "nvme", nvme, bandwidth, lock_free=True), steps)
-    t_sync, t_free = statistics.median(sync[1][5:]), statistics.median(free[1][5:])
-    return {"bandwidth_bytes_per_s": bandwidth, "ms_anchor_cpu_states": 1e3 * t_anchor,
+        sync = run(make, False, config(make, False, "nvme", nvme, bandwidth), steps, partition=partition)
+        free_cfg = config(make, False, "nvme", nvme, bandwidth, **lock_free)
+        free = run(make, False, free_cfg, steps, partition=partition)
+        never = run(make, False, config(make, False, "nvme", nvme, bandwidth, **NEVER_WAITS), steps,
+                    partition=partition)
+    t_sync, t_free, t_never = (statistics.median(r[1][steps // 2:]) for r in (sync, free, never))
+    return {"partition": None if partition is None else {"compute": sorted(partition.compute),
+                                                         "others": sorted(partition.others)},
+            "lock_free_knobs": lock_free, "load_average": os.getloadavg(),
+            "bandwidth_bytes_per_s": bandwidth, "ms_anchor_cpu_states": 1e3 * t_anchor,
             "ms_sync_nvme": 1e3 * t_sync, "ms_lock_free_nvme": 1e3 * t_free,
             "ratio_sync_nvme": t_sync / t_anchor, "ratio_lock_free_nvme": t_free / t_anchor,
-            "staleness": free[2]["staleness"], "predicted": predict(free[2], make, bandwidth)}
+            "staleness": free[2]["staleness"],
+            "predicted": predict(free[2], make, bandwidth, partition, free_cfg.effective_max_staleness),
+            "ms_never_waits_nvme": 1e3 * t_never, "ratio_never_waits_nvme": t_never / t_anchor,
+            "staleness_never_waits": never[2]["staleness"],
+            "cpu": {k: cpu_ms(r, steps) for k, r in (("anchor", anchor_run), ("sync_nvme", sync), ("lock_free", free),
+                                                     ("never_waits", never))}}
 
 
 def main() -> None:
@@ -258,7 +319,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="data orders the convergence tails are averaged over")
     ap.add_argument("--task", default=TASK, choices=sorted(TASKS))
     ap.add_argument("--gpu_backend", default=GPU_BACKEND, choices=["host", "cuda"])
-    ap.add_argument("--throughput-steps", type=int, default=40)
+    ap.add_argument("--throughput-steps", type=int, default=60, help="each row's median is over the last half")
+    ap.add_argument("--compute-cores", type=int, default=None,
+                    help="throughput: cores for the compute, the rest for the updater and I/O (default: half); 0: "
+                         "no partition ([Note: a core partition])")
     ap.add_argument("--bandwidth-factor", type=float, default=2.0,
                     help="the capped disk moves the optimizer states in and out in this many anchor iterations")
     args = ap.parse_args()
@@ -291,22 +355,30 @@ def main() -> None:
                     title=f"convergence, {TASK} task, {args.steps} steps, {args.seeds} data orders, states on nvme "
                           f"capped at {args.bandwidth_factor}x an anchor iteration per state pass"))
     if args.part in ("throughput", "both"):
-        t = throughput(args.throughput_steps, args.bandwidth_factor)
+        part = None if args.compute_cores == 0 else CorePartition.split(args.compute_cores)
+        t = throughput(args.throughput_steps, args.bandwidth_factor, part)
         payload["throughput"] = t
         pr = t["predicted"]
 
         def err(predicted, measured):
             return f"{predicted:.0f} ({100 * (predicted / measured - 1):+.0f}%)" if predicted else "-"
 
-        print(table(["engine", "ms / iteration", "x anchor", "goal", "simulator ms (error)"],
-                    [["states on cpu (anchor)", f"{t['ms_anchor_cpu_states']:.0f}", "1.00", "", ""],
-                     ["states on nvme, synchronous", f"{t['ms_sync_nvme']:.0f}", f"{t['ratio_sync_nvme']:.2f}",
-                      ">= 2: " + ("met" if t["ratio_sync_nvme"] >= 2 else "NOT met"),
-                      err(pr.get("ms_sync"), t["ms_sync_nvme"])],
-                     ["states on nvme, lock-free", f"{t['ms_lock_free_nvme']:.0f}", f"{t['ratio_lock_free_nvme']:.2f}",
-                      "<= 1.15: " + ("met" if t["ratio_lock_free_nvme"] <= 1.15 else "NOT met"),
-                      err(pr.get("ms_lock_free"), t["ms_lock_free_nvme"])]],
-                    title=f"throughput (nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
+        c = t["cpu"]
+        rows = [["states on cpu (anchor)", t["ms_anchor_cpu_states"], 1.0, "", None, c["anchor"]],
+                ["states on nvme, synchronous", t["ms_sync_nvme"], t["ratio_sync_nvme"],
+                 ">= 2: " + ("met" if t["ratio_sync_nvme"] >= 2 else "NOT met"), pr.get("ms_sync"), c["sync_nvme"]],
+                ["states on nvme, lock-free (default)", t["ms_lock_free_nvme"], t["ratio_lock_free_nvme"],
+                 "<= 1.15: " + ("met" if t["ratio_lock_free_nvme"] <= 1.15 else "NOT met"), pr.get("ms_lock_free"),
+                 c["lock_free"]],
+                ["states on nvme, lock-free, never waits", t["ms_never_waits_nvme"], t["ratio_never_waits_nvme"], "",
+                 pr.get("ms_never_waits"), c["never_waits"]]]
+        print(table(["engine", "ms / iteration", "x anchor", "goal", "simulator ms (error)", "compute cpu ms",
+                     "engine threads cpu ms", "compute not running ms", "waited for updater ms"],
+                    [[name, f"{ms:.0f}", f"{x:.2f}", goal, err(p, ms), f"{u['compute_cpu_ms']:.0f}",
+                      f"{u['engine_threads_cpu_ms']:.0f}", f"{u['compute_not_running_ms']:.0f}",
+                      f"{u['waited_for_updater_ms']:.1f}"] for name, ms, x, goal, p, u in rows],
+                    title=f"throughput, partition {t['partition']}, load average {t['load_average'][0]:.1f} "
+                          f"(nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
                           f"lock-free staleness mean {t['staleness']['mean']:.2f}, max {t['staleness']['max']}, "
                           f"predicted {pr.get('staleness', 0):.2f}; simulator goal: within 15%)"))
     print("wrote", write_json(f"bench_lockfree{suffix}", payload))

@@ -320,7 +320,8 @@ def test_lock_free_unbounded_a_failed_backward_into_submitted_sums_is_undone(tmp
     def run(fail: bool) -> dict[str, torch.Tensor]:
         gate = threading.Event()
         monkeypatch.setattr(lockfree, "SEAM", lambda where: gate.wait(30) if where == "take" else None)
-        model, engine = open_engine(tmp_path / str(fail), "lock-free", max_staleness=None)
+        model, engine = open_engine(tmp_path / str(fail), "lock-free", max_staleness=None,
+                                    synchronous_steps=0)
         with engine:
             try:
                 engine.backward(loss_for(torch.float32)(engine, model, 0))
@@ -396,7 +397,7 @@ def test_any_failed_backward_in_any_mode_is_as_if_its_batch_was_skipped(mode, ac
 def test_an_undo_that_fails_breaks_the_engine_and_says_so(mode, accumulation, tmp_path, monkeypatch):
     """The pages are then neither the old values nor the new: every later call raises
     ``StepFailed`` until a checkpoint is loaded (never silently wrong)."""
-    extra = {"max_staleness": None} if mode == "lock-free" else {}
+    extra = {"max_staleness": None, "synchronous_steps": 0} if mode == "lock-free" else {}
     model, engine = open_engine(tmp_path, mode, accumulation, **extra)
     with engine:
         train(engine, model, [list(range(accumulation))] * 2)

@@ -18,6 +18,8 @@ from exactness import assert_same, engine_config, reference, same_loop, train_bo
 from test_engine_exactness import CASES, hf_model, lm_loss
 
 TIERS = ["cpu", "nvme", "nvme+homes"]
+UNBOUNDED = {"max_staleness": None, "synchronous_steps": 0}
+"""The paper's behaviour: never waits (the default bounds the staleness: [Note: the lock-free default])."""
 
 
 def train(engine, model, loss, steps: range) -> None:
@@ -159,7 +161,8 @@ def test_the_staleness_histogram_counts_steps_under_accumulation(tmp_path):
 def test_reads_between_steps_under_max_staleness_zero_are_synchronous_training(case, optimizer_tier, tmp_path):
     """Between ``step()`` and the next forward, what a loop reads (an EMA, logging, an
     evaluation) is the weights synchronous training holds: ``named_parameters``,
-    ``model.state_dict()`` and a direct call of the model, bit for bit (one update behind before)."""
+    ``model.state_dict()``, a direct call of the model, a forward hook's view and a
+    ``torch.func.functional_call``, bit for bit (one update behind before)."""
     make, loss = CASES[case]
     seen: list[list[torch.Tensor]] = []
 
@@ -170,7 +173,12 @@ def test_reads_between_steps_under_max_staleness_zero_are_synchronous_training(c
         with torch.no_grad():
             reads = [p.detach().clone() for _, p in model.named_parameters()]
             reads += [v.detach().clone() for v in model.state_dict().values()]
+            hooked: list[torch.Tensor] = []
+            hook = model.register_forward_hook(lambda m, i, out: hooked.append(out.detach().clone()))
             reads.append(loss(model, model, s).detach().clone())  # the model itself, not the engine
+            hook.remove()
+            reads += hooked
+            reads.append(loss(lambda *a, **k: torch.func.functional_call(model, {}, a, k), model, s).detach().clone())
         seen.append(reads)
 
     same_loop(make, loss, loop, 4, tmp_path, optimizer_tier=optimizer_tier, lock_free=True, max_staleness=0)
@@ -274,7 +282,7 @@ def test_every_gradient_is_applied_once_and_no_unit_is_ever_torn(seams, compute,
     torch.manual_seed(0)
     model = Units()
     cfg = engine_config(Units(), units_loss, tmp_path, optimizer_tier, lock_free=True, max_staleness=bound,
-                        fraction=0.0)
+                        synchronous_steps=0, fraction=0.0)
     iterations = 10
     with pagemem.Engine(model, cfg) as engine:
         for t in range(iterations):
@@ -300,7 +308,8 @@ def test_unbounded_staleness_is_measured_and_the_run_trains(tmp_path, monkeypatc
     monkeypatch.setattr(lockfree, "SEAM", lambda where: time.sleep(0.01) if where == "update" else None)
     make, loss = CASES["parameter read after a child"]
     model = make()
-    with pagemem.Engine(model, engine_config(make(), loss, tmp_path, "nvme", lock_free=True)) as engine:
+    cfg = engine_config(make(), loss, tmp_path, "nvme", lock_free=True, **UNBOUNDED)
+    with pagemem.Engine(model, cfg) as engine:
         losses = []
         for s in range(6):
             out = loss(engine, model, s)
@@ -350,7 +359,7 @@ def test_checkpoints_drain_the_updater_and_resume_exactly(tmp_path):
 
 def test_a_checkpoint_of_an_unbounded_run_holds_every_submitted_update(tmp_path, monkeypatch):
     monkeypatch.setattr(lockfree, "SEAM", lambda where: time.sleep(0.01) if where == "update" else None)
-    make, loss, cfg = nvme_config(tmp_path)
+    make, loss, cfg = nvme_config(tmp_path, **UNBOUNDED)
     model = make()
     with pagemem.Engine(model, cfg) as engine:
         train(engine, model, loss, range(4))
@@ -406,7 +415,7 @@ def test_constant_gradients_move_every_weight_one_step_per_iteration(spare, tmp_
 
     model = make()
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = engine_config(make(), loss, tmp_path, "nvme", lock_free=True, fraction=spare,
+    cfg = engine_config(make(), loss, tmp_path, "nvme", lock_free=True, fraction=spare, **UNBOUNDED,
                         optimizer=pagemem.AdamW(lr=1e-3, weight_decay=0.0))
     n = 12
     with pagemem.Engine(model, cfg) as engine:
@@ -485,7 +494,7 @@ def test_prediction_buffers_the_weights_synchronous_training_would_hold(correcti
         return run(torch.ones(64))
 
     model = make()
-    cfg = engine_config(make(), loss, tmp_path, "cpu", lock_free=True, staleness_correction=correction,
+    cfg = engine_config(make(), loss, tmp_path, "cpu", lock_free=True, staleness_correction=correction, **UNBOUNDED,
                         optimizer=pagemem.AdamW(lr=1e-3, weight_decay=0.0))
     Probe.seen = []
     with pagemem.Engine(model, cfg) as engine:

@@ -58,3 +58,19 @@ def test_on_one_processor_the_updaters_work_is_charged_to_the_iteration():
     want = (shared.pass_busy.get("cpu", 0.0) if "cpu" in HOST_STAND_IN_SHARED else 0.0) + share * sum(
         s for k, s in shared.pass_busy.items() if k in HOST_STAND_IN_SHARED and k != "cpu")
     assert extra == pytest.approx(want, rel=1e-6)
+
+
+def test_a_staleness_bound_makes_the_compute_wait_for_the_pass():
+    """With ``max_staleness`` a pass may span at most that many iterations and one more: the
+    iteration stretches to ``pass / (bound + 1)`` where the pass is longer, and is unchanged
+    where it is not."""
+    hw, tr, p = ssd_bound()
+    free = simulate_lock_free(p, tr, hw)
+    for bound in (0, 1):
+        got = simulate_lock_free(p, tr, hw, max_staleness=bound)
+        assert got.iteration_time == pytest.approx(free.update_pass_time / (bound + 1))
+        assert got.staleness == pytest.approx(bound)
+    loose = simulate_lock_free(p, tr, hw, max_staleness=1000)
+    assert loose.iteration_time == free.iteration_time and loose.staleness == free.staleness
+    with pytest.raises(Exception, match="^max_staleness: must be None or an integer >= 0"):
+        simulate_lock_free(p, tr, hw, max_staleness=-1)

@@ -12,6 +12,7 @@ whole step, the summary says why, and the command exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -100,12 +101,26 @@ class Loop:
         return status
 
     def _steps(self, start: int, bar: Any) -> None:
+        """The steps; lock-free on the host stand-in, with the compute and the updater on their
+        own cores ([Note: a core partition] in ``engine/updates/partition.py``)."""
+        import torch
+
+        from pagemem.engine.updates.partition import host_partition
+
+        store = self.cfg.engine.store
+        partition = host_partition(self.cfg.engine.lock_free, store.gpu_backend == "host" or not torch.cuda.is_available())
+        with partition.applied() if partition is not None else contextlib.nullcontext():
+            self._steps_on(start, bar, partition)
+
+    def _steps_on(self, start: int, bar: Any, partition: Any) -> None:
         engine, t = self.engine, self.cfg.train
         before = engine.stats()
         acc = self.cfg.engine.accumulation_steps
         base_lrs = [self.cfg.engine.optimizer.lr for _ in engine.optimizer.param_groups]
         scaled = self.cfg.engine.effective_loss_scale is not None  # an overflow skips its update: no divergence
         for step in range(start, t.steps):
+            if partition is not None and step == start + 3:  # the engine's threads started since
+                partition.apply()
             die_if_asked(self.launch, step + 1)  # a test hook (tests/test_cmd_train_ranks.py)
             t0 = time.perf_counter()
             losses, phases = [], []

@@ -17,6 +17,8 @@ COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EXECUTORS = ("plan", "demand")
 HOME_TIERS = ("auto", "cpu", "nvme")
 STALENESS_CORRECTIONS = ("predict", "none")
+DEFAULT_MAX_STALENESS = 1
+"""``max_staleness="default"`` with ``lock_free``: one iteration ([Note: the lock-free default] in ``staleness.py``)."""
 
 
 def check_no_amsgrad(hp: AdamW) -> AdamW:
@@ -60,10 +62,13 @@ class EngineConfig:
     ``lock_free``: ``step()`` hands the gradients to an updating thread that updates behind the
     compute (ANGEL-PTM's lock-free updater; [Note: the lock-free updater] in ``lockfree.py``);
     ``max_staleness``: with it, the most iterations a unit's parameters may lag before an
-    iteration waits (0: synchronous, bit for bit; None: never waits); ``staleness_correction``:
-    ``"predict"`` (default) buffers a lagging unit's parameters extrapolated by its last update per
-    iteration it lags, ``"none"`` buffers the update as applied ([Note: predicting past the
-    staleness] in ``lockfree.py``).
+    iteration waits (0: synchronous, bit for bit; None: never waits; ``"default"``: 1 with
+    ``lock_free``, resolved when used as ``effective_max_staleness``); ``synchronous_steps``: with
+    it, the first steps wait for every update, as ``max_staleness=0`` (DeepSpeed's delayed
+    parameter update; default 20; [Note: the lock-free default] in ``updates/staleness.py``);
+    ``staleness_correction``: ``"predict"`` (default) buffers a lagging unit's parameters
+    extrapolated by its last update per iteration it lags, ``"none"`` buffers the update as
+    applied ([Note: predicting past the staleness] in ``lockfree.py``).
     """
 
     store: StoreConfig
@@ -80,7 +85,8 @@ class EngineConfig:
     overlap_update: bool | None = None
     executor: str = "plan"
     lock_free: bool = False
-    max_staleness: int | None = None
+    max_staleness: int | str | None = "default"
+    synchronous_steps: int = 20
     staleness_correction: str = "predict"
 
     def __post_init__(self) -> None:
@@ -125,10 +131,14 @@ class EngineConfig:
         """What the lock-free updater cannot do ([Note: the lock-free updater], ``lockfree.py``)."""
         check_bool("lock_free", self.lock_free)
         check_choice("staleness_correction", self.staleness_correction, STALENESS_CORRECTIONS)
-        if self.max_staleness is not None:
+        check_int("synchronous_steps", self.synchronous_steps, 0, 1 << 40)
+        if self.max_staleness not in (None, "default"):
+            if type(self.max_staleness) is not int or not 0 <= self.max_staleness <= 1 << 20:
+                raise ConfigError(f"max_staleness: must be an integer in [0, {1 << 20}], None (never waits) or "
+                                  f"'default' ({DEFAULT_MAX_STALENESS} with lock_free), got {self.max_staleness!r}")
             if not self.lock_free:
-                raise ConfigError("max_staleness: bounds the lock-free updater; set lock_free=True or leave it None")
-            check_int("max_staleness", self.max_staleness, 0, 1 << 20)
+                raise ConfigError("max_staleness: bounds the lock-free updater; set lock_free=True or leave it "
+                                  "'default'")
         if not self.lock_free:
             return
         refused = {"optimizer_tier": (self.optimizer_tier == "gpu", "must be 'cpu' or 'nvme' (states on the gpu "
@@ -143,6 +153,14 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"{name}: with lock_free=True it {why}; got {as_set(self, name)}"
                                   + (f" with {as_set(self, 'compute_dtype')}" if name == "loss_scale" else ""))
+
+    @property
+    def effective_max_staleness(self) -> int | None:
+        """``max_staleness`` with ``"default"`` resolved: ``DEFAULT_MAX_STALENESS`` with
+        ``lock_free``, else None (no updating thread to bound)."""
+        if self.max_staleness == "default":
+            return DEFAULT_MAX_STALENESS if self.lock_free else None
+        return self.max_staleness  # type: ignore[return-value]
 
     @property
     def effective_loss_scale(self) -> str | float | None:

@@ -208,9 +208,9 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         """The updating thread, with ``config.lock_free`` ([Note: the lock-free updater])."""
         if config.lock_free:
             self.lockfree = LockFreeUpdater(self.bank, self.store, self.updater.chunks, self.updater.take_sum,
-                                            config.max_staleness,
+                                            config.effective_max_staleness,
                                             predict=config.staleness_correction == "predict", ledger=self.ledger,
-                                            undo=self.updater.undo)
+                                            undo=self.updater.undo, synchronous_steps=config.synchronous_steps)
         # where handed-off gradients go, for the engine's life: the updater's sums, or the lock-free buffers
         destination = LockFreeDestination(self.lockfree) if self.lockfree is not None else SyncDestination(self.updater)
         self.gradients = Gradients(self.bank, self.updater, self.ledger, destination)
@@ -223,9 +223,9 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         self.guard = Guard(self.bank.params, lambda i: self.pager.fetch_unforeseen(i), self.clock.lock,
                            self._saved_tensor_hooks, lambda i: self.pager.residency.data_taken(i),
                            resident=lambda i: units[unit_of[i]].bound)
-        if self.lockfree is not None and config.max_staleness == 0:  # [Note: reads between steps]
-            settle = self.lockfree.settle
-            self.guard.before_read = lambda i: settle(unit_of[i])
+        if self.lockfree is not None:  # [Note: reads between steps]
+            before_read = self.lockfree.before_read
+            self.guard.before_read = lambda i: before_read(unit_of[i])
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard,
                            self.updater.wait_for_updates)
         self.clock.install()
@@ -342,6 +342,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         gradients are consumed: the next backward starts new sums (``engine.optimizer.step()``
         keeps them until ``zero_grad()``, as a torch optimizer does)."""
         self._usable("step")
+        if self.lockfree is not None:  # a failed updating thread says so at every step(), with or without gradients
+            self.lockfree.check()
         if self.phase.micro < self.config.accumulation_steps:
             return False
         if self.phase.in_backward:

@@ -59,10 +59,18 @@ def _updater_task(task) -> bool:
         task.target.kind == "optim" and task.operation in ("move_to_cpu", "offload", "release"))
 
 
-def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile) -> LockFreePrediction:
-    """Predict an iteration of ``plan`` with the lock-free updater (see the Note)."""
+def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile,
+                       max_staleness: int | None = None) -> LockFreePrediction:
+    """Predict an iteration of ``plan`` with the lock-free updater (see the Note); with
+    ``max_staleness`` (``EngineConfig.effective_max_staleness``) the compute side waits where a
+    pass spans more than ``max_staleness + 1`` iterations, so an iteration takes at least
+    ``pass / (max_staleness + 1)`` (the steady state: the engine's first ``synchronous_steps``
+    are not modelled)."""
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan: expected a pagemem.sched.Plan, got {type(plan).__name__}")
+    if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
+                                      or max_staleness < 0):
+        raise ConfigError(f"max_staleness: must be None or an integer >= 0, got {max_staleness!r}")
     mine = [t for t in plan.tasks if _updater_task(t)]
     side = simulate(dataclasses.replace(plan, tasks=[t for t in plan.tasks if not _updater_task(t)]), trace, profile)
     setting = Setting.of(plan)
@@ -88,5 +96,7 @@ def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile) -> Lo
         if abs(new - t) <= 1e-9 * max(1.0, t):
             break
         t = new
+    if max_staleness is not None:
+        t = max(t, pass_time / (max_staleness + 1))
     staleness = max(0.0, pass_time / t - 1.0) if t else 0.0
     return LockFreePrediction(t, pass_time, busy, staleness, side)

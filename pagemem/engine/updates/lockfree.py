@@ -33,7 +33,8 @@ first, fell further behind: half the steps on the 300-step task); the hyperparam
 a unit its buffered parameters lack when an iteration starts (``stats()["staleness"]``: mean,
 max, histogram). ``max_staleness``: the compute side waits at an iteration's start until no
 unit lags more than that (0: every update lands first, which is synchronous training, bit for
-bit); None never waits (the paper's behaviour). Refused with it: clipping by the global norm and
+bit); None never waits (the paper's behaviour); the default is 1 after 20 synchronous steps
+([Note: the lock-free default] in ``staleness.py``). Refused with it: clipping by the global norm and
 loss scaling (both need every unit's gradient before any update), updates during backward, and
 optimizer states on the gpu. ``zero_grad`` cannot take back gradients that share a sum with
 submitted ones: it is refused while the iteration has gradients. A failed backward can: the sums
@@ -64,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections import Counter, deque
 from typing import Any, Callable, Iterator
 
@@ -76,6 +78,7 @@ from pagemem.engine.updates.backward_undo import HOLDS, BackwardUndo
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import FRESH, GradLedger, GradState
 from pagemem.engine.updates.state_pieces import with_grad
+from pagemem.engine.updates.staleness import staleness_bound
 from pagemem.errors import OutOfMemory, InvalidRequest, StepFailed, TierIOError, warn
 from pagemem.store import PageStore
 
@@ -106,17 +109,21 @@ class LockFreeUpdater:
 
     def __init__(self, bank: ParamBank, store: PageStore, chunks: Callable[[list[int]], Any],
                  take_sum: Callable[[int], torch.Tensor], max_staleness: int | None,
-                 predict: bool = False, ledger: GradLedger | None = None, undo: BackwardUndo | None = None) -> None:
+                 predict: bool = False, ledger: GradLedger | None = None, undo: BackwardUndo | None = None,
+                 synchronous_steps: int = 0) -> None:
         """``chunks(params)``: the updater's state pieces and leases (``Updater.chunks``);
         ``take_sum(i)``: a copy of parameter ``i``'s gradient sum, flat; ``ledger``: each
         parameter's gradient state (moved under this updater's lock); ``undo``: the running
-        backward's journal (``Updater.undo``; [Note: a failed backward is undone]). The seams of
+        backward's journal (``Updater.undo``; [Note: a failed backward is undone]);
+        ``synchronous_steps``: the first steps wait for every update ([Note: the lock-free
+        default] in ``staleness.py``). The seams of
         both sides (``"take"``, ``"update"``, ``"publish"``, ``"accumulate"``, ``"drain"``) call ``SEAM``."""
         self.bank, self.store = bank, store
         self.ledger = ledger if ledger is not None else GradLedger([n for n, _ in bank.params], bank.layer_of)
         self.undo = undo if undo is not None else BackwardUndo(bank, store)
         self._chunks, self._take_sum = chunks, take_sum
         self.max_staleness = max_staleness
+        self.synchronous_steps = synchronous_steps
         self.predict = predict
         n = len(bank.layers)
         self._units = bank.layers
@@ -133,6 +140,8 @@ class LockFreeUpdater:
         self.updates = 0
         self.staleness: Counter = Counter()
         """How many (unit, iteration start) pairs saw each staleness."""
+        self.waited_s = 0.0
+        """Seconds the compute side waited for the updating thread (bounds, reads, drains)."""
         # one torch thread, as the Adam workers: two intra-op pools on the same cores thrash
         self._worker = Workers(1, name="pagemem-lockfree")
         self._running = self._worker.submit(self._run)
@@ -212,7 +221,8 @@ class LockFreeUpdater:
         # Between step() and the next forward a loop reads parameters (an EMA, logging, an
         # evaluation, a direct call of the model, torch.func). Outside the engine's calls every
         # parameter is guarded ([Note: evicted parameters] in ``guard.py``), so each such read
-        # passes the engine first. With max_staleness=0 the read waits until its unit's update
+        # passes the engine first. After a step whose bound is 0 (max_staleness=0, or one of the
+        # first synchronous_steps: [Note: the lock-free default]) the read waits until its unit's update
         # has landed and is written into the buffered parameters (``settle``): reads are
         # synchronous training's, bit for bit, while a loop that reads nothing overlaps the
         # update with its own work until the next forward waits for the rest. Otherwise step()
@@ -221,6 +231,18 @@ class LockFreeUpdater:
         # it), never older than the last forward's. (A state dict, the engine's or the model's,
         # drains every update first: ``quiesce``.)
         self.drain(limit=None)
+
+    def bound(self) -> int | None:
+        """The most iterations a unit may lag now ([Note: the lock-free default])."""
+        return staleness_bound(self.iterations, self.max_staleness, self.synchronous_steps)
+
+    def before_read(self, unit: int) -> None:
+        """A parameter of ``unit`` is read between steps: after a step whose bound was 0
+        (``max_staleness=0``, or one of the synchronous steps) it waits for the unit's updates
+        (``settle``); otherwise it reads the buffered parameters as they are ([Note: reads
+        between steps])."""
+        if staleness_bound(self.iterations - 1, self.max_staleness, self.synchronous_steps) == 0:
+            self.settle(unit)
 
     @shielded
     def settle(self, unit: int) -> None:
@@ -234,7 +256,7 @@ class LockFreeUpdater:
         """An iteration starts: write what was published into the buffered parameters, wait
         while a unit lags more than ``max_staleness``, record each unit's staleness (at the
         first forward of a step only: the histogram counts steps, as ``iterations`` does)."""
-        self.drain(limit=self.max_staleness)
+        self.drain(limit=self.bound())
         if not first_of_step:
             return
         for unit in self._units:
@@ -257,7 +279,9 @@ class LockFreeUpdater:
                 if not ready and done():
                     return
                 if not ready:
+                    t0 = time.perf_counter()
                     self._cond.wait(_POLL_SECONDS)
+                    self.waited_s += time.perf_counter() - t0
                     continue
             self._write(ready)
 
@@ -314,7 +338,8 @@ class LockFreeUpdater:
         seen = sum(self.staleness.values())
         return {"iterations": self.iterations, "updates": self.updates,
                 "mean": sum(k * c for k, c in self.staleness.items()) / seen if seen else 0.0,
-                "max": max(self.staleness, default=0), "histogram": dict(sorted(self.staleness.items()))}
+                "max": max(self.staleness, default=0), "histogram": dict(sorted(self.staleness.items())),
+                "waited_s": self.waited_s}
 
     def close(self) -> None:
         """Apply what was submitted, then stop the thread (raises its error, if any)."""
