@@ -137,7 +137,7 @@ def _weights(run: str) -> dict[str, torch.Tensor]:
         return engine.state_dict()
 
 
-@pytest.mark.parametrize("accumulation", ["1", "2"])
+@pytest.mark.parametrize("accumulation", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_ctrl_c_leaves_a_resumable_run_that_ends_as_an_uninterrupted_one(tmp_path, accumulation):
     """A step is ``accumulation_steps`` backwards and one update; checkpoints, metrics and
     ``train.steps`` all count steps (the attack found a resumed run with accumulation taking

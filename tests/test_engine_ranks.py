@@ -167,7 +167,7 @@ def test_saved_with_two_ranks_resumes_with_one_two_and_three(tmp_path):
             assert 0 < distance(resumed, whole) <= max(4 * ddp_vs_plain, 1e-6)
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow), 0])
 def test_a_killed_rank_makes_the_others_fail_naming_it(tmp_path, victim):
     rcs, errs, after = launch("kill", 3, tmp_path / "k.pt", timeout=120, victim=victim)
     assert rcs[victim] == -9
@@ -181,6 +181,7 @@ def test_a_killed_rank_makes_the_others_fail_naming_it(tmp_path, victim):
         assert "after RankFailed, step() raised StepFailed" in errs[r]
 
 
+@pytest.mark.slow  # make test's budget: the killed-rank and lone-save cases cover the liveness and the headers
 def test_a_rank_that_stops_calling_is_named_within_the_timeout(tmp_path):
     rcs, errs, _ = launch("hang", 2, tmp_path / "h.pt", timeout=120, wait_for=[0], victim=1, at=2, steps=4, collective_timeout=5)
     assert rcs[0] not in (0, None)
@@ -294,6 +295,7 @@ def test_a_save_on_rank_zero_alone_fails_every_rank_at_once(tmp_path):
     assert after < 30
 
 
+@pytest.mark.slow  # make test's budget: the killed-rank and lone-save cases cover the liveness and the headers
 def test_ranks_loading_different_checkpoints_refuse(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -305,6 +307,7 @@ def test_ranks_loading_different_checkpoints_refuse(tmp_path):
     assert all("the ranks loaded different checkpoints" in e for e in errs), errs[0][-2000:]
 
 
+@pytest.mark.slow  # make test's budget: the killed-rank and lone-save cases cover the liveness and the headers
 def test_a_rank_that_closes_its_engine_releases_the_others_at_once(tmp_path):
     rcs, errs, after = launch("close-early", 2, tmp_path / "c.pt", timeout=120, wait_for=[1], victim=0, at=2,
                               collective_timeout=100)
