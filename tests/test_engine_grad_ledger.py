@@ -500,7 +500,9 @@ def test_lock_free_gradients_are_summed_handed_off_and_taken(tmp_path, monkeypat
     gate = threading.Event()
     monkeypatch.setattr(lockfree, "SEAM", lambda where: gate.wait(30) if where == "take" else None)
     model = make()
-    with pagemem.Engine(model, engine_config(make(), loss_of, tmp_path, lock_free=True)) as engine:
+    # the updating thread never waited for (the lock-free default waits in its first steps)
+    with pagemem.Engine(model, engine_config(make(), loss_of, tmp_path, lock_free=True, max_staleness=None,
+                                             synchronous_steps=0)) as engine:
         states = lambda: {engine.ledger.state(i) for i in range(len(engine.bank.params))}  # noqa: E731
         engine.backward(loss_of(engine, model, 0))
         assert states() == {SUMMED} and engine.gradients_pending
