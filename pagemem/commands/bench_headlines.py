@@ -232,12 +232,15 @@ def ranks(d: Results) -> list[Headline]:
     rows = []
     for r in d["rows"]:
         w = r["world_size"]
+        mode = {True: ", moments sharded", False: ", replicas"}.get(r.get("sharded"), "") if w > 1 else ""
         if r.get("sim_tokens_per_s"):
-            rows.append(Headline(f"{w} gloo rank(s): tokens/s per rank", r["per_rank_tokens_per_s"],
+            rows.append(Headline(f"{w} gloo rank(s){mode}: tokens/s per rank", r["per_rank_tokens_per_s"],
                                  "the simulator's prediction", r["sim_tokens_per_s"], "tokens/s"))
         if w > 1:
-            rows.append(Headline(f"{w} gloo ranks: bytes sent per rank per iteration",
-                                 r["sent_bytes_per_iteration"] / (1 << 20), "the ring all-reduce of the gradients",
+            anchor = ("the ring all-reduce of the gradients" + (" and all-gather of the master shares"
+                                                                if r.get("sharded") else ""))
+            rows.append(Headline(f"{w} gloo ranks{mode}: bytes sent per rank per iteration",
+                                 r["sent_bytes_per_iteration"] / (1 << 20), anchor,
                                  r["ring_bytes_per_iteration"] / (1 << 20), "MiB"))
     if not rows:
         raise NoFigure("no row ran")
