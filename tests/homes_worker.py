@@ -32,7 +32,10 @@ def main() -> None:
     inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     before = peak_rss()
     store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=int(gpu), cpu_bytes=int(cpu),
-                                nvme_bytes=64 << 30, nvme_path=directory, page_bytes="4MiB")
+                                # what the states can take (24 bytes a parameter) and room: not a fixed 64 GiB,
+                                # which the shared disk has not always had free
+                                nvme_bytes=32 * sum(p.numel() for p in model.parameters()) + (1 << 30),
+                                nvme_path=directory, page_bytes="4MiB")
     config = pagemem.EngineConfig(store=store, optimizer_tier=opt, home_tier=home, compute_dtype=torch.float32,
                                   adam_threads=2)
     losses, seconds = [], []
