@@ -123,10 +123,5 @@ def average_gradients(bank: ParamBank, ledger: GradLedger, zero: Callable[[int],
             if pending[slot] is not None:
                 land(slot)
     finally:  # a failure leaves nothing in flight on this thread's buffers that a later call could see
-        for slot in range(2):
-            if pending[slot] is not None and coll.failed is None:
-                try:
-                    coll.wait(pending[slot][2])  # type: ignore[index]
-                except Exception:  # noqa: BLE001 - the first error is the one raised
-                    pass
+        coll.settle([p[2] if p is not None else None for p in pending])
 

@@ -149,6 +149,16 @@ class Collectives:
         finally:
             self.wait_seconds += time.perf_counter() - t0
 
+    def settle(self, left: "list[Pending | None]") -> None:
+        """After a failure part-way through batches: wait for what is still in flight, quietly
+        (the first error is the one raised), so nothing writes into buffers a later call sees."""
+        for pending in left:
+            if pending is not None and self.failed is None:
+                try:
+                    self.wait(pending)
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+
     def _fail(self, what: str, exc: BaseException | None, why: str | None = None) -> None:
         diagnosis, blamed = self.liveness.diagnose()
         if why is not None:

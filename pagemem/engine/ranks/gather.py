@@ -111,12 +111,7 @@ class MasterGather:
                 if pending[slot] is not None:
                     land(slot)
         finally:  # nothing left in flight on these buffers
-            for slot in range(2):
-                if pending[slot] is not None and coll.failed is None:
-                    try:
-                        coll.wait(pending[slot][2])  # type: ignore[index]
-                    except Exception:  # noqa: BLE001 - the first error is the one raised
-                        pass
+            coll.settle([p[2] if p is not None else None for p in pending])
 
     def whole_moments(self, params: list[int]) -> dict[int, dict[str, torch.Tensor]]:
         """The whole Adam moments of ``params`` (each rank's share gathered, one parameter at a
