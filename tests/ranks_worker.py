@@ -15,7 +15,8 @@ caught, and it goes on), ``unused`` /
 ``nvme`` (a directory: optimizer states there), ``save_dir``/``save_at`` (save a checkpoint after
 that step), ``resume`` (load the latest checkpoint under it first, and train from its step; ``resume_r<rank>``
 for one rank),
-``gpu_bytes``, ``clip``, ``weights_dir`` (``save_weights`` there at the end, on every rank).
+``gpu_bytes``, ``clip``, ``weights_dir`` (``save_weights`` there at the end, on every rank),
+``precision=bf16`` (a bf16 model computing in bf16), ``shard=0`` (``shard_optimizer_states=False``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ V, SEQ, PER_STEP = 128, 16, 6
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def make_model() -> torch.nn.Module:
+def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).float()
+    return transformers.GPT2LMHeadModel(cfg).to(dtype)
+
+
+def model_dtype(opts: dict[str, str]) -> torch.dtype:
+    """``precision=bf16``: a bf16 model computing in bf16 (over fp32 master weights)."""
+    return torch.bfloat16 if opts.get("precision") == "bf16" else torch.float32
 
 
 def batch_of(step: int, rank: int, world: int) -> torch.Tensor:
@@ -74,14 +80,15 @@ def engine_config(opts: dict[str, str], world: int) -> pagemem.EngineConfig:
                                 cpu_bytes=64 << 20, nvme_bytes=(256 << 20) if nvme else 0, nvme_path=nvme,
                                 page_bytes=PAGE)
     return pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier="nvme" if nvme else "cpu",
-                                compute_dtype=torch.float32, max_grad_norm=float(opts.get("clip", 0.05)),
-                                adam_threads=1, collective_timeout_s=float(opts.get("collective_timeout", 60)))
+                                compute_dtype=model_dtype(opts), max_grad_norm=float(opts.get("clip", 0.05)),
+                                adam_threads=1, collective_timeout_s=float(opts.get("collective_timeout", 60)),
+                                shard_optimizer_states=opts.get("shard", "1") == "1")
 
 
 def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str = "engine") -> None:
     steps = int(opts.get("steps", 8))
     victim = int(opts.get("victim", 1)) if mode != "engine" else None
-    model = make_model()
+    model = make_model(model_dtype(opts))
     if mode == "mismatch" and rank == victim:
         model.transformer.h[0].ln_1.bias.requires_grad_(False)
     first = 0
@@ -156,6 +163,8 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             elif "save_dir" in opts and mode != "save0" and step + 1 == int(opts["save_at"]):
                 engine.save(opts["save_dir"])
         stats = engine.stats()
+        plan = engine.pager.last_plan
+        plan_network = plan.bytes_moved()["network"] if plan is not None else None
         weights = engine.state_dict()
         optim = engine.optimizer.state_dict()["state"]  # with sharded moments, a collective
         if "weights_dir" in opts:
@@ -163,6 +172,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             assert os.path.exists(paths[-1])  # rank 0 wrote them; every rank is told where
     if rank == 0:
         torch.save({"weights": weights, "stats": stats["ranks"], "made_sent": made_sent, "optim": optim,
+                    "plan_network": plan_network,
                     "gpu_bytes": engine.config.store.gpu_bytes,
                     "moved": stats["moved_bytes"]}, out)
 

@@ -99,6 +99,10 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+PAGE_ELEMENTS = (64 << 10) // 4
+"""fp32 elements in one of the worker's pages (``ranks_worker.PAGE``)."""
+
+
 def run_ok(mode: str, world: int, out: Path, **opts) -> dict[str, torch.Tensor]:
     rcs, errs, _ = launch(mode, world, out, **opts)
     assert rcs == [0] * world, "\n".join(e[-3000:] for e in errs)
@@ -125,13 +129,19 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
         model = make_model()
         n = len(list(model.parameters()))
         header = 3 * 2 * 8  # each operation's count, name and number of values, max and min, int64
-        per_step = 4 * sum(p.numel() for p in model.parameters()) + header + 16 * (2 + n)  # sums; header, counts, flags
+        # what the plan sends (the "states" rows: the sums all-reduced, each rank's updated share of
+        # every unit all-gathered, padded to the largest's), which the engine sends to the byte
+        sums = 4 * sum(p.numel() for p in model.parameters())  # a ring all-reduce at 2 ranks: the bytes once
+        assert stats["plan_network"] > sums
+        per_step = stats["plan_network"] + header + 16 * (2 + n)  # + the averaging's header, counts, flags
         buffers = list(model.buffers())  # rank 0's, before each forward
         if buffers:
             per_step += header + 2 * 2 * 8 + sum(b.numel() * b.element_size() for b in buffers) // 2  # + sizes
-        # [Note: sharded moments]: each rank's updated share of the master weights, gathered
         assert stats["stats"]["sharded"] and sum(stats["stats"]["moment_shares"]) == sum(p.numel() for p in model.parameters())
-        per_step += (world - 1) * 4 * max(stats["stats"]["moment_shares"])
+        # the gather sends each rank's share padded per unit: at most a page per unit more than the largest total
+        gathered = stats["plan_network"] - sums
+        assert (world - 1) * 4 * max(stats["stats"]["moment_shares"]) <= gathered
+        assert gathered <= (world - 1) * 4 * (max(stats["stats"]["moment_shares"]) + 40 * PAGE_ELEMENTS)
         per_step += header + 16  # each step's header: the same hyperparameters on every rank
         assert stats["stats"]["sent_bytes"] - stats["made_sent"] == 8 * per_step
     ddp = run_ok("ddp", world, tmp_path / "ddp.pt")
@@ -165,6 +175,32 @@ def test_saved_with_two_ranks_resumes_with_one_two_and_three(tmp_path):
             assert distance(resumed, whole) == 0.0
         else:  # the same arithmetic but for the order of the ranks' sums
             assert 0 < distance(resumed, whole) <= max(4 * ddp_vs_plain, 1e-6)
+
+
+@pytest.mark.slow
+def test_a_bf16_model_with_sharded_master_weights_trains_as_replicas_and_resumes(tmp_path):
+    """[Note: sharded master weights]: a bf16 model computing in bf16 keeps a share of its fp32
+    master on each rank; its training, ``engine.state_dict()`` (the fp32 masters, gathered: a
+    collective) and the optimizer state equal replicas' bit for bit, and a sharded checkpoint
+    saved with 2 ranks resumes with 2 (bit for bit) and with 1."""
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    sharded = run_ok("engine", 2, tmp_path / "sharded.pt", nvme=nvme, precision="bf16", save_dir=ckpt, save_at=4)
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", nvme=nvme, precision="bf16", shard=0)
+    assert all(v.dtype == torch.float32 for v in sharded.values() if v.is_floating_point())  # the masters
+    assert distance(sharded, replicas) == 0.0
+    s, r = torch.load(tmp_path / "sharded.pt"), torch.load(tmp_path / "replicas.pt")
+    assert s["stats"]["sharded"] and not r["stats"]["sharded"]
+    for n in r["optim"]:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(s["optim"][n][kind], r["optim"][n][kind]), (n, kind)
+    from pagemem.engine.checkpoints.checkpoint import read_manifest
+
+    manifest = read_manifest(str(ckpt / "step-00000004"))
+    assert all("pieces" in w for w in manifest["tensors"]["master"] if w is not None)  # each rank wrote its share
+    assert distance(run_ok("engine", 2, tmp_path / "r2.pt", nvme=nvme, precision="bf16", resume=ckpt), sharded) == 0.0
+    one = run_ok("engine", 1, tmp_path / "r1.pt", nvme=nvme, precision="bf16", resume=ckpt)
+    assert 0 < distance(one, sharded) < 1e-2  # the ranks' sums in another order, through bf16 compute
 
 
 @pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow), 0])

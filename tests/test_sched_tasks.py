@@ -42,7 +42,9 @@ def test_the_table_has_a_row_for_every_task_a_plan_holds_and_its_docs_list_every
     seen = set()
     for kw in (dict(world_size=1, optimizer_tier="nvme"), dict(world_size=4, optimizer_tier="nvme"),
                dict(world_size=2, optimizer_tier="cpu", slack=1 << 24, cache=True),
-               dict(world_size=2, optimizer_tier="nvme", home_tier="nvme")):
+               dict(world_size=2, optimizer_tier="nvme", home_tier="nvme"),
+               dict(world_size=3, optimizer_tier="nvme", sharding="states"),
+               dict(world_size=2, optimizer_tier="cpu", slack=1 << 24, cache=True, sharding="states")):
         p = tight(**kw)
         for t in p.tasks:
             fx = effects(t, p.setting)

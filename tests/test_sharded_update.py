@@ -6,6 +6,7 @@ simulated in one process: a bank per rank, the gather done by hand (``write_mast
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -26,8 +27,8 @@ def make_model(sizes: list[tuple[int, int]], seed: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(i, o) for i, o in sizes))
 
 
-def make(sizes, seed, ranks, tier, clip, dtype, nvme_dir):
-    model = make_model(sizes, seed)
+def make(sizes, seed, ranks, tier, clip, dtype, nvme_dir, own_dtype=torch.float32):
+    model = make_model(sizes, seed).to(own_dtype)
     nvme = tier == "nvme"
     if nvme:
         os.makedirs(nvme_dir)
@@ -45,12 +46,19 @@ def make(sizes, seed, ranks, tier, clip, dtype, nvme_dir):
 @settings(max_examples=12, deadline=None)
 @given(sizes=st.lists(st.tuples(st.integers(1, 96), st.integers(1, 96)), min_size=1, max_size=4),
        world=st.integers(2, 4), seed=st.integers(0, 3), tier=st.sampled_from(["cpu", "nvme"]),
-       clip=st.sampled_from([None, 0.05]), bf16=st.booleans(), steps=st.integers(1, 3))
-def test_the_shares_updated_apart_are_the_replicated_update_bit_for_bit(sizes, world, seed, tier, clip, bf16, steps):
-    dtype = torch.bfloat16 if bf16 else torch.float32
+       clip=st.sampled_from([None, 0.05]), precision=st.sampled_from(["fp32", "bf16 over fp32", "bf16"]),
+       steps=st.integers(1, 3))
+def test_the_shares_updated_apart_are_the_replicated_update_bit_for_bit(sizes, world, seed, tier, clip, precision,
+                                                                         steps):
+    """fp32 and a bf16 model computing in bf16 shard the master weights too ([Note: sharded
+    master weights]); a fp32 model computing in bf16 keeps its master whole on every rank."""
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    own = torch.bfloat16 if precision == "bf16" else torch.float32
     with tempfile.TemporaryDirectory() as d:
-        ref = make(sizes, seed, (0, 1), tier, clip, dtype, d + "/ref")
-        ranks = [make(sizes, seed, (r, world), tier, clip, dtype, d + f"/r{r}") for r in range(world)]
+        ref = make(sizes, seed, (0, 1), tier, clip, dtype, d + "/ref", own)
+        ranks = [make(sizes, seed, (r, world), tier, clip, dtype, d + f"/r{r}", own) for r in range(world)]
+        for _, _, bank, _ in ranks:
+            assert all(bank.master_sharded(i) == (precision != "bf16 over fp32") for i in range(len(bank.params)))
         try:
             n = len(ref[2].records)
             covered = [[0] * ref[2].params[i][1].numel() for i in range(n)]
@@ -73,12 +81,19 @@ def test_the_shares_updated_apart_are_the_replicated_update_bit_for_bit(sizes, w
                         for i in range(n):
                             a, b = bank.owned(i)
                             if b > a and other[2] is not bank:
-                                value = bank.host_value(i, torch.float32).reshape(-1)[a:b]
+                                master = bank.host_state(i, "master").reshape(-1)
+                                value = master if bank.master_sharded(i) else master[a:b]
                                 other[2].write_master_ranges([(i, value, a)])
             for _, _, bank, _ in ranks:
                 for i in range(n):
                     a, b = bank.owned(i)
-                    assert torch.equal(bank.host_value(i, torch.float32), ref[2].host_value(i, torch.float32))
+                    whole = ref[2].host_state(i, "master").reshape(-1)
+                    if bank.master_sharded(i):  # this rank's elements only, flat
+                        assert torch.equal(bank.host_state(i, "master"), whole[a:b])
+                        assert bank.master_whole_here(i) == (dtype == torch.float32)
+                    else:
+                        assert torch.equal(bank.host_state(i, "master").reshape(-1), whole)
+                    assert torch.equal(bank.host_value(i, own), ref[2].host_value(i, own))
                     layer, k = bank.where(i)
                     rl, rk = ref[2].where(i)
                     assert torch.equal(layer.compute[k].to_torch(), rl.compute[rk].to_torch())
@@ -116,7 +131,9 @@ def test_the_budget_counts_a_ranks_share_as_the_bank_lays_it_out(sizes, world, d
         del bank
 
 
-def test_a_ranks_share_of_a_large_layer_is_half_its_moments():
+def test_a_ranks_share_of_a_large_layer_is_half_its_moments_and_master():
+    """fp32: the master weights are sharded as the moments are ([Note: sharded master weights]);
+    a fp32 model computing in bf16 keeps its master whole on every rank."""
     from pagemem.engine.units.budget_checks import unit_cap
     from pagemem.engine.units.homes import host_need
 
@@ -125,6 +142,10 @@ def test_a_ranks_share_of_a_large_layer_is_half_its_moments():
     cfg = pagemem.EngineConfig(store=store_cfg, optimizer=HP, optimizer_tier="cpu", adam_threads=1)
     whole = host_need(model, cfg, unit_cap(store_cfg))
     halves = [host_need(model, cfg, unit_cap(store_cfg), (r, 2)) for r in range(2)]
-    master = whole.states // 3
-    shares = [(h.states - master) // 2 for h in halves]  # each rank's pages of one moment
-    assert sum(shares) == master and max(shares) - min(shares) <= 1  # the pages split evenly
+    state = whole.states // 3
+    assert all(h.states % 3 == 0 for h in halves)
+    shares = [h.states // 3 for h in halves]  # each rank's pages of one state
+    assert sum(shares) == state and max(shares) - min(shares) <= 1  # the pages split evenly
+    mixed = dataclasses.replace(cfg, compute_dtype=torch.bfloat16)
+    halves = [host_need(model, mixed, unit_cap(store_cfg), (r, 2)) for r in range(2)]
+    assert [h.states - state for h in halves] == [2 * s for s in shares]  # the master whole, the moments shared

@@ -47,8 +47,9 @@ class EngineConfig:
     the other ranks before ``RankFailed`` names the ranks that did not come (the first
     iteration's collective waits for every rank's tracing and planning);
     ``shard_optimizer_states``: with several ranks, each holds and updates only its share of the
-    Adam moments, and the ranks gather the updated master weights (ZeRO stage 1 for the moments:
-    [Note: sharded moments] in ``units/shards.py``); False keeps a replica on every rank. ``adam_threads``: CPU Adam
+    Adam moments, and of the fp32 master weights where the parameter computes in its own dtype,
+    and the ranks gather the updated weights (ZeRO stage 1: [Note: sharded moments] and [Note:
+    sharded master weights] in ``units/shards.py``); False keeps a replica on every rank. ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
     means on when the gpu tier is CUDA, for units whose states are off the gpu (backward runs

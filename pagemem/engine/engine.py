@@ -227,7 +227,7 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
             before_read = self.lockfree.before_read
             self.guard.before_read = lambda i: before_read(unit_of[i])
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard,
-                           self.updater.wait_for_updates)
+                           self.updater.wait_for_updates, self.ranks.world_size)
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights,
                                                   self.calls)

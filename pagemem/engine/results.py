@@ -69,19 +69,27 @@ class ResultsMixin:
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The trained weights as an ordinary state dict keyed like ``module.state_dict()``: fp32
         master weights on the host (wherever their pages are; a frozen parameter's compute copy
-        in its original dtype), buffers as they are."""
+        in its original dtype), buffers as they are. With several ranks and a model that computes
+        in bf16 or fp16 in its own dtype, the master weights are sharded and gathered here: every
+        rank calls it ([Note: sharded master weights])."""
         self._usable("state_dict")
         self._before_reading_weights()
         index = {id(p): i for i, (_, p) in enumerate(self.bank.params)}
+        bank = self.bank
+        # [Note: sharded master weights]: a master no rank holds whole, and the compute copy
+        # cannot give (it computes in another dtype), is gathered: then a collective
+        apart = [i for i in range(len(bank.params)) if bank.is_trainable(i) and not bank.master_whole_here(i)]
+        gathered = self.updater.gather_masters.whole_masters(apart) if apart else {}  # type: ignore[union-attr]
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=True).items():
             i = index.get(id(value))
             if i is None:
                 out[key] = value.detach().clone()
+            elif i in gathered:
+                out[key] = gathered[i]
             else:
                 # on the host, wherever the pages are; a frozen parameter's compute copy as it was given
-                out[key] = self.bank.host_value(i, torch.float32 if self.bank.is_trainable(i) else
-                                                self.bank.original_dtype_of(i))
+                out[key] = bank.host_value(i, torch.float32 if bank.is_trainable(i) else bank.original_dtype_of(i))
         return out
 
     @engine_call("save")

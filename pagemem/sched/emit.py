@@ -46,7 +46,9 @@ class Decisions:
 def emit(d: Decisions) -> list[Task]:
     """The task queue: every task the decisions call for, ordered by trigger op, those issued at
     an op's start before those issued at its end (each in the order made here)."""
-    n, W, cached, host = d.n, d.layout.world_size, d.cached, d.host
+    n, cached, host = d.n, d.cached, d.host
+    sharded = d.layout.shards_params  # ZeRO-3: all-gathers before compute, reduce-scatters after
+    averaged = d.layout.shards_states  # ZeRO-1: an all-reduce before the update, an all-gather after
     starts: list[list[Task]] = [[] for _ in range(n + 1)]
     ends: list[list[Task]] = [[] for _ in range(n + 1)]
 
@@ -82,25 +84,29 @@ def emit(d: Decisions) -> list[Task]:
                 for j in range(run.lo, run.hi):
                     put(Task("move_to_gpu", Target("param", L, j), run.m, "gpu",
                              source=None if j in mine else direct))
-            if W > 1:
+            if sharded:
                 for glo, ghi, g in d.gathers[(wi, run.lo)]:
                     for j in range(glo, ghi):
                         put(Task("all_gather", Target("param", L, j), g))
         put(Task("compute", Target("layer", L), w.start, "gpu", end_id=w.end,
                  produces_grads=(L, w.start) in grad_window))
-        if not is_cached or W > 1:
+        if not is_cached or sharded:
             put(Task("release", Target("param", L), w.end, "gpu"))
     for g in d.usage.grads:
         if g is None:
             continue
         L, r = g.layer, d.updates[g.layer]
         pages = layers[L].param_pages
-        if W > 1:
+        if sharded:
             for j in range(pages):
                 put(Task("reduce_scatter", Target("grad", L, j), r))
             put(Task("release", Target("fullgrad", L), r, "gpu"))
         if L in cached:
+            if averaged:
+                put(Task("all_reduce", Target("grad", L), r, "gpu"))
             put(Task("update", Target("layer", L), r, "gpu"))
+            if averaged:
+                put(Task("all_gather", Target("optim", L), r, "gpu"))
             put(Task("release", Target("grad", L), r, "gpu"))
             continue
         through = d.home_tier == "nvme"  # gradients go to nvme, come back for the update
@@ -111,7 +117,11 @@ def emit(d: Decisions) -> list[Task]:
             put(Task("move_to_cpu", Target("grad", L), r, "cpu"))
         if d.optimizer_tier == "nvme":
             put(Task("move_to_cpu", Target("optim", L), host.fetch[L], "cpu"))
+        if averaged:
+            put(Task("all_reduce", Target("grad", L), r, "cpu"))
         put(Task("update", Target("layer", L), r, "cpu"))
+        if averaged:
+            put(Task("all_gather", Target("optim", L), r, "cpu"))
         put(Task("release", Target("grad", L), r, "cpu"))
         if through:
             put(Task("release", Target("grad", L), r, "nvme"))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Iterator, NamedTuple
 
-from pagemem.sched.tasks import MASTER_BYTES_PER_ELEMENT, Effect, Target, Task, effect_of
+from pagemem.sched.tasks import GRAD_SUM_BYTES_PER_ELEMENT, MASTER_BYTES_PER_ELEMENT, Effect, Target, Task, effect_of
 
 if TYPE_CHECKING:
     from pagemem.sched.layout import Layout
@@ -127,10 +127,12 @@ class Setting:
     def holds(self, cond: str, task: Task | None = None) -> bool:
         """Whether every condition of ``cond`` (the table's ``when``) holds for ``task``."""
         for c in cond.split():
-            if c == "W>1":
-                ok = self.world_size > 1
+            if c == "W>1":  # the parameters sharded over several ranks (ZeRO-3)
+                ok = self.layout.shards_params
             elif c == "W=1":
-                ok = self.world_size == 1
+                ok = not self.layout.shards_params
+            elif c == "R>1":  # several ranks, the optimizer states sharded only (ZeRO-1)
+                ok = self.layout.shards_states
             elif c == "grads":
                 ok = task is not None and task.produces_grads
             elif c.startswith("T="):
@@ -344,6 +346,11 @@ def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]
             amount = 1
         elif unit == "refresh":  # no compute copy of its own (its parameters are the master): nothing
             amount = layer.shard_bytes + MASTER_BYTES_PER_ELEMENT * layer.shard_elements if layer.shard_bytes else 0
+        elif unit == "sums":  # the layer's fp32 gradient sums, every element
+            amount = GRAD_SUM_BYTES_PER_ELEMENT * (layer.elements if layer.elements is not None else layer.shard_elements)
+        elif unit == "master":  # this rank's fp32 share of the updated weights, padded as gathered
+            amount = MASTER_BYTES_PER_ELEMENT * (layer.gather_elements if layer.gather_elements is not None
+                                                 else layer.shard_elements)
         else:
             count = 1 if task.target.page is not None or unit == "optim" else layer.param_pages
             amount = count * setting.pages(unit, L) * setting.layout.page_bytes

@@ -40,6 +40,14 @@ class LayerLayout:
     gradient and optimizer pages (a trace alone cannot say more; an engine that brings its
     parameters through the cpu one at a time says what its largest one takes)."""
 
+    elements: int | None = None
+    """Parameter elements of the whole layer, every rank's (None: ``shard_elements``): the fp32
+    gradient sums an ``all_reduce`` averages where only the states are sharded."""
+    gather_elements: int | None = None
+    """Where only the states are sharded: the elements each rank contributes to the all-gather of
+    the updated weights after the layer's update (its share, padded to the largest rank's; None:
+    ``shard_elements``)."""
+
     @property
     def pages_when_cached(self) -> int:
         return self.optim_pages if self.cached_pages is None else self.cached_pages
@@ -51,6 +59,13 @@ class LayerLayout:
         return self.param_pages + self.optim_pages if self.stream_pages is None else self.stream_pages
 
 
+SHARDINGS: tuple[str, ...] = ("params", "states")
+"""What the ranks shard (``Layout.sharding``): ``params``, every model state (ZeRO-3: compute
+copies, gradients, optimizer states; the task table's ``W>1`` rows), or ``states``, the optimizer
+states only (ZeRO-1: every rank holds the whole compute copy and gradient sums, averages the
+sums with an ``all_reduce``, updates its share and all-gathers it; the ``R>1`` rows)."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """Per-rank pages of every layer of a trace, for ``world_size`` ranks and ``page_bytes`` pages."""
@@ -58,30 +73,49 @@ class Layout:
     page_bytes: int
     world_size: int
     layers: tuple[LayerLayout, ...]
+    sharding: str = "params"
+    """What the ranks shard (``SHARDINGS``); with one rank, nothing."""
+
+    def __post_init__(self) -> None:
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding: one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+
+    @property
+    def shards_params(self) -> bool:
+        """Several ranks, each holding a shard of every layer's parameters (ZeRO-3)."""
+        return self.world_size > 1 and self.sharding == "params"
+
+    @property
+    def shards_states(self) -> bool:
+        """Several ranks, each holding the whole parameters and a share of the optimizer states."""
+        return self.world_size > 1 and self.sharding == "states"
 
     @classmethod
-    def from_trace(cls, trace: Trace, world_size: int, page_bytes: int) -> "Layout":
+    def from_trace(cls, trace: Trace, world_size: int, page_bytes: int, sharding: str = "params") -> "Layout":
         optim: dict[int, int] = {}
         for rec in trace.tensors:
             if rec.kind == "optimizer_state" and rec.layer is not None:
                 optim[rec.layer] = optim.get(rec.layer, 0) + rec.nbytes
         layers = []
+        whole_params = sharding == "states"
         for layer in trace.layers:
             elements = sum(_numel(trace.tensors[i].shape) for i in layer.tensor_ids)
-            shard = -(-layer.nbytes // world_size)
+            shard = layer.nbytes if whole_params else -(-layer.nbytes // world_size)
             ob = -(-optim.get(layer.index, 0) // world_size)
             layers.append(LayerLayout(layer.index, layer.name, layer.nbytes, -(-elements // world_size),
-                                      shard, _pages(shard, page_bytes), ob, _pages(ob, page_bytes)))
-        return cls(page_bytes, world_size, tuple(layers))
+                                      shard, _pages(shard, page_bytes), ob, _pages(ob, page_bytes),
+                                      elements=elements if whole_params else None))
+        return cls(page_bytes, world_size, tuple(layers), sharding)
 
     def gathered_pages(self, layer: int) -> int:
-        """Gpu pages a layer's parameters take while it computes: W pages per shard page."""
-        return self.world_size * self.layers[layer].param_pages
+        """Gpu pages a layer's parameters take while it computes: W pages per shard page (one
+        where the parameters are not sharded)."""
+        return (self.world_size if self.shards_params else 1) * self.layers[layer].param_pages
 
     def grad_buffer_pages(self, layer: int) -> int:
         """Gpu pages of the layer's gradients as the backward pass produces them (the full
-        gradient buffer when W > 1, the grad pages themselves when W = 1)."""
-        return self.world_size * self.layers[layer].param_pages
+        gradient buffer when the parameters are sharded, the grad pages themselves otherwise)."""
+        return (self.world_size if self.shards_params else 1) * self.layers[layer].param_pages
 
     @property
     def param_pages(self) -> int:

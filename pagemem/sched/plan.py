@@ -168,6 +168,7 @@ class Plan:
             "planning_seconds": self.planning_seconds,
             "meta": self.meta,
             "layout": {"page_bytes": self.layout.page_bytes, "world_size": self.layout.world_size,
+                       "sharding": self.layout.sharding,
                        "layers": [list(_layer_fields(l)) for l in self.layout.layers]},
             "tasks": [[t.operation, t.target.kind, t.target.layer, t.target.page, t.trigger_id, t.tier,
                        t.end_id, t.produces_grads, list(d.same), list(d.previous), t.source]
@@ -188,7 +189,8 @@ class Plan:
         if home_tier not in HOME_TIERS:
             raise ConfigError(f"plan: home_tier must be one of {', '.join(HOME_TIERS)}, got {home_tier!r}")
         lay = data["layout"]
-        layout = Layout(lay["page_bytes"], lay["world_size"], tuple(LayerLayout(*f) for f in lay["layers"]))
+        layout = Layout(lay["page_bytes"], lay["world_size"], tuple(LayerLayout(*f) for f in lay["layers"]),
+                        lay.get("sharding", "params"))
         rows = data["tasks"]
         if version == 1:
             if trace is None:
@@ -244,4 +246,5 @@ def _complete(tasks: list[Task], trace) -> list[Task]:
 
 def _layer_fields(layer: LayerLayout) -> tuple:
     return (layer.index, layer.name, layer.param_bytes, layer.shard_elements, layer.shard_bytes,
-            layer.param_pages, layer.optim_bytes, layer.optim_pages, layer.cached_pages, layer.stream_pages)
+            layer.param_pages, layer.optim_bytes, layer.optim_pages, layer.cached_pages, layer.stream_pages,
+            layer.elements, layer.gather_elements)

@@ -42,7 +42,7 @@ from pagemem.errors import ConfigError
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.sched.emit import Decisions, Run, emit
 from pagemem.sched.host_plan import HostPlan, Moves, plan_host
-from pagemem.sched.layout import Layout
+from pagemem.sched.layout import SHARDINGS, Layout
 from pagemem.sched.plan import HOME_TIERS, Budgets, Plan
 from pagemem.sched.holdings import Setting, pages_taken
 from pagemem.sched.timeline import TIMELINES
@@ -54,7 +54,7 @@ from pagemem.units import parse_size
 def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size: int = 1,
          optimizer_tier: str = "cpu", page_bytes: int | str = "4MiB", *, cache_optimizer: bool = True,
          timeline: str = "segment", cached_state_pages: Mapping[int, int] | None = None,
-         layout: Layout | None = None, home_tier: str = "cpu") -> Plan:
+         layout: Layout | None = None, home_tier: str = "cpu", sharding: str = "params") -> Plan:
     """Plan one training iteration of ``trace`` on each of ``world_size`` ranks.
 
     ``budgets`` are per rank (``{"gpu": "8GiB", "cpu": "64GiB", "nvme": "1TiB"}``);
@@ -66,12 +66,16 @@ def plan(trace: Trace, budgets: "Budgets | Mapping[str, int | str]", world_size:
     keeps a cached layer's states (default: the layout's ``pages_when_cached``; an engine that
     keeps gradient sums beside them, or each kind on fresh pages, says more). ``layout``: the
     pages of every layer as the caller lays them out (default ``Layout.from_trace``): one per
-    trace layer, in order, with this ``page_bytes`` and ``world_size``. Raises
+    trace layer, in order, with this ``page_bytes``, ``world_size`` and ``sharding``.
+    ``sharding``: what the ranks shard (``layout.SHARDINGS``): ``"params"`` (ZeRO-3: every
+    state, all-gathers before compute, reduce-scatters after) or ``"states"`` (ZeRO-1: the
+    optimizer states only; an all-reduce of the gradients before each update and an all-gather of
+    the updated share after). Raises
     ``InfeasiblePlan`` (with ``min_gpu_bytes``; its ``tier`` and ``min_bytes`` name the budget
     that is too small and what it needs) when no plan fits, ``ConfigError`` for bad input.
     """
     t0 = time.perf_counter()
-    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout, home_tier)
+    planner = _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout, home_tier, sharding)
     for layer, pages in (cached_state_pages or {}).items():
         check_int(f"cached_state_pages[{layer!r}]", pages, 0)
     result = planner.run(cache_optimizer, cached_state_pages or {})
@@ -105,7 +109,7 @@ def least_cpu_bytes(trace: Trace, world_size: int = 1, optimizer_tier: str = "cp
 
 
 def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, layout=None,
-             home_tier="cpu") -> "_Planner":
+             home_tier="cpu", sharding="params") -> "_Planner":
     """A planner for validated arguments; ConfigError naming the first bad one."""
     if not isinstance(trace, Trace):
         raise ConfigError(f"trace: expected a pagemem.tracer.Trace, got {type(trace).__name__}")
@@ -118,7 +122,10 @@ def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, l
         raise ConfigError(f"page_bytes: must be a positive multiple of 4096 bytes, got {pb}")
     if timeline not in TIMELINES:
         raise ConfigError(f"timeline: must be one of {sorted(TIMELINES)}, got {timeline!r}")
+    check_choice("sharding", sharding, SHARDINGS)
     if layout is not None:
+        if isinstance(layout, Layout) and layout.sharding != sharding:
+            raise ConfigError(f"layout: made for sharding {layout.sharding!r}, planning for {sharding!r}")
         if not isinstance(layout, Layout):
             raise ConfigError(f"layout: expected a pagemem.sched.Layout, got {type(layout).__name__}")
         if (layout.page_bytes, layout.world_size) != (pb, world_size):
@@ -126,12 +133,13 @@ def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, l
                               f"planning for {pb} and {world_size}")
         if [l.index for l in layout.layers] != [l.index for l in trace.layers]:
             raise ConfigError("layout: must have one layer per trace layer, in order")
-    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline], layout, home_tier)
+    return _Planner(trace, b, world_size, optimizer_tier, pb, TIMELINES[timeline], layout, home_tier, sharding)
 
 
 class _Planner:
     def __init__(self, trace: Trace, budgets: Budgets, world_size: int, optimizer_tier: str,
-                 page_bytes: int, timeline_cls, layout: Layout | None = None, home_tier: str = "cpu") -> None:
+                 page_bytes: int, timeline_cls, layout: Layout | None = None, home_tier: str = "cpu",
+                 sharding: str = "params") -> None:
         self.trace = trace
         self.b = budgets
         self.W = world_size
@@ -139,7 +147,7 @@ class _Planner:
         self.home_tier = home_tier
         self.pb = page_bytes
         self.Timeline = timeline_cls
-        self.layout = layout if layout is not None else Layout.from_trace(trace, world_size, page_bytes)
+        self.layout = layout if layout is not None else Layout.from_trace(trace, world_size, page_bytes, sharding)
         self.usage = Usage.from_trace(trace)
         self.setting = Setting(self.layout, frozenset(), optimizer_tier, home_tier)
         self.n = len(trace.ops)
@@ -173,7 +181,7 @@ class _Planner:
         """Steps 1 to 5: the all-gathers' triggers and what the host tiers step decided."""
         self._mandatory_gpu()
         self._phase1()
-        gathers = self._phase2() if self.W > 1 else {}
+        gathers = self._phase2() if self.layout.shards_params else {}
         self.cached = set(self._cache(cached_state_pages) if cache_optimizer else [])
         by_window: dict[int, list[tuple[int, int, int]]] = {}
         for run in self.runs:

@@ -8,7 +8,9 @@ issued when its trigger op *finishes*. Memory a task takes counts from its trigg
 memory a ``release`` gives back counts up to and including its trigger op.
 
 Everything is per rank: with ``world_size`` W, each layer's parameters are sharded into W equal
-shards and this rank owns one (``Layout``).
+shards and this rank owns one (``Layout``, ``sharding="params"``: ZeRO-3). With
+``sharding="states"`` (ZeRO-1) every rank holds the whole parameters and gradients and a share of
+the optimizer states: the rows of one rank apply, plus the two ``R>1`` rows below.
 
 **Holdings.** What a task takes, reads, writes and gives back are *holdings*: copies of one layer's
 model states on one tier, named ``name@tier`` (``.j`` for page j of a paged holding):
@@ -48,7 +50,8 @@ transfer still moves every page (the costs below count ``pages``, not what is he
 home tier; a paged holding of a task whose target names no page means every page of the layer
 (``.*``). In the tier column, ``home`` means the optimizer states' home tier and ``copy`` any
 other. ``when`` is a condition (for the row, or for the holding or cost term it follows): ``W>1``
-or ``W=1`` (with several ranks, with one), ``T=gpu`` (the task's tier is ``gpu``), ``H=nvme``
+or ``W=1`` (the parameters sharded over several ranks, or not), ``R>1`` (several ranks that
+shard the optimizer states only), ``T=gpu`` (the task's tier is ``gpu``), ``H=nvme``
 (the layer's parameters are homed on ``nvme``), ``F=nvme`` (the task copies from ``nvme``:
 its ``source``); ``grads:`` marks what only a ``produces_grads`` compute takes; in the holdings,
 ``F`` is the tier the task copies from (its ``source``, else ``cpu``):
@@ -79,7 +82,18 @@ release        grad     gpu,                                                    
                         cpu,
                         nvme
 release        optim    copy                                                              optim@T
+all_reduce     grad     gpu,  R>1                     grad@T.*           grad@T.*
+                        cpu
+all_gather     optim    gpu,  R>1                     optim@T            param@home.*
+                        cpu
 ============== ======== ===== ====== ================ ================== ================ ================
+
+**States sharded only** (``R>1``: several ranks, ``Layout.sharding="states"``, where ``W>1`` and
+its rows do not hold and ``W=1``'s do): ``all_reduce grad`` averages the layer's gradient sums
+over the ranks where the update reads them (after their offload, or their fetch from nvme); the
+update steps this rank's share of the elements (``shard_elements``); ``all_gather optim`` then
+sends that share of the updated weights to every rank, which writes what it receives into its
+compute copy (``param@home``), before the states go back home.
 
 **Homes on nvme** (issue 31; the plan's ``home_tier``, ``Setting.home_tier``). With
 ``home_tier="nvme"`` a layer's compute copy and gradients rest on ``nvme`` and the ``cpu`` tier
@@ -137,6 +151,11 @@ release        param    none; beside it, compute  T=gpu: window: one, the execut
                         (the executor's thread)   the window it ends (stage, bind, release), on the
                                                   thread that runs the model
 release        other    none (takes no time)      -
+all_reduce     grad     network                   all_reduce: the layer's fp32 gradient sums, every
+                                                  element (``elements``)
+all_gather     optim    network                   all_gather: this rank's fp32 share of the updated
+                                                  weights, padded to the largest rank's
+                                                  (``gather_elements``)
 ============== ======== ========================= =============================================
 
 [Note: a disk write on the task's stream] ``offload grad.j @nvme`` runs its d2h copy and its disk
@@ -182,9 +201,9 @@ from typing import Literal
 from pagemem.sched.network import COLLECTIVES
 
 Operation = Literal["move_to_gpu", "move_to_cpu", "all_gather", "compute", "offload", "release",
-                    "reduce_scatter", "update"]
+                    "reduce_scatter", "update", "all_reduce"]
 OPERATIONS: tuple[str, ...] = ("move_to_gpu", "move_to_cpu", "all_gather", "compute", "offload",
-                               "release", "reduce_scatter", "update")
+                               "release", "reduce_scatter", "update", "all_reduce")
 TargetKind = Literal["param", "grad", "fullgrad", "optim", "layer"]
 TIERS: tuple[str, ...] = ("gpu", "cpu", "nvme")
 TRANSFERS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write", "network")
@@ -198,6 +217,8 @@ is ``pagemem.sched.network``'s: not linear in the bytes), Adam elements, bytes o
 moved layer the executor handles."""
 MASTER_BYTES_PER_ELEMENT = 4
 """The fp32 master weights the ``optim`` holding keeps per parameter element."""
+GRAD_SUM_BYTES_PER_ELEMENT = 4
+"""The fp32 gradient sums an ``all_reduce`` averages, per parameter element."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +400,11 @@ EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
            stream="cpu", stream_on=(("gpu", "compute"),),
            cost=(("adam", "shard"), ("memory", "refresh"), Term("nvme_write", "param", _NVME)),
            host=Term("nvme_host", "param", _NVME)),
+    Effect("all_reduce", "grad", ("gpu", "cpu"), reads=(Hold("grad", "T"),), writes=(Hold("grad", "T"),),
+           when="R>1", after_grads=True, stream="network", cost=(("all_reduce", "sums"),)),
+    Effect("all_gather", "optim", ("gpu", "cpu"), reads=(Hold("optim", "T", paged=False),),
+           writes=(Hold("param", "home"),), when="R>1", after_grads=True, stream="network",
+           cost=(("all_gather", "master"),)),
     Effect("release", "param", ("gpu", "cpu"), frees=(Hold("param", "T"), Hold("gathered", "gpu", when="W>1 T=gpu")),
            issued="end", executor=Term("window", "window", "T=gpu")),
     Effect("release", "fullgrad", ("gpu",), frees=(Hold("fullgrad", "gpu", paged=False),), issued="end",

@@ -144,7 +144,10 @@ class _Replay:
                         self.used[k.tier] += self.setting.held_pages(k)
             self.changes[L] += 1
         for k in fx.writes:
-            if k.tier == self.setting.home(k.name, k.layer):
+            home = self.setting.home(k.name, k.layer)
+            if home is None:  # a holding with no home copy (gradients): nothing to write back
+                continue
+            if k.tier == home:
                 self.dirty.discard((k.name, k.layer))
             else:
                 self.dirty.add((k.name, k.layer))

@@ -58,8 +58,10 @@ the temporary directory and the two moments' files, sized from every rank's coun
 (one all-reduce), and each rank writes, verifies and fsyncs its pages into them from its own
 first page on (``write_share``), then tells rank 0 where each parameter's share lies. The
 manifest's ``ranks.layout`` is ``"sharded"``, and a moment's place is a list of pieces, each
-with the element it starts at, that follow one another over the whole parameter; the
-other files are rank 0's, as with replicas (the master weights are whole on every rank). A
+with the element it starts at, that follow one another over the whole parameter. The master
+weights are written the same way (``SHARE_KINDS``): each rank its share where they are sharded
+([Note: sharded master weights]), rank 0 those every rank holds whole, as one piece; the other
+files are rank 0's, as with replicas. A
 load reads the pieces back into the whole moment and each loading rank keeps its own share of
 it (``ParamBank.set_state``), so a checkpoint saved with N ranks loads with any M, one process
 included, and one saved by one process loads sharded. Why not ``torch.distributed.checkpoint``:
@@ -126,12 +128,13 @@ class Checkpointed:
 
 # ---------------------------------------------------------------------------------------- save
 
-def _write_pages(engine: Checkpointed, kind: str, path: str, base: int | None = None
-                 ) -> tuple[list[dict | None], list[int]]:
+def _write_pages(engine: Checkpointed, kind: str, path: str, base: int | None = None,
+                 only: Callable[[int], bool] | None = None) -> tuple[list[dict | None], list[int]]:
     """Write every page holding a ``kind`` tensor into ``path``, each verified; return where each
     tensor lies (page positions in the file, offset, bytes) and each page's checksum. ``base``:
-    into the existing file ``path``, from its page ``base`` on (a rank's share of sharded moments:
-    [Note: sharded checkpoints]); else a new file of these pages alone."""
+    into the existing file ``path``, from its page ``base`` on (a rank's share of sharded states:
+    [Note: sharded checkpoints]); else a new file of these pages alone. ``only``: the parameters
+    whose tensors to write (default: all)."""
     store, bank = engine.store, engine.bank
     pb = store.page_bytes
     order: dict[int, int] = {}
@@ -139,7 +142,7 @@ def _write_pages(engine: Checkpointed, kind: str, path: str, base: int | None = 
     for i in range(len(bank.params)):
         layer, k = bank.where(i)
         t = getattr(layer, kind)[k]
-        if t is None:  # a frozen parameter's states (see [Note: frozen parameters])
+        if t is None or (only is not None and not only(i)):  # a frozen parameter's states (see [Note: frozen parameters])
             tensors.append(None)
             continue
         extents = t.extents()
@@ -164,14 +167,27 @@ def _write_pages(engine: Checkpointed, kind: str, path: str, base: int | None = 
 
 # ---------------------------------------------------------------- sharded moments, rank by rank
 
+SHARE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""The states each rank writes its share of in a sharded checkpoint ([Note: sharded checkpoints])."""
+
+
+def _in_share(engine: Checkpointed, kind: str) -> Callable[[int], bool]:
+    """Which parameters' ``kind`` tensors this rank writes in a sharded checkpoint: its shares,
+    and on rank 0 the master weights every rank holds whole."""
+    bank = engine.bank
+    return lambda i: bank.is_sharded(i, kind) or engine.rank == 0
+
+
 def share_pages(engine: Checkpointed, kind: str) -> int:
-    """Pages this rank's share of the sharded moment ``kind`` takes in a checkpoint ([Note:
+    """Pages this rank's share of the sharded state ``kind`` takes in a checkpoint ([Note:
     sharded checkpoints])."""
     pages = set()
-    for layer in engine.bank.layers:
-        for t in getattr(layer, kind):
-            if t is not None:
-                pages.update(p for p, _, _ in t.extents())
+    mine = _in_share(engine, kind)
+    for i in range(len(engine.bank.params)):
+        layer, k = engine.bank.where(i)
+        t = getattr(layer, kind)[k]
+        if t is not None and mine(i):
+            pages.update(p for p, _, _ in t.extents())
     return len(pages)
 
 
@@ -192,8 +208,10 @@ def write_share(engine: Checkpointed, tmp: str, kind: str, base: int) -> tuple[l
     """This rank's share of the sharded moment ``kind`` into its file in ``tmp`` from page
     ``base`` on, verified and fsynced: where each parameter's share lies (with ``start``, its
     first element) and the pages' checksums."""
-    places, digests = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"), base)
-    return [None if w is None else {**w, "start": engine.bank.owned(i)[0]} for i, w in enumerate(places)], digests
+    bank = engine.bank
+    places, digests = _write_pages(engine, kind, os.path.join(tmp, f"{kind}.pages"), base, _in_share(engine, kind))
+    return [None if w is None else {**w, "start": bank.owned(i)[0] if bank.is_sharded(i, kind) else 0}
+            for i, w in enumerate(places)], digests
 
 
 def merge_shares(parts: list[tuple[list[dict | None], list[int]]]) -> tuple[list[dict | None], list[int]]:

@@ -169,7 +169,7 @@ def validate(m: dict[str, Any]) -> None:
                 continue
             _need(kind in ("compute", "master") or not frozen, f"tensors.{kind}[{i}]", "null (a frozen parameter)",
                   where)
-            if sharded and kind in MOMENTS:
+            if sharded and (kind in MOMENTS or kind == "master" and "pieces" in where):
                 _pieces(where, f"tensors.{kind}[{i}]", pb, pages, sizes[i] * itemsize)
             else:
                 _extent(where, f"tensors.{kind}[{i}]", pb, pages, sizes[i] * itemsize)

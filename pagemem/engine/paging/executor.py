@@ -46,6 +46,7 @@ from typing import Any
 
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.residency import Residency
+from pagemem.engine.units.shards import unit_gather_elements
 from pagemem.errors import OutOfMemory
 from pagemem.sched import Layout, Plan
 from pagemem.sched.tasks import EFFECTS
@@ -80,6 +81,11 @@ HANDLERS: dict[tuple[str, str], Handler] = {
     ("release", "grad"): Handler(None, "the gradient hand-off", "autograd's own gradient is dropped when the hook "
                                  "returns; the sums are the update's"),
     ("update", "layer"): Handler(None, "the updater", "in step(), or during backward where that is exact"),
+    ("all_reduce", "grad"): Handler(None, "the gradient averaging", "at the end of the backward that completes an "
+                                    "accumulation step, every unit's sums at once ([Note: data parallel over the "
+                                    "process group])"),
+    ("all_gather", "optim"): Handler(None, "the updater", "after step() updated this rank's share, every unit's at "
+                                     "once (ranks/gather.py)"),
     ("offload", "optim"): Handler(None, "the updater", "the write-back to nvme after the update, behind the next "
                                   "iteration"),
     ("release", "optim"): Handler(None, "the updater", "the write-back moves the states home, which drops the cpu "
@@ -155,7 +161,7 @@ class Schedule:
                    tuple(op.non_model_bytes for op in trace.ops), cached, plan, trace, cached)
 
 
-def unit_layout(trace: Trace, bank: ParamBank, page_bytes: int) -> Layout:
+def unit_layout(trace: Trace, bank: ParamBank, page_bytes: int, world_size: int = 1) -> Layout:
     """The pages of every trace layer as the engine lays out its unit (computed once, here, from
     the store's layout, and handed to the planner: ``plan(layout=)``): the compute pages it moves,
     the gpu pages its optimizer states and gradient sums take where a plan caches it
@@ -167,7 +173,25 @@ def unit_layout(trace: Trace, bank: ParamBank, page_bytes: int) -> Layout:
     layers = tuple(dataclasses.replace(lay, param_pages=bank.compute_pages(u := to_unit[lay.index]),
                                        cached_pages=bank.gpu_state_pages(u), stream_pages=bank.stream_pages(u))
                    for lay in base.layers)
-    return Layout(page_bytes, 1, layers)
+    if world_size == 1:
+        return Layout(page_bytes, 1, layers)
+    # several ranks ([Note: data parallel over the process group]): every rank holds the whole
+    # compute copy and gradient sums, averages the sums (all_reduce) and, with the states
+    # sharded, updates its share and all-gathers it ([Note: sharded moments]): the plan's
+    # "states" rows, with what this rank updates and sends per unit
+    gather = (unit_gather_elements([list(layer.params) for layer in bank.layers], bank.every_share())
+              if bank.shards is not None else None)
+    sharded = []
+    for lay in layers:
+        u = to_unit[lay.index]
+        trained = [i for i in bank.layers[u].params if bank.is_trainable(i)]
+        numel = {i: bank.params[i][1].numel() for i in trained}
+        owned = {i: bank.owned_numel(i) for i in trained}
+        optim = sum(4 * (owned[i] if bank.master_sharded(i) else numel[i]) + 8 * owned[i] for i in trained)
+        sharded.append(dataclasses.replace(
+            lay, shard_elements=sum(owned.values()), elements=sum(numel.values()), optim_bytes=optim,
+            optim_pages=-(-optim // page_bytes), gather_elements=gather[u] if gather is not None else 0))
+    return Layout(page_bytes, world_size, tuple(sharded), "states")
 
 
 def units_of_layers(trace: Trace, bank: ParamBank) -> dict[int, int]:

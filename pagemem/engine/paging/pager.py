@@ -100,10 +100,13 @@ class SignatureRecord:
 class Pager:
     def __init__(self, model: nn.Module, bank: ParamBank, clock: OpClock, optimizer_tier: str,
                  executor: str, guard: Guard | None = None,
-                 wait_for_updates: Callable[[Iterable[int]], None] | None = None) -> None:
+                 wait_for_updates: Callable[[Iterable[int]], None] | None = None, world_size: int = 1) -> None:
         """``wait_for_updates(params)``: updates of ``params`` running behind backward have
-        landed once it returns (see ``Residency``)."""
+        landed once it returns (see ``Residency``). ``world_size``: the data-parallel ranks its
+        plans are for (the plan's ``states`` sharding: [Note: data parallel over the process
+        group])."""
         self.model = model
+        self.world_size = world_size
         self.bank = bank
         self.clock = clock
         self.scopes = Scopes(bank.layers)
@@ -246,8 +249,10 @@ class Pager:
         budgets = {"gpu": gpu, "cpu": s.tier("cpu").capacity * pb, "nvme": s.tier("nvme").capacity * pb}
         try:  # the non-model peak reserved at every op (see the Note)
             # the pages are counted once, by the engine, from its units (see executor.unit_layout)
-            p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=1, optimizer_tier=self.plan_tier,
-                     page_bytes=pb, layout=unit_layout(trace, self.bank, pb), home_tier=self.bank.home_tier)
+            W = self.world_size
+            p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=W, optimizer_tier=self.plan_tier,
+                     page_bytes=pb, layout=unit_layout(trace, self.bank, pb, W), home_tier=self.bank.home_tier,
+                     sharding="states" if W > 1 else "params")
             schedule = Schedule.compile(p, trace, self.bank)
         except InfeasiblePlan as exc:
             self.plan_note = str(exc)

@@ -2,13 +2,15 @@
 sharded moments] in ``units/shards.py``).
 
 Every rank knows every rank's share (``shard_states`` is a function of the model and the page
-size), so the ranks need exchange nothing but the values: each rank's share of the updated
-parameters, in parameter order, is one sequence of elements; the ``k``-th batch holds elements
-``[k E, (k + 1) E)`` of every rank's sequence (``E``: ``BATCH_BYTES`` of fp32), zero-padded to
-one size where a rank's sequence is shorter (the shares are even to a page per unit, so there
-is little padding), two batches in flight. What arrives from the other ranks is written into
-the master weights and, cast, into every copy of the compute copy, as the owner's own update
-wrote its share."""
+size), so the ranks need exchange nothing but the values: the updated parameters' shares are
+laid out unit by unit in one sequence (``placed``), each unit's slot as long as the largest
+rank's share of it, each rank's runs of the unit from the slot's start and zeros after (the
+shares are even to a page per unit, so there is little padding; per unit, so that the plan's
+``all_gather optim`` of each layer counts what is sent: ``unit_gather_elements``); the ``k``-th
+batch holds elements ``[k E, (k + 1) E)`` of the sequence (``E``: ``BATCH_BYTES`` of fp32), two
+batches in flight. What arrives from the other ranks is written into every copy of the compute
+copy, cast, and into the master weights where this rank holds them whole, as the owner's own
+update wrote its share."""
 
 from __future__ import annotations
 
@@ -16,34 +18,51 @@ import torch
 
 from pagemem.engine.ranks.collectives import BATCH_BYTES, Collectives, Pending
 from pagemem.engine.units.bank import ParamBank
-from pagemem.engine.units.shards import StateShards, shard_states
 
 Segment = tuple[int, int, int]
 """(parameter, first element, end element): a run of one rank's share."""
 
 
-def every_share(bank: ParamBank) -> list[StateShards]:
-    """Every rank's share, in rank order (this rank's is ``bank.shards``)."""
-    mine = bank.shards
-    assert mine is not None
-    units = [list(layer.params) for layer in bank.layers]
-    numels = [p.numel() for _, p in bank.params]
-    return [mine if r == mine.rank else shard_states(units, numels, [True] * len(numels), bank.store.page_bytes, r,
-                                                      mine.world_size)
-            for r in range(mine.world_size)]
+Placed = tuple[int, int, int, int]
+"""(parameter, first element, end element, position): a run of one rank's share and where it
+lies in the gathered sequence."""
 
 
-def _window(seq: list[Segment], lo: int, hi: int) -> list[tuple[Segment, int]]:
-    """The parts of a share's sequence ``seq`` at its elements ``[lo, hi)``, each with where it
-    starts in the window."""
-    out, at = [], 0
-    for i, a, b in seq:
-        n = b - a
-        s, e = max(lo, at), min(hi, at + n)
+def placed(bank: ParamBank, params: list[int]) -> tuple[list[list[Placed]], int]:
+    """Every rank's runs of ``params`` placed in the sequence the gather sends, and its length:
+    unit by unit, each unit's slot as long as the largest rank's share of it (``shards.
+    unit_gather_elements``, what the plan counts), each rank's runs back to back from the slot's
+    start, the rest zero padding."""
+    shares = bank.every_share()
+    wanted = set(params)
+    out: list[list[Placed]] = [[] for _ in shares]
+    at = 0
+    for layer in bank.layers:
+        idx = [i for i in layer.params if i in wanted]
+        if not idx:
+            continue
+        slot = 0
+        for r, share in enumerate(shares):
+            pos = at
+            for i in idx:
+                a, b = share.ranges[i]
+                if b > a:
+                    out[r].append((i, a, b, pos))
+                    pos += b - a
+            slot = max(slot, pos - at)
+        at += slot
+    return out, at
+
+
+def _window(seq: list[Placed], lo: int, hi: int) -> list[tuple[Segment, int]]:
+    """The parts of a rank's placed runs at positions ``[lo, hi)`` of the sequence, each with
+    where it starts in the window."""
+    out = []
+    for i, a, b, pos in seq:
+        s, e = max(lo, pos), min(hi, pos + b - a)
         if s < e:
-            out.append(((i, a + s - at, a + e - at), s - lo))
-        at += n
-        if at >= hi:
+            out.append(((i, a + s - pos, a + e - pos), s - lo))
+        if pos >= hi:
             break
     return out
 
@@ -54,7 +73,7 @@ class MasterGather:
     def __init__(self, bank: ParamBank, coll: Collectives) -> None:
         self.bank = bank
         self.coll = coll
-        self.shares = every_share(bank)
+        self.shares = bank.every_share()
         self.gathered_bytes = 0
         """fp32 bytes of master weights this rank received so far."""
 
@@ -63,8 +82,7 @@ class MasterGather:
         step updated, which the averaged gradients make the same everywhere)."""
         bank, coll = self.bank, self.coll
         world, me = coll.ranks.world_size, coll.ranks.rank
-        seqs = [[(i, *share.ranges[i]) for i in params if share.owned(i)] for share in self.shares]
-        longest = max(sum(b - a for _, a, b in seq) for seq in seqs)
+        seqs, longest = placed(bank, params)
         if not longest:
             return
         elems = BATCH_BYTES // 4
@@ -73,12 +91,18 @@ class MasterGather:
         cache: dict[int, torch.Tensor] = {}
 
         def master_of(i: int) -> torch.Tensor:
+            """Parameter ``i``'s master weights, flat, numbered as the parameter's elements from
+            this rank's first on where the rank holds its share only ([Note: sharded master
+            weights]), else from 0."""
             if i not in cache:
                 cache.clear()
                 view = bank.lasting_view("master", i)
                 layer, k = bank.where(i)
                 cache[i] = view if view is not None else layer.master[k].to_torch().reshape(-1)
             return cache[i]
+
+        def first(i: int) -> int:
+            return bank.owned(i)[0] if bank.master_sharded(i) else 0
 
         pending: list[tuple[int, list[torch.Tensor], Pending] | None] = [None, None]
 
@@ -103,7 +127,7 @@ class MasterGather:
                 size = min(elems, longest - k * elems)  # the same on every rank
                 mine = torch.zeros(size, dtype=torch.float32)
                 for (i, a, b), at in _window(seqs[me], k * elems, (k + 1) * elems):
-                    mine[at:at + b - a].copy_(master_of(i)[a:b])
+                    mine[at:at + b - a].copy_(master_of(i)[a - first(i):b - first(i)])
                 mine = mine.to(dev)
                 outs = [torch.empty(size, dtype=torch.float32, device=dev) for _ in range(world)]
                 pending[slot] = (k, outs, coll.all_gather(outs, mine, "gathering the updated master weights"))
@@ -117,24 +141,37 @@ class MasterGather:
         """The whole Adam moments of ``params`` (each rank's share gathered, one parameter at a
         time): ``optimizer.state_dict()`` with sharded moments, a collective every rank calls
         with the same parameters (as FSDP's full optimizer state dict is)."""
+        return self.whole_states(params, ("exp_avg", "exp_avg_sq"), "reading the optimizer state")
+
+    def whole_masters(self, params: list[int]) -> dict[int, torch.Tensor]:
+        """The whole fp32 master weights of ``params``, whose master this rank holds a share of
+        only ([Note: sharded master weights]): ``engine.state_dict()`` of a model that computes in
+        bf16 or fp16, a collective every rank calls with the same parameters."""
+        got = self.whole_states(params, ("master",), "reading the weights")
+        return {i: v["master"] for i, v in got.items()}
+
+    def whole_states(self, params: list[int], kinds: tuple[str, ...], what: str) -> dict[int, dict[str, torch.Tensor]]:
+        """Each of ``params``' sharded ``kinds`` whole, every rank's share gathered, one
+        parameter at a time (what: the operation, in the header every rank checks first)."""
         bank, coll = self.bank, self.coll
-        coll.begin("reading the optimizer state", [len(params)])
+        coll.begin(what, [len(params)])
         dev, out = coll.ranks.device, {}
+        n = len(kinds)
         for i in params:
             ranges = [share.ranges[i] for share in self.shares]
             most = max(b - a for a, b in ranges)
-            mine = torch.zeros(2 * most, dtype=torch.float32)
+            mine = torch.zeros(n * most, dtype=torch.float32)
             a, b = bank.owned(i)
             if b > a:
-                mine[:b - a].copy_(bank.host_state(i, "exp_avg"))
-                mine[most:most + b - a].copy_(bank.host_state(i, "exp_avg_sq"))
-            outs = [torch.empty(2 * most, dtype=torch.float32, device=dev) for _ in ranges]
-            coll.wait(coll.all_gather(outs, mine.to(dev), "gathering the optimizer state"))
+                for j, kind in enumerate(kinds):
+                    mine[j * most:j * most + b - a].copy_(bank.host_state(i, kind))
+            outs = [torch.empty(n * most, dtype=torch.float32, device=dev) for _ in ranges]
+            coll.wait(coll.all_gather(outs, mine.to(dev), what))
             shape = bank.params[i][1].shape
-            whole = {kind: torch.empty(shape.numel(), dtype=torch.float32) for kind in ("exp_avg", "exp_avg_sq")}
+            whole = {kind: torch.empty(shape.numel(), dtype=torch.float32) for kind in kinds}
             for (a, b), got in zip(ranges, outs):
                 got = got.cpu()
-                whole["exp_avg"][a:b].copy_(got[:b - a])
-                whole["exp_avg_sq"][a:b].copy_(got[most:most + b - a])
+                for j, kind in enumerate(kinds):
+                    whole[kind][a:b].copy_(got[j * most:j * most + b - a])
             out[i] = {kind: v.reshape(shape) for kind, v in whole.items()}
         return out

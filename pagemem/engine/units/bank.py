@@ -38,10 +38,11 @@ from pagemem.engine.units.records import (ParamRecord, compute_dtype_of, compute
 from pagemem.engine.units.state_moves import StatesMoved
 from pagemem.engine.units.unit import Unit
 from pagemem.engine.units.values import FromModule, ValueSource, check_source, materialize_meta
-from pagemem.engine.units.shards import StateShards, shard_states
+from pagemem.engine.units.shards import StateShards, master_shardable, shard_states
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-"""The states sharded over ranks ([Note: sharded moments] in ``units/shards.py``)."""
+"""The states sharded over ranks ([Note: sharded moments] in ``units/shards.py``); the master
+weights too where ``ParamBank.master_sharded`` says so ([Note: sharded master weights])."""
 
 
 
@@ -113,6 +114,12 @@ class ParamBank(StatesMoved):
             [idx for _, idx in layer_specs], [p.numel() for _, p in self.params], [True] * len(self.params),
             store.page_bytes, *ranks)
         """Which elements of each parameter's moments this rank holds (None: all of them)."""
+        self._every_share: list[StateShards] | None = None
+        self._master_sharded: tuple[bool, ...] = tuple(
+            self.shards is not None and ok
+            for ok in master_shardable(dtypes, [p.dtype for _, p in self.params], self.compute_is_master))
+        """Per parameter: whether this rank holds only its share of the master weights ([Note:
+        sharded master weights] in ``units/shards.py``)."""
         self.layers: list[Unit] = []
         """Every paging unit, in unit order ([Note: the unit owns its state])."""
         layer_of, position = [0] * len(self.params), [0] * len(self.params)
@@ -133,7 +140,7 @@ class ParamBank(StatesMoved):
             every = kind == "compute" or (kind == "master" and self.compute_is_master)
             chained = kind == "grad" or (kind != "compute" and not states_apart)
             for _name, idx in layer_specs:
-                members = [i for i in idx if (every or trainable[i]) and (kind not in MOMENTS or self.owned_numel(i))]
+                members = [i for i in idx if (every or trainable[i]) and (not self.is_sharded(i, kind) or self.owned_numel(i))]
                 group = store.allocate_group([(self.state_shape(i, kind), dtype or dtypes[i]) for i in members],
                                              tier=tier, after=tail if chained else None) if members else []
                 tail = group[-1] if group else tail
@@ -168,7 +175,7 @@ class ParamBank(StatesMoved):
         """Parameter ``i``'s first value: into its master and compute copies, with zero moments."""
         layer, k = self.where(i)
         if layer.master[k] is not None:
-            layer.master[k].copy_(value.float())
+            layer.master[k].copy_(self._mine(i, "master", value.float()).reshape(layer.master[k].shape))
         if not self.compute_is_master:
             layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
         for t in (layer.exp_avg[k], layer.exp_avg_sq[k]):
@@ -186,7 +193,7 @@ class ParamBank(StatesMoved):
         kinds = [("exp_avg", tier), ("exp_avg_sq", tier), ("grad", grad_tier_beside(tier, self.home_tier))]
         if not self.compute_is_master:
             kinds.insert(0, ("master", tier))
-        kinds = [(kind, t) for kind, t in kinds if kind not in MOMENTS or self.owned_numel(i)]
+        kinds = [(kind, t) for kind, t in kinds if not self.is_sharded(i, kind) or self.owned_numel(i)]
         made: dict[str, PagedTensor] = {}
         try:
             for kind, t in kinds:
@@ -197,7 +204,7 @@ class ParamBank(StatesMoved):
             raise
         value = layer.compute[k].to_torch().float()
         for kind, t in made.items():
-            t.copy_(value if kind == "master" else torch.zeros(t.shape))
+            t.copy_(self._mine(i, kind, value).reshape(t.shape) if kind == "master" else torch.zeros(t.shape))
             getattr(layer, kind)[k] = t
         self._lasting = {key: v for key, v in self._lasting.items() if key[1] != i}
         self.records[i].trainable = True
@@ -257,23 +264,62 @@ class ParamBank(StatesMoved):
         self.records[i].steps = steps
 
     def host_value(self, i: int, dtype: torch.dtype) -> torch.Tensor:
-        """Parameter ``i``'s current value on the host: its fp32 master weights cast to ``dtype``."""
+        """Parameter ``i``'s current value on the host: its fp32 master weights cast to ``dtype``.
+        Where this rank holds a share of the master only ([Note: sharded master weights]) the
+        compute copy gives it, which is the master cast for ``dtype`` the parameter's own
+        (``master_whole_here`` says when a caller must gather the fp32 master instead)."""
         layer, k = self.where(i)
-        t = layer.master[k] if layer.master[k] is not None else layer.compute[k]
+        t = layer.master[k] if layer.master[k] is not None and not self.master_sharded(i) else layer.compute[k]
         return t.to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
+
+    def master_sharded(self, i: int) -> bool:
+        """Whether this rank holds only its share (``owned``) of parameter ``i``'s master weights
+        ([Note: sharded master weights])."""
+        return self._master_sharded[i]
+
+    def is_sharded(self, i: int, kind: str) -> bool:
+        """Whether parameter ``i``'s ``kind`` state holds this rank's share only (flat, ``owned``)."""
+        return (kind in MOMENTS and self.shards is not None) or (kind == "master" and self._master_sharded[i])
+
+    def master_whole_here(self, i: int) -> bool:
+        """Whether ``host_value(i, torch.float32)`` is parameter ``i``'s fp32 master weights: the
+        master is whole here, or the compute copy is fp32 (it holds the master's bits)."""
+        return not self._master_sharded[i] or self.compute_dtype_of(i) == torch.float32
+
+    def _mine(self, i: int, kind: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (parameter ``i``'s whole ``kind`` state), or this rank's elements of it flat
+        where the rank holds a share only."""
+        if not self.is_sharded(i, kind):
+            return value
+        a, b = self.owned(i)
+        return value.reshape(-1)[a:b]
 
     def host_state(self, i: int, kind: str) -> torch.Tensor:
         """Parameter ``i``'s ``kind`` state (``exp_avg``, ``exp_avg_sq``, ``master``) on the host;
-        with sharded moments, this rank's elements of a moment only, flat (``owned`` says which)."""
+        with sharded moments (and master weights: ``master_sharded``), this rank's elements of it
+        only, flat (``owned`` says which)."""
         layer, k = self.where(i)
         t = getattr(layer, kind)[k]
         if t is None:
-            if kind in MOMENTS and self.is_trainable(i):
+            if kind in MOMENTS and self.is_trainable(i) or kind == "master" and self.master_sharded(i):
                 return torch.zeros(0)
             raise InvalidRequest(f"parameter {self.params[i][0]!r} has no {kind} (it is frozen)")
         return t.to_torch().cpu().reshape(self.state_shape(i, kind))
 
     # ------------------------------------------------------------------ sharded moments
+
+    def every_share(self) -> list[StateShards]:
+        """Every rank's share, in rank order (this rank's is ``shards``; every rank computes the
+        same: ``shard_states`` is a function of the model and the page size)."""
+        mine = self.shards
+        assert mine is not None, "the states are not sharded"
+        if self._every_share is None:
+            units = [list(layer.params) for layer in self.layers]
+            numels = [p.numel() for _, p in self.params]
+            self._every_share = [mine if r == mine.rank else shard_states(
+                units, numels, [True] * len(numels), self.store.page_bytes, r, mine.world_size)
+                for r in range(mine.world_size)]
+        return self._every_share
 
     def owned(self, i: int) -> tuple[int, int]:
         """The elements ``[a, b)`` of parameter ``i``'s moments this rank holds and updates
@@ -285,8 +331,8 @@ class ParamBank(StatesMoved):
         return b - a
 
     def state_shape(self, i: int, kind: str) -> torch.Size:
-        """The shape of parameter ``i``'s ``kind`` pages: its own, or flat for a sharded moment."""
-        if kind in MOMENTS and self.shards is not None:
+        """The shape of parameter ``i``'s ``kind`` pages: its own, or flat for a sharded state."""
+        if self.is_sharded(i, kind):
             return torch.Size([self.owned_numel(i)])
         return self.params[i][1].shape
 
@@ -302,18 +348,14 @@ class ParamBank(StatesMoved):
         layer, k = self.where(i)
         if kind == "compute":
             if layer.master[k] is not None:
-                layer.master[k].copy_(value.float())
+                layer.master[k].copy_(self._mine(i, "master", value.float()).reshape(layer.master[k].shape))
             if not self.compute_is_master:
                 layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
             return
         t = getattr(layer, kind)[k]
-        if kind in MOMENTS and self.shards is not None:  # this rank's elements of the whole value
-            a, b = self.owned(i)
-            value = value.reshape(-1)[a:b]
-        if t is None:
-            return
-        t.copy_(value.reshape(t.shape))
-        if kind == "master":
+        if t is not None:
+            t.copy_(self._mine(i, kind, value).reshape(t.shape))  # this rank's elements of a sharded state
+        if kind == "master" and (t is not None or self.master_sharded(i) and self.is_trainable(i)):
             self.refresh_compute(i, value)
 
     def write_parameter(self, i: int, value: torch.Tensor) -> None:
@@ -342,11 +384,14 @@ class ParamBank(StatesMoved):
     def write_master_ranges(self, ranges: list[tuple[int, torch.Tensor, int]]) -> None:
         """Each ``(i, value, start)``: parameter ``i``'s master weights from flat element ``start``
         on take ``value`` (another rank's update of its share: [Note: sharded moments]), and
-        every copy of its compute copy, cast; all in one store operation."""
+        every copy of its compute copy, cast; all in one store operation. A master this rank
+        holds a share of only (``master_sharded``) keeps its own elements: the compute copy
+        alone takes another rank's."""
         items: list[tuple] = []
         for i, value, start in ranges:
             layer, k = self.where(i)
-            items.append((layer.master[k], value, start))
+            if not self.master_sharded(i):
+                items.append((layer.master[k], value, start))
             if not self.compute_is_master:
                 items.append((layer.compute[k], value.to(self.compute_dtype_of(i)), start))
         if items:

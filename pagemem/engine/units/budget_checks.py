@@ -33,7 +33,7 @@ from pagemem.engine.units.records import compute_dtype_of, compute_is_master, ow
 from pagemem.errors import OutOfMemory
 from pagemem.sched import InfeasiblePlan
 from pagemem.store.layout import pack
-from pagemem.engine.units.shards import moment_pages
+from pagemem.engine.units.shards import master_shardable, moment_pages, state_pages
 from pagemem.units import format_bytes
 
 _MOST_ROUNDS = 64
@@ -82,7 +82,11 @@ def _need(model: nn.Module, config: EngineConfig, cap: int, ranks: tuple[int, in
         trained = [b for b, i in zip(fp32, order) if params[i][1].requires_grad]
         moments = moment_pages([idx for _, idx in units], [p.numel() for _, p in params],
                                [p.requires_grad for _, p in params], pb, ranks)
-        static = pack(fp32 if master_is_compute else trained, pb).pages + 2 * moments + pack(trained, pb).pages
+        dtypes = [compute_dtype_of(config.compute_dtype, p.dtype) for _, p in params]
+        masters = pack(fp32, pb).pages if master_is_compute else state_pages(
+            [idx for _, idx in units], [p.numel() for _, p in params], [p.requires_grad for _, p in params], pb,
+            ranks, master_shardable(dtypes, [p.dtype for _, p in params], master_is_compute))
+        static = masters + 2 * moments + pack(trained, pb).pages
     return static, largest, name
 
 

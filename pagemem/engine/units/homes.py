@@ -37,7 +37,7 @@ from pagemem.engine.units.records import (compute_dtype_of, compute_is_master, o
                                           streamed_pages)
 from pagemem.errors import OutOfMemory
 from pagemem.store.layout import pack
-from pagemem.engine.units.shards import moment_pages
+from pagemem.engine.units.shards import master_shardable, moment_pages, state_pages
 from pagemem.units import format_bytes
 
 HOME_TIERS = ("auto", "cpu", "nvme")
@@ -80,7 +80,10 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int, ranks: tupl
     kinds = 2 if is_master else 3
     moments = moment_pages([idx for _, idx in units], [p.numel() for _, p in params],
                            [p.requires_grad for _, p in params], pb, ranks)
-    states = (0 if is_master else pack([fp32[i] for i in order], pb).pages) + 2 * moments
+    masters = 0 if is_master else state_pages(
+        [idx for _, idx in units], [p.numel() for _, p in params], [p.requires_grad for _, p in params], pb, ranks,
+        master_shardable(dtypes, [p.dtype for _, p in params], is_master))  # [Note: sharded master weights]
+    states = masters + 2 * moments
     grads = pack([fp32[i] for i in order], pb).pages
     best, name = 0, ""
     for i in trained:  # its states and gradient sums

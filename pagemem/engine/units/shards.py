@@ -20,8 +20,24 @@ falling to the first. A parameter's share is where its bytes meet the rank's run
 ``[0, n)``. A cut falls on a page boundary, which lies a multiple of 256 bytes from a parameter's
 start: a multiple of 64 elements, where the fused AdamW kernel gives the bits one call over the
 whole tensor gives (``updates/state_pieces.py``), so the sharded update is bit for bit the
-replicated one. The master weights stay whole on every rank (sharding them too needs
-``host_value`` and ``state_dict`` to become collectives; not built yet).
+replicated one.
+
+[Note: sharded master weights]
+The fp32 master weights are sharded the same way (the same ranges: ``ParamBank.is_sharded``)
+wherever the compute copy, which every rank still keeps whole, carries the master's value to
+the parameter's own dtype: the parameter computes in its own dtype (fp32 throughout, or a bf16
+model computing in bf16), and the master is not the compute copy itself (fp32 states on the gpu).
+Then every read outside an update -- a parameter between steps, ``model.state_dict()``,
+``save_weights``, ``close()``, the replica checks -- is the compute copy, exact and local, and
+each rank keeps 4/W bytes of master per parameter instead of 4. After the update each rank casts
+its share into its compute copy and the gather (``ranks/gather.py``) sends those shares' fp32
+values, which the other ranks write into their compute copies only. Reading the fp32 master of a
+parameter that computes in bf16 or fp16 (``engine.state_dict()``: ``master_whole_here``) gathers
+it: a collective every rank calls (``MasterGather.whole_masters``). A fp32 model computing in
+bf16 (mixed precision) keeps its master whole on every rank: its parameters read between steps
+are the fp32 master, which no local copy holds (sharding it would make every such read a
+collective). Checkpoints write the master as they write the moments ([Note: sharded
+checkpoints]).
 """
 
 from __future__ import annotations
@@ -78,9 +94,35 @@ def moment_pages(units: list[list[int]], numels: list[int], trained: list[bool],
     """Pages one moment (``exp_avg`` or ``exp_avg_sq``) of the trained parameters takes on
     ``ranks[0]`` of ``ranks[1]`` ranks, chained as the bank allocates it (each trained parameter
     whole with one rank, its share flat with several): what the budget checks count."""
-    if ranks[1] == 1:
-        sizes = [FP32 * numels[i] for idx in units for i in idx if trained[i]]
-    else:
-        share = shard_states(units, numels, [True] * len(numels), page_bytes, *ranks)
-        sizes = [FP32 * share.owned(i) for idx in units for i in idx if trained[i] and share.owned(i)]
+    return state_pages(units, numels, trained, page_bytes, ranks, [True] * len(numels))
+
+
+def state_pages(units: list[list[int]], numels: list[int], trained: list[bool], page_bytes: int,
+                ranks: tuple[int, int], sharded: list[bool]) -> int:
+    """Pages one fp32 state of the trained parameters takes on ``ranks[0]`` of ``ranks[1]``
+    ranks, chained as the bank allocates it: parameter ``i`` whole, or (``sharded[i]``, with
+    several ranks) its share flat, none where the share is empty."""
+    share = shard_states(units, numels, [True] * len(numels), page_bytes, *ranks) if ranks[1] > 1 else None
+    sizes = []
+    for idx in units:
+        for i in idx:
+            if not trained[i]:
+                continue
+            n = share.owned(i) if share is not None and sharded[i] else numels[i]
+            if n or not (share is not None and sharded[i]):
+                sizes.append(FP32 * n)
     return pack(sizes, page_bytes).pages if sizes else 0
+
+
+def master_shardable(compute_dtypes: list, own_dtypes: list, compute_is_master: bool) -> list[bool]:
+    """Per parameter: whether its master weights may be sharded ([Note: sharded master
+    weights]): it computes in its own dtype, so the compute copy every rank keeps whole holds
+    the master cast to that dtype, and the master is not the compute copy itself."""
+    return [not compute_is_master and c == o for c, o in zip(compute_dtypes, own_dtypes)]
+
+
+def unit_gather_elements(units: list[list[int]], shares: list[StateShards]) -> list[int]:
+    """Per unit: the elements each rank contributes to the all-gather of the updated weights
+    (``ranks/gather.py``): the largest rank's share of the unit, which every rank pads its own to."""
+    return [max(sum(share.owned(i) for i in idx) for share in shares) for idx in units]
+

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagemem.engine.updates.adam import Chunk
-from pagemem.engine.units.bank import MOMENTS
 
 if TYPE_CHECKING:
     from pagemem.engine.units.bank import ParamBank
@@ -68,7 +67,7 @@ def lend(bank: "ParamBank", store: "PageStore", params: list[int],
     if bank.shards is not None:  # [Note: sharded moments]: this rank's elements of each
         for i, ps in pieces.items():
             a, b = bank.owned(i)
-            ps[:] = [_shifted(p, a) if kind in MOMENTS else _window(p, a, b) for kind, p in zip(kinds, ps)]
+            ps[:] = [_shifted(p, a) if bank.is_sharded(i, kind) else _window(p, a, b) for kind, p in zip(kinds, ps)]
     if not grads:  # the master's pieces stand in for the gradient's (the same cuts)
         pieces = {i: [p[0], p[0], p[1], p[2]] for i, p in pieces.items()}
     return [(i, aligned(*pieces[i])) for i in params], leases
