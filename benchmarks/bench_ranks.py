@@ -9,9 +9,12 @@ cpu, a gpu budget on the host stand-in that holds the model) for ``--steps`` ste
 step after the first two. Anchors, from the same run:
 
 - ``sim``: the simulator's iteration for the rank's own plan (the one its engine followed, on
-  the ``dev-vm`` profile) plus the all-reduce of its fp32 gradient sums on the profile's network
-  (``pagemem/sched/network.py``: the ring moves ``2 (W - 1) / W`` of the bytes). The simulator
-  models one GPU per rank: on this 2-core VM, W ranks share two cores, which it does not see;
+  the ``dev-vm`` profile), whose ``states`` rows hold the all-reduce of the fp32 gradient sums
+  and the all-gather of the updated share on the profile's network (``pagemem/sched/network.py``).
+  The simulator models one GPU per rank: on this 2-core VM, W ranks share two cores, which it
+  does not see;
+- ``plan``: the network bytes per rank per iteration of that plan (``Plan.bytes_moved``), which
+  the engine's count must equal but for its headers and flags;
 - ``ring bytes``: ``2 (W - 1) / W`` x the fp32 gradient bytes, what a ring all-reduce of the
   gradients must send per rank, plus, with sharded moments ([Note: sharded moments]), ``W - 1``
   x the largest rank's share of the fp32 master weights (the ring all-gather after the update);
@@ -77,6 +80,7 @@ with pagemem.Engine(model, config) as engine:
     stats = engine.stats()
     plan, trace = engine.pager.last_plan, engine.pager.last_trace
     sim = simulate(plan, trace, HardwareProfile.builtin("dev-vm")).iteration_time if plan is not None else None
+    plan_network = plan.bytes_moved()["network"] if plan is not None else None
 zero3 = None
 if world > 1 and trace is not None:
     from pagemem.sched import plan as make_plan
@@ -87,6 +91,7 @@ if world > 1 and trace is not None:
 print(json.dumps({"rank": rank, "seconds": seconds, "sent": sent, "sim_seconds": sim, "params": params,
                   "n_params": n_params, "wait_seconds": stats["ranks"]["collective_wait_seconds"],
                   "collectives": stats["ranks"]["collectives"], "zero3_network_bytes": zero3,
+                  "plan_network_bytes": plan_network,
                   "optimizer_state_bytes": stats["optimizer_state_bytes"], "moment_shares": stats["ranks"]["moment_shares"],
                   "step_seconds": stats["seconds"]["step"] / steps}))
 if world > 1:
@@ -161,12 +166,13 @@ def main() -> None:
             ring = 2 * (world - 1) * 4 * r0["params"] // world + (world - 1) * 4 * share
             comm_s = collective_seconds(hw, "all_reduce", 4 * r0["params"], world) + (
                 collective_seconds(hw, "all_gather", 4 * share, world) if shard else 0.0)
-            sim_s = r0["sim_seconds"] + comm_s if r0["sim_seconds"] is not None else None
+            sim_s = r0["sim_seconds"]  # the plan's collectives are in it (the "states" rows)
             sim_tps = tokens / sim_s if sim_s else None
             mean_tps = statistics.mean(r["tokens_per_s"] for r in ranks)
             row = {"world_size": world, "sharded": shard, "ranks": ranks, "per_rank_tokens_per_s": mean_tps,
                    "sim_tokens_per_s": sim_tps, "sim_iteration_s": sim_s, "sim_collectives_s": comm_s,
                    "ring_bytes_per_iteration": ring, "sent_bytes_per_iteration": r0["sent_per_iteration"],
+                   "plan_network_bytes": r0["plan_network_bytes"],
                    "zero3_plan_network_bytes": r0["zero3_network_bytes"],
                    "optimizer_state_bytes_per_rank": r0["optimizer_state_bytes"],
                    "step_seconds_per_rank": statistics.mean(r["step_seconds"] for r in ranks)}
@@ -177,11 +183,14 @@ def main() -> None:
                          f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else "on demand",
                          f"{mean_tps * world:.0f}", f"{row['optimizer_state_bytes_per_rank'] / mib:.2f}",
                          f"{row['step_seconds_per_rank'] * 1e3:.0f}",
-                         f"{row['sent_bytes_per_iteration'] / mib:.2f}", f"{ring / mib:.2f}",
+                         f"{row['sent_bytes_per_iteration'] / mib:.2f}",
+                         f"{r0['plan_network_bytes'] / mib:.2f}" if r0["plan_network_bytes"] is not None else "-",
+                         f"{ring / mib:.2f}",
                          f"{z3 / mib:.2f}" if isinstance(z3, int) else "-",
                          f"{statistics.mean(r['wait_seconds'] for r in ranks) / args.steps * 1e3:.1f}"])
     print(table(["ranks", "sharded", "tokens/s per rank", "sim tokens/s (measured/sim)", "tokens/s all ranks",
-                 "optimizer states MiB/rank", "step() ms", "sent MiB/iter", "ring MiB/iter", "zero-3 plan MiB/iter",
+                 "optimizer states MiB/rank", "step() ms", "sent MiB/iter", "plan MiB/iter", "ring MiB/iter",
+                 "zero-3 plan MiB/iter",
                  "collective wait ms/iter"], rows,
                 title=f"GPT h{HIDDEN} x{LAYERS} layers, vocab {VOCAB}, {BATCH}x{SEQ} tokens per rank per step, gloo "
                       f"on loopback, {os.cpu_count()} cores, {args.steps} steps"))

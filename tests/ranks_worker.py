@@ -62,8 +62,9 @@ PAGE = 64 << 10
 
 
 def gpu_budget(world: int) -> int:
-    """The least gpu budget the scheduler accepts for one rank's step, plus a third of the
-    parameters' bytes (so units move every iteration), in whole pages."""
+    """The least gpu budget the scheduler accepts for one rank's step, plus a sixth of the
+    parameters' bytes (so units move every iteration), in whole pages: below a rank's share of
+    the model's training state (16 bytes per parameter over the ranks) at 2 and 3 ranks."""
     from pagemem.sched import least_gpu_bytes
     from pagemem.tracer import trace
 
@@ -71,7 +72,7 @@ def gpu_budget(world: int) -> int:
     x = batch_of(0, 0, world)
     tr = trace(model, lambda: model(input_ids=x, labels=x).loss.backward()).with_non_model_peak_reserved()
     params = sum(p.numel() * 4 for p in model.parameters())
-    return -(-(least_gpu_bytes(tr, page_bytes=PAGE) + params // 3) // PAGE) * PAGE
+    return -(-(least_gpu_bytes(tr, page_bytes=PAGE) + params // 6) // PAGE) * PAGE
 
 
 def engine_config(opts: dict[str, str], world: int) -> pagemem.EngineConfig:

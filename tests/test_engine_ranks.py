@@ -122,6 +122,12 @@ def test_ranks_train_as_ddp_and_as_one_process_on_the_combined_batch(tmp_path, w
     assert all(torch.equal(saved[k], ours[k]) for k in saved) and len(saved) >= len(ours) - 1  # lm_head tied
     assert stats["stats"]["world_size"] == world and stats["stats"]["sent_bytes"] > 0
     assert stats["moved"].get("cpu->gpu", 0) > 0 and stats["moved"].get("nvme->cpu", 0) > 0
+    sys.path.insert(0, str(WORKER.parent))
+    from ranks_worker import make_model as _model
+
+    # the gpu budget is below this rank's share of the training state (weights, gradient sums,
+    # master weights and moments: 16 bytes per parameter over the ranks)
+    assert stats["gpu_bytes"] < 16 * sum(p.numel() for p in _model().parameters()) // world
     if world == 2:  # a ring sends (W - 1) / W of a buffer twice: at 2 ranks, each buffer's bytes once
         sys.path.insert(0, str(WORKER.parent))
         from ranks_worker import make_model
