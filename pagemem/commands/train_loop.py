@@ -2,8 +2,9 @@
 interrupted by Ctrl-C or SIGTERM, or stopped by a loss that is not finite).
 
 [Note: stopping on a loss that is not finite] Each micro-batch's loss is checked before its
-backward (and against ``train.max_loss``, where given: a diverging run), and the gradient norm before the update (not with loss scaling: float16's overflows
-skip their update, and the scale falls): one that is NaN or infinite stops the run
+backward (against ``train.max_loss`` too, where given, and for divergence: [Note: detecting
+divergence] in ``train_divergence.py``), and the gradient norm before the update (not with loss
+scaling: float16's overflows skip their update, and the scale falls): one that is NaN or infinite stops the run
 before anything of it reaches the weights (with several ranks, the step's exchanged losses are
 checked too, after the update: the run stops without saving). Nothing is saved then: the
 checkpoints are the last good ones, ``latest`` names the newest, the metrics end at the last
@@ -22,6 +23,7 @@ from typing import Any
 from pagemem.commands.run_dir import RunDir
 from pagemem.commands.train_config import TrainConfig
 from pagemem.commands.train_data import Batches
+from pagemem.commands.train_divergence import DivergenceWatch
 from pagemem.commands.train_ranks import Launch, RankTotals, StepExchange, die_if_asked
 from pagemem.commands.train_report import log_line, summary_table
 from pagemem.commands.train_schedule import lr_factor
@@ -29,11 +31,11 @@ from pagemem.engine import Engine
 from pagemem.engine.interrupts import shield
 
 DIVERGED = 1
-"""The exit status of a run stopped by a loss or gradient norm that is not finite."""
+"""The exit status of a run stopped by a loss or gradient norm that is not finite, or diverging."""
 
 
 class Diverged(Exception):
-    """A loss or gradient norm that is not finite (see the Note)."""
+    """A loss or gradient norm that is not finite, or a diverging loss (see the Note)."""
 
 
 class Loop:
@@ -56,6 +58,11 @@ class Loop:
         """Wall seconds of the sessions before this one (a resumed run's)."""
         self.start_step = engine.global_step
         self.stopped: str | None = None
+        t = cfg.train
+        self.watch = DivergenceWatch(t.divergence_nats, t.divergence_span, t.divergence_after)
+        """[Note: detecting divergence]: the steps trained so far replayed, as a resumed run's."""
+        self.watch.replay(m.get("loss") for m in before if m["step"] <= self.start_step)
+        self.watch.steps = self.start_step
 
     def run(self) -> int:
         from tqdm import tqdm
@@ -93,12 +100,20 @@ class Loop:
             kept = self.rd.latest_step()
             print(f"pagemem train: stopped: {self.stopped}; nothing of it was saved"
                   + (f"; the last good checkpoint is step {kept} (--resume {self.rd.path})" if kept else "")
-                  + "; lower optimizer.lr, add train.warmup_steps, or set engine.max_grad_norm", file=sys.stderr)
+                  + "; " + self._advice(), file=sys.stderr)
         elif interrupted is not None:
             what = "preempted (SIGTERM)" if status == 143 else "interrupted"
             print(f"pagemem train: {what} after step {summary['steps_done']}; continue with "
                   f"`pagemem train --resume {self.rd.path}` (or --resume auto)", file=sys.stderr)
         return status
+
+    def _advice(self) -> str:
+        """What to change after a stop on the loss, as flags this run can take."""
+        advice = "lower optimizer.lr, add train.warmup_steps" + (
+            "" if self.cfg.engine.lock_free else ", or set engine.max_grad_norm")
+        if self.stopped is not None and "diverging" in self.stopped:
+            advice += " (or raise train.divergence_nats, or give it none, where the rise is expected)"
+        return advice
 
     def _steps(self, start: int, bar: Any) -> None:
         """The steps; lock-free on the host stand-in, with the compute and the updater on their
@@ -137,6 +152,11 @@ class Loop:
                         self._drop_gradients()
                         above = f", above train.max_loss {t.max_loss}" if math.isfinite(value) else ""
                         raise Diverged(f"the loss is {value}{above} at step {step + 1}")
+                    why = None if self.launch.data_parallel else self.watch.diverged((sum(losses) + value) /
+                                                                                     (len(losses) + 1))
+                    if why is not None:
+                        self._drop_gradients()
+                        raise Diverged(why)
                     engine.backward(loss)
                     losses.append(value)
                     phases += [("forward", a, b), ("backward", b, time.perf_counter())]
@@ -156,6 +176,10 @@ class Loop:
                 rows = self.exchange(sum(losses) / acc, t3 - t0, sent)  # every rank's, in rank order
                 if not all(math.isfinite(r[0]) and (t.max_loss is None or r[0] <= t.max_loss) for r in rows):
                     raise Diverged(f"a rank's loss is not finite or above train.max_loss at step {step + 1}")
+                why = self.watch.diverged(sum(r[0] for r in rows) / len(rows)) if self.launch.data_parallel else None
+                if why is not None:  # every rank sees the same losses: all stop, after the update, unsaved
+                    raise Diverged(why)
+                self.watch.observe(sum(r[0] for r in rows) / len(rows))
                 m = self._metrics(step + 1, rows, grad_norm, t3 - t0, stats, before, base_lrs[0] * factor)
                 before = stats
                 phases += [("grad norm", t1, t2), ("update", t2, t3)]
