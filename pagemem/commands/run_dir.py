@@ -5,7 +5,8 @@
   and ``config-history.jsonl``: the resolved config of every start and resume, with its step;
 - ``lock``: the pid of the process training the run (``flock``: a second one is refused);
 - ``metrics.jsonl``: one JSON object per step (``METRIC_KEYS``; NaN and infinities as null), and
-  ``metrics.csv``; TensorBoard event files in ``tensorboard/`` where ``tensorboard`` is installed;
+  ``metrics.csv``; TensorBoard event files in ``tensorboard/`` where ``tensorboard`` is installed,
+  written as each line is logged ([Note: TensorBoard live] in ``train_board.py``);
 - ``trace.json`` and ``trace.chrome.json``: the traced iteration, as data and as a timeline;
 - ``timeline-planned.json``: the simulator's timeline of the plan the engine followed;
 - ``timeline-measured.json``: each step's forward, backward, grad norm, update, evaluation and
@@ -264,21 +265,14 @@ class RunDir:
         _write(self.file("metrics.csv"), out.getvalue())
 
     def write_tensorboard(self, metrics: list[dict[str, Any]]) -> bool:
-        """TensorBoard event files in ``tensorboard/``, where ``tensorboard`` is installed
-        (rewritten whole at the end of each session); whether it wrote them."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return False
-        import shutil
+        """TensorBoard event files in ``tensorboard/`` from ``metrics``, where ``tensorboard`` is
+        installed (a run writes them as it goes: [Note: TensorBoard live]); whether it wrote them."""
+        from pagemem.commands.train_board import Board
 
-        shutil.rmtree(self.file("tensorboard"), ignore_errors=True)
-        with SummaryWriter(self.file("tensorboard")) as writer:
-            for m in metrics:
-                for key, value in _flat(m).items():
-                    if key != "step" and isinstance(value, (int, float)):
-                        writer.add_scalar(key.replace(".", "/"), value, m["step"], walltime=m.get("time"))
-        return True
+        board = Board(self.file("tensorboard"), metrics)
+        wrote = board.writing
+        board.close()
+        return wrote
 
 
 def files_of_a_finished_run() -> Iterable[str]:
@@ -317,14 +311,10 @@ def _json(value: Any, indent: int | None = None) -> str:
     return json.dumps(_finite(value), indent=indent, allow_nan=False)
 
 
-def _flat(m: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in m.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif not isinstance(v, list):
-            out[prefix + k] = v
-    return out
+def _flat(m: dict[str, Any]) -> dict[str, Any]:
+    from pagemem.commands.train_board import flat
+
+    return flat(m)
 
 
 def _write(path: str, text: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from pagemem.commands.run_dir import RunDir
 from pagemem.commands.train_config import TrainConfig
+from pagemem.commands.train_board import Board
 from pagemem.commands.train_data import Batches
 from pagemem.commands.train_divergence import DivergenceWatch
 from pagemem.commands.train_ranks import Launch, RankTotals, StepExchange, die_if_asked
@@ -63,6 +64,8 @@ class Loop:
         """[Note: detecting divergence]: the steps trained so far replayed, as a resumed run's."""
         self.watch.replay(m.get("loss") for m in before if m["step"] <= self.start_step)
         self.watch.steps = self.start_step
+        self.board = Board(None)
+        """[Note: TensorBoard live]: rank 0's, opened when the loop starts."""
 
     def run(self) -> int:
         from tqdm import tqdm
@@ -74,6 +77,8 @@ class Loop:
         interrupted: KeyboardInterrupt | None = None
         try:
             try:
+                if lead:
+                    self.board = Board(self.rd.file("tensorboard"), self.rd.metrics())
                 self._steps(self.start_step, bar)
             except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (train_signals.Preempted)
                 interrupted = exc
@@ -89,6 +94,7 @@ class Loop:
             summary = self._finish(interrupted is not None) if lead else None
         finally:
             bar.close()
+            self.board.close()
             self.engine.close()
         status = getattr(interrupted, "exit_status", 130) if interrupted is not None else 0
         if self.stopped is not None:
@@ -191,6 +197,7 @@ class Loop:
                     m["ranks"] = self.ranks.interval()
                 if self.launch.lead:
                     self.rd.append_metrics(m)
+                    self.board.add(m)
                     for name, a, b in phases:
                         self.rd.phase(name, a, b - a, step + 1)
                     self.rd.counters(t3, m["tier_used_bytes"])
@@ -243,6 +250,7 @@ class Loop:
         found = self._evaluate()
         if found and self.launch.lead:
             self.rd.update_last_metrics(found)
+            self.board.add({"step": self.engine.global_step, **found})
 
     def _export(self) -> None:
         if self.cfg.train.export == "none":
@@ -310,7 +318,6 @@ class Loop:
         if metrics:
             rd.write_plots(metrics, self.cfg.data.floor, budgets)
         rd.write_csv(metrics)
-        rd.write_tensorboard(metrics)
         steady = [m["tokens_per_s"] for m in metrics[3:]] or [m["tokens_per_s"] for m in metrics]
         finite = [m for m in metrics if m["loss"] is not None]
         head, tail = finite[:10], finite[-10:]
