@@ -56,3 +56,42 @@ def test_tensorboard_follows_a_running_job_and_keeps_its_steps_after_kill_9(tmp_
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=60)
+
+
+def test_the_store_keeps_each_directions_busy_periods_as_spans():
+    from pagemem.store.stats import TransferMeter
+
+    meter = TransferMeter()
+    meter.begin("cpu->gpu", 2)  # two transfers in flight together: one span
+    meter.end("cpu->gpu", 100)
+    meter.begin("cpu->nvme")
+    meter.end("cpu->gpu", 50)
+    meter.end("cpu->nvme", 0, 0)  # a failed transfer: a span that moved nothing
+    first = meter.spans(0.0)
+    assert [(s.direction, s.bytes) for s in first] == [("cpu->gpu", 150), ("cpu->nvme", 0)]
+    assert all(s.start <= s.end for s in first)
+    meter.begin("nvme->cpu")
+    meter.end("nvme->cpu", 7)
+    assert [(s.direction, s.bytes) for s in meter.spans(first[-1].end)] == [("nvme->cpu", 7)]
+
+
+@pytest.mark.slow
+def test_the_measured_timeline_shows_the_moves_as_spans_beside_the_phases(tmp_path):
+    from tests.test_cmd_train_real import pagemem_cmd
+
+    r = pagemem_cmd(tmp_path, "train", *SMALL, "--train.steps", "6", "--train.save_every", "3", "--train.name", "t")
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "runs" / "t"
+    events = json.load(open(run / "timeline-measured.json"))["traceEvents"]
+    names = {e["name"] for e in events}
+    assert {"forward", "backward", "update", "checkpoint", "h2d", "nvme read", "nvme write"} <= names
+    rows = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    moves = [e for e in events if e["ph"] == "X" and e["tid"] > 0]
+    summary = json.load(open(run / "summary.json"))
+    for direction in {e["args"]["direction"] for e in moves}:
+        mine = sorted((e for e in moves if e["args"]["direction"] == direction), key=lambda e: e["ts"])
+        assert direction in rows[mine[0]["tid"]]
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(mine, mine[1:]))  # busy periods: disjoint
+        assert 0 < sum(e["args"]["bytes"] for e in mine) <= summary["moved_bytes"][direction]
+    steps = [e for e in events if e["name"] == "forward"]
+    assert min(e["ts"] for e in moves) >= steps[0]["ts"] - 5e6  # the spans sit on the phases' clock

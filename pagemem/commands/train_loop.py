@@ -65,6 +65,8 @@ class Loop:
         self.watch.replay(m.get("loss") for m in before if m["step"] <= self.start_step)
         self.watch.steps = self.start_step
         self.board = Board(None)
+        self.spans_since = time.perf_counter()
+        """The end of the last move span in the measured timeline (``time.perf_counter``)."""
         """[Note: TensorBoard live]: rank 0's, opened when the loop starts."""
 
     def run(self) -> int:
@@ -136,6 +138,7 @@ class Loop:
     def _steps_on(self, start: int, bar: Any, partition: Any) -> None:
         engine, t = self.engine, self.cfg.train
         before = engine.stats()
+        self.spans_since = time.perf_counter()
         acc = self.cfg.engine.accumulation_steps
         base_lrs = [self.cfg.engine.optimizer.lr for _ in engine.optimizer.param_groups]
         scaled = self.cfg.engine.effective_loss_scale is not None  # an overflow skips its update: no divergence
@@ -200,6 +203,7 @@ class Loop:
                     self.board.add(m)
                     for name, a, b in phases:
                         self.rd.phase(name, a, b - a, step + 1)
+                    self._record_moves()
                     self.rd.counters(t3, m["tier_used_bytes"])
                     self.rd.counters(t3, m["moved_bytes_per_s"], "moved bytes per second")
                 bar.update(1)
@@ -207,6 +211,13 @@ class Loop:
                     bar.write(log_line(m), file=sys.stdout)
             if t.save_every and (step + 1) % t.save_every == 0:
                 self._save(periodic=True)
+
+    def _record_moves(self) -> None:
+        """The store's move spans that ended since the last call, into the measured timeline."""
+        spans = self.engine.store.move_spans(self.spans_since)
+        if spans:
+            self.spans_since = spans[-1].end
+            self.rd.moves(spans)
 
     def _drop_gradients(self) -> None:
         """A loss or norm not finite: the step's gradients go, none reaches the weights."""
@@ -311,6 +322,7 @@ class Loop:
         planned, profile = None, "dev-vm" if on_host else "a100-server"
         if plan is not None and trace is not None:
             planned = simulate(plan, trace, HardwareProfile.builtin(profile))
+        self._record_moves()  # the last checkpoint's, where the store moved pages for it
         rd.write_timelines(trace, planned)
         metrics = rd.metrics()
         budgets = {"gpu": stats["gpu_budget_bytes"], **{n: t["capacity_bytes"] for n, t in stats["tiers"].items()
