@@ -95,3 +95,12 @@ def test_the_measured_timeline_shows_the_moves_as_spans_beside_the_phases(tmp_pa
         assert 0 < sum(e["args"]["bytes"] for e in mine) <= summary["moved_bytes"][direction]
     steps = [e for e in events if e["name"] == "forward"]
     assert min(e["ts"] for e in moves) >= steps[0]["ts"] - 5e6  # the spans sit on the phases' clock
+
+
+def test_a_disk_that_refuses_the_event_files_warns_and_the_run_goes_on(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    (tmp_path / "tensorboard").write_text("a file where the directory goes")
+    board = Board(str(tmp_path / "tensorboard"), [{"step": 1, "loss": 2.0}])
+    board.add({"step": 2, "loss": 1.0})
+    board.close()
+    assert not board.writing and "TensorBoard event files are not written" in capsys.readouterr().err

@@ -11,6 +11,7 @@ checkpoint are not shown twice. Without ``tensorboard`` nothing is written (``me
 from __future__ import annotations
 
 import shutil
+import sys
 from typing import Any, Iterable
 
 
@@ -27,10 +28,13 @@ class Board:
         except ImportError:
             return
         shutil.rmtree(path, ignore_errors=True)
-        self.writer = SummaryWriter(path)
-        for m in before:
-            self._add(m)
-        self.writer.flush()
+        try:
+            self.writer = SummaryWriter(path)
+            for m in before:
+                self._add(m)
+            self.writer.flush()
+        except OSError as exc:
+            self._give_up(exc)
 
     @property
     def writing(self) -> bool:
@@ -39,13 +43,28 @@ class Board:
     def add(self, m: dict[str, Any]) -> None:
         """One metrics line's numbers, flushed to disk before this returns."""
         if self.writer is not None:
-            self._add(m)
-            self.writer.flush()
+            try:
+                self._add(m)
+                self.writer.flush()
+            except OSError as exc:
+                self._give_up(exc)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+    def _give_up(self, exc: OSError) -> None:
+        """A disk that refuses the event files (full, or a file where the directory goes): the
+        run goes on without them (``metrics.jsonl`` and ``metrics.csv`` hold the same)."""
+        print(f"pagemem train: warning: TensorBoard event files are not written from here on ({exc}); "
+              "metrics.jsonl and metrics.csv hold the metrics", file=sys.stderr)
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass
 
     def _add(self, m: dict[str, Any]) -> None:
         for key, value in flat(m).items():
