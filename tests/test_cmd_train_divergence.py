@@ -183,3 +183,11 @@ def test_a_real_run_with_a_spike_that_recovers_is_not_stopped(tmp_path):
     assert r.returncode == 0, r.stderr
     losses = run_losses(tmp_path / "runs" / "s")
     assert len(losses) == 120 and losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.parametrize("text,value", [("none", None), ("null", None), ("2.5", 2.5)])
+def test_divergence_nats_none_from_the_command_line_turns_it_off(text, value):
+    from pagemem.commands.train_config import layered, resolve
+
+    cfg = resolve(layered([], {"train.divergence_nats": text, "engine.optimizer_tier": "cpu"}), "/tmp")
+    assert cfg.train.divergence_nats == value
