@@ -104,3 +104,22 @@ def test_a_disk_that_refuses_the_event_files_warns_and_the_run_goes_on(tmp_path,
     board.add({"step": 2, "loss": 1.0})
     board.close()
     assert not board.writing and "TensorBoard event files are not written" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_keeps_every_logged_step_in_tensorboard_and_a_resume_shows_each_step_once(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tests.test_cmd_train_real import pagemem_cmd
+
+    proc = popen(tmp_path, "train", *SMALL, "--engine.lock_free", "false", "--train.steps", "100000",
+                 "--train.save_every", "0", "--train.name", "term")
+    run = tmp_path / "runs" / "term"
+    wait_for_lines(run / "metrics.jsonl", 6, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    done = len(open(run / "metrics.jsonl").read().splitlines())
+    assert [s for s, _ in scalars(str(run / "tensorboard"), "loss")] == list(range(1, done + 1))
+    r = pagemem_cmd(tmp_path, "train", "--resume", str(run), "--train.steps", str(done + 2))
+    assert r.returncode == 0, r.stderr
+    assert [s for s, _ in scalars(str(run / "tensorboard"), "loss")] == list(range(1, done + 3))
