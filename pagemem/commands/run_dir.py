@@ -5,11 +5,13 @@
   and ``config-history.jsonl``: the resolved config of every start and resume, with its step;
 - ``lock``: the pid of the process training the run (``flock``: a second one is refused);
 - ``metrics.jsonl``: one JSON object per step (``METRIC_KEYS``; NaN and infinities as null), and
-  ``metrics.csv``; TensorBoard event files in ``tensorboard/`` where ``tensorboard`` is installed;
+  ``metrics.csv``; TensorBoard event files in ``tensorboard/`` where ``tensorboard`` is installed,
+  written as each line is logged ([Note: TensorBoard live] in ``train_board.py``);
 - ``trace.json`` and ``trace.chrome.json``: the traced iteration, as data and as a timeline;
 - ``timeline-planned.json``: the simulator's timeline of the plan the engine followed;
 - ``timeline-measured.json``: each step's forward, backward, grad norm, update, evaluation and
-  checkpoint as they ran, and the tiers' bytes in use and the bytes moved per second, as counters;
+  checkpoint as they ran; the store's moves (h2d, d2h, nvme reads and writes) as the spans it
+  measured, a row per direction; the tiers' bytes in use and the bytes moved per second, as counters;
 - ``loss.png``, ``memory.png`` and ``throughput.png``; ``summary.json``;
 - ``export/`` (``train.export``): the weights as safetensors (and ``config.json``: a Hugging Face
   model directory);
@@ -34,6 +36,11 @@ METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "seconds", "tokens_per_s", "gp
                "val_loss", "val_perplexity")
 """The fields of every line of ``metrics.jsonl``; with several ranks a log step's line also
 holds ``ranks`` ([Note: pagemem train under torchrun])."""
+MOVE_NAMES = {"cpu->gpu": "h2d", "gpu->cpu": "d2h", "nvme->cpu": "nvme read", "nvme->gpu": "nvme read",
+              "cpu->nvme": "nvme write", "gpu->nvme": "nvme write"}
+"""The measured timeline's name of each move direction."""
+MOVE_SPANS_KEPT = 200_000
+"""Move spans a session writes into the measured timeline at most (the first ones)."""
 
 
 class RunDir:
@@ -43,6 +50,7 @@ class RunDir:
         self.path = path
         self.checkpoints = os.path.join(path, "checkpoints")
         self._events: list[dict[str, Any]] = []
+        self._move_spans = 0
         self._lock: int | None = None
 
     # ------------------------------------------------------------------ one writer
@@ -164,6 +172,18 @@ class RunDir:
         self._events.append({"name": name, "ph": "X", "pid": 0, "tid": 0, "ts": start * 1e6, "dur": seconds * 1e6,
                              "args": {"step": step}})
 
+    def moves(self, spans: Iterable[Any]) -> None:
+        """The store's move spans (``MoveSpan``: direction, start, end, bytes), a row per direction."""
+        for span in spans:
+            if self._move_spans >= MOVE_SPANS_KEPT:
+                return
+            self._move_spans += 1
+            seconds = span.end - span.start
+            self._events.append({"name": MOVE_NAMES.get(span.direction, span.direction), "ph": "X", "pid": 0,
+                                 "tid": _move_row(span.direction), "ts": span.start * 1e6, "dur": seconds * 1e6,
+                                 "args": {"direction": span.direction, "bytes": span.bytes,
+                                          "GB/s": round(span.bytes / seconds / 1e9, 3) if seconds > 0 else None}})
+
     def counters(self, at: float, used: dict[str, int], name: str = "tier used bytes") -> None:
         """Counters at ``at`` (``time.perf_counter`` seconds): the tiers' bytes in use, or the
         step's moves (``name``)."""
@@ -181,6 +201,9 @@ class RunDir:
             events = before + [{**e, "ts": e["ts"] + shift} for e in events]
         meta = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "pagemem train (measured)"}},
                 {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "training loop"}}]
+        for direction in sorted({e["args"]["direction"] for e in events if e.get("tid", 0) > 0}):
+            meta.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": _move_row(direction),
+                         "args": {"name": f"moves {direction} ({MOVE_NAMES.get(direction, 'other')})"}})
         _write(measured, json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
         self._events.clear()
         if trace is not None:
@@ -264,21 +287,14 @@ class RunDir:
         _write(self.file("metrics.csv"), out.getvalue())
 
     def write_tensorboard(self, metrics: list[dict[str, Any]]) -> bool:
-        """TensorBoard event files in ``tensorboard/``, where ``tensorboard`` is installed
-        (rewritten whole at the end of each session); whether it wrote them."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return False
-        import shutil
+        """TensorBoard event files in ``tensorboard/`` from ``metrics``, where ``tensorboard`` is
+        installed (a run writes them as it goes: [Note: TensorBoard live]); whether it wrote them."""
+        from pagemem.commands.train_board import Board
 
-        shutil.rmtree(self.file("tensorboard"), ignore_errors=True)
-        with SummaryWriter(self.file("tensorboard")) as writer:
-            for m in metrics:
-                for key, value in _flat(m).items():
-                    if key != "step" and isinstance(value, (int, float)):
-                        writer.add_scalar(key.replace(".", "/"), value, m["step"], walltime=m.get("time"))
-        return True
+        board = Board(self.file("tensorboard"), metrics)
+        wrote = board.writing
+        board.close()
+        return wrote
 
 
 def files_of_a_finished_run() -> Iterable[str]:
@@ -286,6 +302,12 @@ def files_of_a_finished_run() -> Iterable[str]:
     return ("config.toml", "config.json", "config-history.jsonl", "metrics.jsonl", "metrics.csv", "trace.json",
             "trace.chrome.json", "timeline-planned.json", "timeline-measured.json", "loss.png", "memory.png",
             "throughput.png", "summary.json", "checkpoints/latest")
+
+
+def _move_row(direction: str) -> int:
+    """The measured timeline's row (``tid``) of a move direction: one each, the same every session."""
+    known = list(MOVE_NAMES)
+    return 1 + (known.index(direction) if direction in known else len(known) + sum(map(ord, direction)) % 50)
 
 
 def _alive(pid: int) -> bool:
@@ -317,14 +339,10 @@ def _json(value: Any, indent: int | None = None) -> str:
     return json.dumps(_finite(value), indent=indent, allow_nan=False)
 
 
-def _flat(m: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in m.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif not isinstance(v, list):
-            out[prefix + k] = v
-    return out
+def _flat(m: dict[str, Any]) -> dict[str, Any]:
+    from pagemem.commands.train_board import flat
+
+    return flat(m)
 
 
 def _write(path: str, text: str) -> None:

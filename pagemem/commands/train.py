@@ -51,6 +51,7 @@ from pagemem.commands.train_config import (
     to_toml,
 )
 from pagemem.commands.train_data import Batches
+from pagemem.commands.train_estimate import host_estimate
 from pagemem.commands.train_loop import Loop
 from pagemem.commands.train_ranks import Launch, agreed, launch_from_env, on_device, process_group, restart_target
 from pagemem.commands.train_signals import sigterm_as_interrupt
@@ -133,7 +134,7 @@ def _run(args: argparse.Namespace, files: list[dict[str, Any]], overrides: dict[
                 print(f"pagemem train: note: {cfg.model.hf}'s weights train on the synthetic task's random tokens; "
                       "give --data.path to fine-tune them on your data", file=sys.stderr)
             if not (cfg.engine.store.gpu_backend != "host" and _cuda()):
-                print(_host_estimate(engine.module, cfg), file=sys.stderr)
+                print(host_estimate(engine.module, cfg), file=sys.stderr)
             if resume and not args.resume:
                 print(f"pagemem train: torchrun restart {launch.restart}: resuming {rd.path} from its last "
                       f"checkpoint (step {engine.global_step})", file=sys.stderr)
@@ -241,26 +242,6 @@ def _load_newest_intact(rd: RunDir, model: Any, cfg: TrainConfig, launch: Launch
         else:
             raise
     return engine
-
-
-def _host_estimate(model: Any, cfg: TrainConfig) -> str:
-    """What a step will take on the host stand-in, before the first: about 6 flops per parameter
-    and token (forward and backward), at the rate this machine's matrix products run now."""
-    import torch
-
-    params = sum(p.numel() for p in model.parameters())
-    tokens = cfg.data.batch * cfg.data.seq * cfg.engine.accumulation_steps
-    a = torch.randn(256, 256)
-    a @ a  # the thread pool started
-    done, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.1:
-        a @ a
-        done += 1
-    rate = done * 2 * 256**3 / (time.perf_counter() - t0)
-    seconds = 6 * params * tokens / rate
-    return (f"pagemem train: {params / 1e6:,.1f}M parameters, {tokens:,} tokens a step, on the host stand-in (no "
-            f"GPU): about {seconds:,.2f} s a step of compute at this machine's {rate / 1e9:,.0f} GFLOP/s, more with "
-            f"the pages' moves; the first step traces and plans the iteration and takes longer")
 
 
 def _check_host_memory(cfg: TrainConfig) -> None:

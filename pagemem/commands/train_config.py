@@ -71,7 +71,14 @@ class TrainSettings:
     """Validation batches per evaluation."""
     max_loss: float | None = None
     """Stop the run as for a loss that is not finite when a micro-batch's loss exceeds this (a
-    diverging run; the initial loss is about ln(vocabulary)); None: only NaN and infinities stop it."""
+    diverging run; the initial loss is about ln(vocabulary)); None: only NaN, infinities and divergence stop it."""
+    divergence_nats: float | None = 1.0
+    """Stop the run as for a loss that is not finite when the loss's moving average rises this many
+    nats above its best so far ([Note: detecting divergence]); None: never."""
+    divergence_span: int = 20
+    """The span in steps of that moving average (its weight is 2 / (span + 1))."""
+    divergence_after: int = 20
+    """Steps before divergence may stop the run (the average settles meanwhile)."""
     export: str = "none"
     """At the end, write the weights: ``safetensors`` (``export/``, sharded as Hugging Face's) or
     ``hf`` (that and ``config.json``, and the tokenizer: a ``from_pretrained`` directory; needs
@@ -94,6 +101,12 @@ class TrainSettings:
         m = self.max_loss
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0 or m == float("inf")):
             raise ConfigError(f"max_loss: must be a positive finite number or None, got {m!r}")
+        d = self.divergence_nats
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 100):
+            raise ConfigError(f"divergence_nats: must be a number of nats in (0, 100], or None to never stop on "
+                              f"divergence, got {d!r}")
+        check_int("divergence_span", self.divergence_span, 1, 100_000)
+        check_int("divergence_after", self.divergence_after, 0, 1 << 40)
         if not isinstance(self.runs, str) or not self.runs or not self.runs.isprintable():
             raise ConfigError(f"runs: must be a directory path of printable characters, got {self.runs!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name or "/" in self.name

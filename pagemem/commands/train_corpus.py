@@ -5,7 +5,8 @@ Face tokenizer, a token file by memory map, or a dataset saved by ``datasets``. 
 the tokenizer's end-of-text token after each document; the same tokenizer gives the same ids,
 so the batches resume exactly. A token file is never read whole: ``numpy.memmap`` pages in the
 windows a batch takes (nanoGPT's ``train.bin``/``val.bin``: raw ``uint16`` ids, the file
-nanoGPT's ``prepare.py`` and LitGPT's nanoGPT-style preparation write).
+nanoGPT's ``prepare.py`` and LitGPT's nanoGPT-style preparation write); LitGPT's pretraining
+data, litdata's optimized chunks, is mapped the same way ([Note: litdata's token chunks]).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def load_corpus(data: Any, model_dir: str | None) -> Corpus:
     kind = data.format if data.format != "auto" else _guess(path)
     if kind == "tokens":
         return _token_file(path, data.token_dtype)
+    if kind == "litdata":
+        from pagemem.commands.train_litdata import litdata_streams
+
+        return Corpus(*litdata_streams(path), None)
     if kind == "dataset":
         return _dataset(path, data, model_dir)
     tokenizer = Tokenizer.load(data.tokenizer, model_dir)
@@ -83,6 +88,10 @@ def _guess(path: str) -> str:
         return "tokens" if path.endswith(".bin") else "text"
     if os.path.isfile(os.path.join(path, "train.bin")):
         return "tokens"
+    from pagemem.commands.train_litdata import is_litdata
+
+    if is_litdata(path):
+        return "litdata"
     if any(os.path.isfile(os.path.join(path, n)) for n in ("dataset_info.json", "dataset_dict.json", "state.json")):
         return "dataset"
     return "text"

@@ -26,7 +26,7 @@ from pagemem.checks import check_choice, check_int
 from pagemem.errors import ConfigError
 from pagemem.models.tasks import BranchingTask
 
-FORMATS = ("auto", "text", "tokens", "dataset")
+FORMATS = ("auto", "text", "tokens", "dataset", "litdata")
 TOKEN_DTYPES = ("uint16", "uint32")
 VALIDATION_OFFSET = 1 << 40
 """The synthetic task's validation batches: batch indices from here on, which training never reaches."""
@@ -39,17 +39,20 @@ class DataSettings(BranchingTask):
 
     path: str | None = None
     """Your data: a text file, a directory of text files, a token file (``.bin``; a directory
-    with ``train.bin`` and, optionally, ``val.bin``: nanoGPT's layout) or a directory a
-    ``datasets`` dataset was saved to (``save_to_disk``); None: the synthetic task."""
+    with ``train.bin`` and, optionally, ``val.bin``: nanoGPT's layout), a directory litdata's
+    ``optimize`` wrote with ``TokensLoader`` (``index.json`` and chunks, or ``train/`` and ``val/``
+    holding them: LitGPT's pretraining layout) or a directory a ``datasets`` dataset was saved to
+    (``save_to_disk``); None: the synthetic task."""
     format: str = "auto"
-    """How to read ``path``: ``text``, ``tokens``, ``dataset``, or ``auto`` (a ``.bin`` file or a
-    directory with ``train.bin``: tokens; a directory with ``dataset_info.json`` or
-    ``dataset_dict.json``: dataset; else text)."""
+    """How to read ``path``: ``text``, ``tokens``, ``litdata``, ``dataset``, or ``auto`` (a ``.bin``
+    file or a directory with ``train.bin``: tokens; with ``index.json`` or ``train/index.json``:
+    litdata; with ``dataset_info.json`` or ``dataset_dict.json``: dataset; else text)."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer for text: a ``tokenizer.json`` file or a directory
     (``transformers.AutoTokenizer``); None: ``model.hf``'s directory. Never downloaded."""
     token_dtype: str = "uint16"
-    """The integer type of a token file: ``uint16`` (vocabularies up to 65536) or ``uint32``."""
+    """The integer type of a token file: ``uint16`` (vocabularies up to 65536) or ``uint32`` (litdata's
+    index names its own)."""
     text_key: str = "text"
     """A dataset's column of text (a column ``input_ids`` is used as tokens instead)."""
     validation: float = 0.0
@@ -140,6 +143,8 @@ class Batches:
 
     def _rows(self, windows: Any, which: list[int]) -> torch.Tensor:
         x = torch.stack([windows.window(k) for k in which])
+        if int(x.min()) < 0:
+            raise ConfigError(f"data.path: token id {int(x.min())} in {self.data.path} is negative")
         if self.vocab_limit is not None and int(x.max()) >= self.vocab_limit:
             raise ConfigError(f"data.path: token id {int(x.max())} in {self.data.path} is not below the model's "
                               f"vocabulary size {self.vocab_limit} (data.token_dtype {self.data.token_dtype}?)")

@@ -2,8 +2,9 @@
 interrupted by Ctrl-C or SIGTERM, or stopped by a loss that is not finite).
 
 [Note: stopping on a loss that is not finite] Each micro-batch's loss is checked before its
-backward (and against ``train.max_loss``, where given: a diverging run), and the gradient norm before the update (not with loss scaling: float16's overflows
-skip their update, and the scale falls): one that is NaN or infinite stops the run
+backward (against ``train.max_loss`` too, where given, and for divergence: [Note: detecting
+divergence] in ``train_divergence.py``), and the gradient norm before the update (not with loss
+scaling: float16's overflows skip their update, and the scale falls): one that is NaN or infinite stops the run
 before anything of it reaches the weights (with several ranks, the step's exchanged losses are
 checked too, after the update: the run stops without saving). Nothing is saved then: the
 checkpoints are the last good ones, ``latest`` names the newest, the metrics end at the last
@@ -21,7 +22,9 @@ from typing import Any
 
 from pagemem.commands.run_dir import RunDir
 from pagemem.commands.train_config import TrainConfig
+from pagemem.commands.train_board import Board
 from pagemem.commands.train_data import Batches
+from pagemem.commands.train_divergence import DivergenceWatch
 from pagemem.commands.train_ranks import Launch, RankTotals, StepExchange, die_if_asked
 from pagemem.commands.train_report import log_line, summary_table
 from pagemem.commands.train_schedule import lr_factor
@@ -29,11 +32,11 @@ from pagemem.engine import Engine
 from pagemem.engine.interrupts import shield
 
 DIVERGED = 1
-"""The exit status of a run stopped by a loss or gradient norm that is not finite."""
+"""The exit status of a run stopped by a loss or gradient norm that is not finite, or diverging."""
 
 
 class Diverged(Exception):
-    """A loss or gradient norm that is not finite (see the Note)."""
+    """A loss or gradient norm that is not finite, or a diverging loss (see the Note)."""
 
 
 class Loop:
@@ -56,6 +59,15 @@ class Loop:
         """Wall seconds of the sessions before this one (a resumed run's)."""
         self.start_step = engine.global_step
         self.stopped: str | None = None
+        t = cfg.train
+        self.watch = DivergenceWatch(t.divergence_nats, t.divergence_span, t.divergence_after)
+        """[Note: detecting divergence]: the steps trained so far replayed, as a resumed run's."""
+        self.watch.replay(m.get("loss") for m in before if m["step"] <= self.start_step)
+        self.watch.steps = self.start_step
+        self.board = Board(None)
+        self.spans_since = time.perf_counter()
+        """The end of the last move span in the measured timeline (``time.perf_counter``)."""
+        """[Note: TensorBoard live]: rank 0's, opened when the loop starts."""
 
     def run(self) -> int:
         from tqdm import tqdm
@@ -67,6 +79,8 @@ class Loop:
         interrupted: KeyboardInterrupt | None = None
         try:
             try:
+                if lead:
+                    self.board = Board(self.rd.file("tensorboard"), self.rd.metrics())
                 self._steps(self.start_step, bar)
             except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (train_signals.Preempted)
                 interrupted = exc
@@ -82,6 +96,7 @@ class Loop:
             summary = self._finish(interrupted is not None) if lead else None
         finally:
             bar.close()
+            self.board.close()
             self.engine.close()
         status = getattr(interrupted, "exit_status", 130) if interrupted is not None else 0
         if self.stopped is not None:
@@ -93,12 +108,20 @@ class Loop:
             kept = self.rd.latest_step()
             print(f"pagemem train: stopped: {self.stopped}; nothing of it was saved"
                   + (f"; the last good checkpoint is step {kept} (--resume {self.rd.path})" if kept else "")
-                  + "; lower optimizer.lr, add train.warmup_steps, or set engine.max_grad_norm", file=sys.stderr)
+                  + "; " + self._advice(), file=sys.stderr)
         elif interrupted is not None:
             what = "preempted (SIGTERM)" if status == 143 else "interrupted"
             print(f"pagemem train: {what} after step {summary['steps_done']}; continue with "
                   f"`pagemem train --resume {self.rd.path}` (or --resume auto)", file=sys.stderr)
         return status
+
+    def _advice(self) -> str:
+        """What to change after a stop on the loss, as flags this run can take."""
+        advice = "lower optimizer.lr, add train.warmup_steps" + (
+            "" if self.cfg.engine.lock_free else ", or set engine.max_grad_norm")
+        if self.stopped is not None and "diverging" in self.stopped:
+            advice += " (or raise train.divergence_nats, or give it none, where the rise is expected)"
+        return advice
 
     def _steps(self, start: int, bar: Any) -> None:
         """The steps; lock-free on the host stand-in, with the compute and the updater on their
@@ -115,6 +138,7 @@ class Loop:
     def _steps_on(self, start: int, bar: Any, partition: Any) -> None:
         engine, t = self.engine, self.cfg.train
         before = engine.stats()
+        self.spans_since = time.perf_counter()
         acc = self.cfg.engine.accumulation_steps
         base_lrs = [self.cfg.engine.optimizer.lr for _ in engine.optimizer.param_groups]
         scaled = self.cfg.engine.effective_loss_scale is not None  # an overflow skips its update: no divergence
@@ -137,6 +161,11 @@ class Loop:
                         self._drop_gradients()
                         above = f", above train.max_loss {t.max_loss}" if math.isfinite(value) else ""
                         raise Diverged(f"the loss is {value}{above} at step {step + 1}")
+                    why = None if self.launch.data_parallel else self.watch.diverged((sum(losses) + value) /
+                                                                                     (len(losses) + 1))
+                    if why is not None:
+                        self._drop_gradients()
+                        raise Diverged(why)
                     engine.backward(loss)
                     losses.append(value)
                     phases += [("forward", a, b), ("backward", b, time.perf_counter())]
@@ -156,6 +185,10 @@ class Loop:
                 rows = self.exchange(sum(losses) / acc, t3 - t0, sent)  # every rank's, in rank order
                 if not all(math.isfinite(r[0]) and (t.max_loss is None or r[0] <= t.max_loss) for r in rows):
                     raise Diverged(f"a rank's loss is not finite or above train.max_loss at step {step + 1}")
+                why = self.watch.diverged(sum(r[0] for r in rows) / len(rows)) if self.launch.data_parallel else None
+                if why is not None:  # every rank sees the same losses: all stop, after the update, unsaved
+                    raise Diverged(why)
+                self.watch.observe(sum(r[0] for r in rows) / len(rows))
                 m = self._metrics(step + 1, rows, grad_norm, t3 - t0, stats, before, base_lrs[0] * factor)
                 before = stats
                 phases += [("grad norm", t1, t2), ("update", t2, t3)]
@@ -167,8 +200,10 @@ class Loop:
                     m["ranks"] = self.ranks.interval()
                 if self.launch.lead:
                     self.rd.append_metrics(m)
+                    self.board.add(m)
                     for name, a, b in phases:
                         self.rd.phase(name, a, b - a, step + 1)
+                    self._record_moves()
                     self.rd.counters(t3, m["tier_used_bytes"])
                     self.rd.counters(t3, m["moved_bytes_per_s"], "moved bytes per second")
                 bar.update(1)
@@ -176,6 +211,13 @@ class Loop:
                     bar.write(log_line(m), file=sys.stdout)
             if t.save_every and (step + 1) % t.save_every == 0:
                 self._save(periodic=True)
+
+    def _record_moves(self) -> None:
+        """The store's move spans that ended since the last call, into the measured timeline."""
+        spans = self.engine.store.move_spans(self.spans_since)
+        if spans:
+            self.spans_since = spans[-1].end
+            self.rd.moves(spans)
 
     def _drop_gradients(self) -> None:
         """A loss or norm not finite: the step's gradients go, none reaches the weights."""
@@ -219,6 +261,7 @@ class Loop:
         found = self._evaluate()
         if found and self.launch.lead:
             self.rd.update_last_metrics(found)
+            self.board.add({"step": self.engine.global_step, **found})
 
     def _export(self) -> None:
         if self.cfg.train.export == "none":
@@ -279,6 +322,7 @@ class Loop:
         planned, profile = None, "dev-vm" if on_host else "a100-server"
         if plan is not None and trace is not None:
             planned = simulate(plan, trace, HardwareProfile.builtin(profile))
+        self._record_moves()  # the last checkpoint's, where the store moved pages for it
         rd.write_timelines(trace, planned)
         metrics = rd.metrics()
         budgets = {"gpu": stats["gpu_budget_bytes"], **{n: t["capacity_bytes"] for n, t in stats["tiers"].items()
@@ -286,7 +330,6 @@ class Loop:
         if metrics:
             rd.write_plots(metrics, self.cfg.data.floor, budgets)
         rd.write_csv(metrics)
-        rd.write_tensorboard(metrics)
         steady = [m["tokens_per_s"] for m in metrics[3:]] or [m["tokens_per_s"] for m in metrics]
         finite = [m for m in metrics if m["loss"] is not None]
         head, tail = finite[:10], finite[-10:]

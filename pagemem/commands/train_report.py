@@ -35,7 +35,8 @@ def summary_table(s: dict[str, Any]) -> str:
         return "-" if n is None else format_bytes(int(n))
 
     floor = f" (floor {s['loss_floor']:.4f})" if s.get("loss_floor") is not None else ""
-    ending = " (interrupted)" if s["interrupted"] else (" (stopped: not finite)" if s.get("stopped") else "")
+    ending = " (interrupted)" if s["interrupted"] else (" (stopped: diverging)" if "diverging" in (s.get("stopped") or "")
+                                                   else " (stopped: not finite or above max_loss)" if s.get("stopped") else "")
     rows = [("run directory", s["run_dir"]),
             ("steps", f"{s['steps_done']} of {s['steps']}{ending}"),
             ("wall time", f"{s['wall_seconds']:,.1f} s" if s.get("wall_seconds") is not None else "-"),

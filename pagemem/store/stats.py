@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from pagemem.units import format_bytes
@@ -43,6 +44,21 @@ class MoveStats:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass(frozen=True)
+class MoveSpan:
+    """A period in which at least one transfer of ``direction`` (``"cpu->gpu"``) was in flight
+    (``time.perf_counter`` seconds), and the bytes the transfers that ended in it moved."""
+
+    direction: str
+    start: float
+    end: float
+    bytes: int
+
+
+SPANS_KEPT = 65536
+"""Move spans a store keeps (the newest) for :meth:`PageStore.move_spans`."""
 
 
 @dataclass(frozen=True)
@@ -103,22 +119,37 @@ class TransferMeter:
     _busy: dict[str, float] = field(default_factory=dict)
     _bytes: dict[str, int] = field(default_factory=dict)
     _pages: dict[str, int] = field(default_factory=dict)
+    _span_bytes: dict[str, int] = field(default_factory=dict)
+    _spans: deque = field(default_factory=lambda: deque(maxlen=SPANS_KEPT))
 
     def begin(self, direction: str, transfers: int = 1) -> None:
         n = self._active.get(direction, 0)
         if n == 0:
             self._since[direction] = time.perf_counter()
+            self._span_bytes[direction] = 0
         self._active[direction] = n + transfers
 
     def end(self, direction: str, nbytes: int, pages: int = 1) -> None:
         """One transfer begun with ``begin`` finished, having moved ``pages`` pages (0 if it failed)."""
         n = self._active[direction] - 1
         self._active[direction] = n
+        self._span_bytes[direction] += nbytes
         if n == 0:
-            self._busy[direction] = self._busy.get(direction, 0.0) + time.perf_counter() - self._since[direction]
+            now = time.perf_counter()
+            self._busy[direction] = self._busy.get(direction, 0.0) + now - self._since[direction]
+            self._spans.append(MoveSpan(direction, self._since[direction], now, self._span_bytes[direction]))
         if nbytes:
             self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
             self._pages[direction] = self._pages.get(direction, 0) + pages
+
+    def spans(self, since: float) -> list[MoveSpan]:
+        """The kept spans that ended after ``since``, oldest first."""
+        out = []
+        for span in reversed(self._spans):
+            if span.end <= since:
+                break
+            out.append(span)
+        return out[::-1]
 
     def snapshot(self) -> dict[str, MoveStats]:
         now = time.perf_counter()

@@ -30,7 +30,7 @@ from pagemem.store.ordering import Op
 from pagemem.store.pages import IntentKind, Page, PageIds
 from pagemem.store.placement import Placement
 from pagemem.store.queue import OpQueue
-from pagemem.store.stats import StoreStats, TierStats, TransferMeter
+from pagemem.store.stats import MoveSpan, StoreStats, TierStats, TransferMeter
 from pagemem.store.tensor import PagedTensor
 from pagemem.store.transfer import Mover
 from pagemem.tiers import Tier, build_tiers
@@ -185,6 +185,14 @@ class PageStore:
             views, copies = self._lend.views, self._lend.view_copies
         staging = self._tiers.staging
         return StoreStats(tiers, moves, staging.capacity, staging.free, self.cuda, views, copies, pinned)
+
+    def move_spans(self, since: float = 0.0) -> list[MoveSpan]:
+        """The periods each move direction had a transfer in flight that ended after ``since``
+        (``time.perf_counter`` seconds), oldest first, with the bytes moved in each: the
+        measured timeline's moves (the newest ``SPANS_KEPT`` are kept)."""
+        self._owned("move_spans")
+        with self._queue.lock:
+            return self._meter.spans(since)
 
     def location(self, page_id: int) -> tuple[str, int]:
         """``(tier, slot)`` of the home copy of logical page ``page_id``."""
