@@ -65,9 +65,9 @@ class Loop:
         self.watch.replay(m.get("loss") for m in before if m["step"] <= self.start_step)
         self.watch.steps = self.start_step
         self.board = Board(None)
+        """[Note: TensorBoard live]: rank 0's, opened when the loop starts."""
         self.spans_since = time.perf_counter()
         """The end of the last move span in the measured timeline (``time.perf_counter``)."""
-        """[Note: TensorBoard live]: rank 0's, opened when the loop starts."""
 
     def run(self) -> int:
         from tqdm import tqdm
