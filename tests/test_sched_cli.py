@@ -26,6 +26,18 @@ def test_plan_command_writes_a_valid_plan_and_a_plot(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_plan_and_simulate_commands_plan_ranks_that_shard_the_states_only(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", *SMALL, "--gpu_bytes", "64MiB", "--sharding", "states", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    p = Plan.load(out)
+    assert p.layout.sharding == "states" and p.counts()["all_reduce"] > 0 and "reduce_scatter" not in p.counts()
+    assert main(["simulate", *SMALL, "--gpu_bytes", "64MiB", "--sharding", "states", "--profile", "dev-vm"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["plan", *SMALL, "--sharding", "experts"])
+
+
 def test_plan_and_simulate_commands_home_parameters_on_nvme(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main(["plan", *SMALL, "--gpu_bytes", "512KiB", "--home_tier", "nvme", "--out", str(out)])

@@ -15,6 +15,7 @@ from pagemem.errors import ConfigError, one_line
 from pagemem.models import gpt_config
 from pagemem.sched.errors import InfeasiblePlan
 from pagemem.sched.plan import HOME_TIERS, Plan
+from pagemem.sched.layout import SHARDINGS
 from pagemem.sched.planner import plan
 from pagemem.sched.validate import validate
 from pagemem.tracer import Trace, synthetic_from_config
@@ -34,6 +35,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     where = parser.add_argument_group("where it runs")
     where.add_argument("--world_size", type=int, default=8, help="data-parallel ranks (default 8)")
+    where.add_argument("--sharding", default="params", choices=SHARDINGS,
+                       help="what the ranks shard: params (ZeRO-3, default) or states (ZeRO-1: the optimizer states "
+                            "only, as the engine runs today)")
     where.add_argument("--gpu_bytes", default="40GiB", help="gpu budget per rank (default 40GiB)")
     where.add_argument("--cpu_bytes", default="128GiB", help="cpu budget per rank (default 128GiB)")
     where.add_argument("--nvme_bytes", default="1400GiB", help="nvme budget per rank (default 1400GiB)")
@@ -61,7 +65,7 @@ def make_plan(args: argparse.Namespace, tr: Trace) -> Plan:
     budgets = {tier: parse_size(getattr(args, f"{tier}_bytes"), f"{tier}_bytes") for tier in ("gpu", "cpu", "nvme")}
     return plan(tr, budgets, world_size=args.world_size,
                 optimizer_tier=args.optimizer_tier, page_bytes=args.page_bytes, cache_optimizer=args.cache_optimizer,
-                home_tier=args.home_tier)
+                home_tier=args.home_tier, sharding=args.sharding)
 
 
 def report_plan(args: argparse.Namespace, tr: Trace, p: Plan) -> int:
