@@ -148,7 +148,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             if mode == "savefail" and step + 1 == int(opts["save_at"]):
                 first = engine.save(opts["save_dir"])  # a whole one, then one whose share fails on ``victim``
                 import errno
-                from pagemem.engine.checkpoints import checkpoint as ck
+                from pagemem.engine.checkpoints import page_files as ck
                 write_share = ck.write_share
                 if rank == victim:
                     def full(*args, **kwargs):

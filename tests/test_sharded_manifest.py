@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from pagemem.engine.checkpoints import manifest as mf
-from pagemem.engine.checkpoints.checkpoint import merge_shares
+from pagemem.engine.checkpoints.page_files import merge_shares
 
 PB = 4096
 

@@ -11,7 +11,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from pagemem.engine.checkpoints import checkpoint
+from pagemem.engine.checkpoints import checkpoint, page_files
 from pagemem.engine.checkpoints.ckpt_io import remove
 from pagemem.engine.ranks.collectives import Collectives
 from pagemem.errors import InvalidRequest
@@ -81,16 +81,16 @@ def _save_sharded(engine: checkpoint.Checkpointed, coll: Collectives, root: str,
     rank 0 writes the rest and publishes the checkpoint. Every rank takes part in every
     collective whatever fails, so a rank whose disk fails leaves the others in step."""
     world, me = coll.ranks.world_size, coll.ranks.rank
-    counts = torch.zeros(len(checkpoint.SHARE_KINDS) * world, dtype=torch.int64, device=coll.ranks.device)
-    for k, kind in enumerate(checkpoint.SHARE_KINDS):
-        counts[k * world + me] = checkpoint.share_pages(engine, kind)
+    counts = torch.zeros(len(page_files.SHARE_KINDS) * world, dtype=torch.int64, device=coll.ranks.device)
+    for k, kind in enumerate(page_files.SHARE_KINDS):
+        counts[k * world + me] = page_files.share_pages(engine, kind)
     coll.reduce_now(counts, "counting every rank's pages of the moments")
-    per_rank = [[int(x) for x in counts[k * world:(k + 1) * world]] for k in range(len(checkpoint.SHARE_KINDS))]
+    per_rank = [[int(x) for x in counts[k * world:(k + 1) * world]] for k in range(len(page_files.SHARE_KINDS))]
     tmp, error = None, None
     if me == 0:
         try:
             tmp = checkpoint.begin_save(engine, root)
-            checkpoint.create_share_files(tmp, {kind: sum(per_rank[k]) for k, kind in enumerate(checkpoint.SHARE_KINDS)},
+            page_files.create_share_files(tmp, {kind: sum(per_rank[k]) for k, kind in enumerate(page_files.SHARE_KINDS)},
                                           engine.store.page_bytes)
         except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
             error = exc
@@ -117,7 +117,7 @@ def _write_and_publish(engine: checkpoint.Checkpointed, coll: Collectives, root:
     world, me = coll.ranks.world_size, coll.ranks.rank
     part, mine = None, None
     try:
-        part = {kind: checkpoint.write_share(engine, tmp, kind, sum(per_rank[k][:me])) for k, kind in enumerate(checkpoint.SHARE_KINDS)}
+        part = {kind: page_files.write_share(engine, tmp, kind, sum(per_rank[k][:me])) for k, kind in enumerate(page_files.SHARE_KINDS)}
     except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
         mine = exc
     parts = [json.loads(coll.broadcast_bytes(json.dumps({"part": part, "error": _error(mine)}).encode()
@@ -130,8 +130,8 @@ def _write_and_publish(engine: checkpoint.Checkpointed, coll: Collectives, root:
             remove(tmp)
             raise InvalidRequest(f"save: a rank could not write its share of the moments ({'; '.join(failed)}); "
                                  "nothing was published, latest is unchanged")
-        moments = {kind: checkpoint.merge_shares([(p["part"][kind][0], p["part"][kind][1]) for p in parts])
-                   for kind in checkpoint.SHARE_KINDS}
+        moments = {kind: page_files.merge_shares([(p["part"][kind][0], p["part"][kind][1]) for p in parts])
+                   for kind in page_files.SHARE_KINDS}
         return checkpoint.finish_save(engine, root, tmp, keep, rngs, moments)
 
     try:

@@ -39,12 +39,7 @@ from pagemem.engine.units.state_moves import StatesMoved
 from pagemem.engine.units.unit import Unit
 from pagemem.engine.units.values import FromModule, ValueSource, check_source, materialize_meta
 from pagemem.engine.units.shards import StateShards, master_shardable, shard_states
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-"""The states sharded over ranks ([Note: sharded moments] in ``units/shards.py``); the master
-weights too where ``ParamBank.master_sharded`` says so ([Note: sharded master weights])."""
-
-
+from pagemem.engine.units.state_shares import MOMENTS, ShardedStates
 
 
 def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
@@ -55,7 +50,7 @@ def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
             dst.add_(grad.to(device=dst.device, dtype=dst.dtype))
 
 
-class ParamBank(StatesMoved):
+class ParamBank(StatesMoved, ShardedStates):
     def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype | None, optimizer_tier: str,
                  unit_bytes: int | None = None, source: ValueSource | None = None,
                  states_apart: bool = False, home_tier: str = "cpu", ranks: tuple[int, int] = (0, 1)) -> None:
@@ -272,28 +267,6 @@ class ParamBank(StatesMoved):
         t = layer.master[k] if layer.master[k] is not None and not self.master_sharded(i) else layer.compute[k]
         return t.to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
 
-    def master_sharded(self, i: int) -> bool:
-        """Whether this rank holds only its share (``owned``) of parameter ``i``'s master weights
-        ([Note: sharded master weights])."""
-        return self._master_sharded[i]
-
-    def is_sharded(self, i: int, kind: str) -> bool:
-        """Whether parameter ``i``'s ``kind`` state holds this rank's share only (flat, ``owned``)."""
-        return (kind in MOMENTS and self.shards is not None) or (kind == "master" and self._master_sharded[i])
-
-    def master_whole_here(self, i: int) -> bool:
-        """Whether ``host_value(i, torch.float32)`` is parameter ``i``'s fp32 master weights: the
-        master is whole here, or the compute copy is fp32 (it holds the master's bits)."""
-        return not self._master_sharded[i] or self.compute_dtype_of(i) == torch.float32
-
-    def _mine(self, i: int, kind: str, value: torch.Tensor) -> torch.Tensor:
-        """``value`` (parameter ``i``'s whole ``kind`` state), or this rank's elements of it flat
-        where the rank holds a share only."""
-        if not self.is_sharded(i, kind):
-            return value
-        a, b = self.owned(i)
-        return value.reshape(-1)[a:b]
-
     def host_state(self, i: int, kind: str) -> torch.Tensor:
         """Parameter ``i``'s ``kind`` state (``exp_avg``, ``exp_avg_sq``, ``master``) on the host;
         with sharded moments (and master weights: ``master_sharded``), this rank's elements of it
@@ -305,36 +278,6 @@ class ParamBank(StatesMoved):
                 return torch.zeros(0)
             raise InvalidRequest(f"parameter {self.params[i][0]!r} has no {kind} (it is frozen)")
         return t.to_torch().cpu().reshape(self.state_shape(i, kind))
-
-    # ------------------------------------------------------------------ sharded moments
-
-    def every_share(self) -> list[StateShards]:
-        """Every rank's share, in rank order (this rank's is ``shards``; every rank computes the
-        same: ``shard_states`` is a function of the model and the page size)."""
-        mine = self.shards
-        assert mine is not None, "the states are not sharded"
-        if self._every_share is None:
-            units = [list(layer.params) for layer in self.layers]
-            numels = [p.numel() for _, p in self.params]
-            self._every_share = [mine if r == mine.rank else shard_states(
-                units, numels, [True] * len(numels), self.store.page_bytes, r, mine.world_size)
-                for r in range(mine.world_size)]
-        return self._every_share
-
-    def owned(self, i: int) -> tuple[int, int]:
-        """The elements ``[a, b)`` of parameter ``i``'s moments this rank holds and updates
-        ([Note: sharded moments]; every element with one rank)."""
-        return self.shards.ranges[i] if self.shards is not None else (0, self.params[i][1].numel())
-
-    def owned_numel(self, i: int) -> int:
-        a, b = self.owned(i)
-        return b - a
-
-    def state_shape(self, i: int, kind: str) -> torch.Size:
-        """The shape of parameter ``i``'s ``kind`` pages: its own, or flat for a sharded state."""
-        if self.is_sharded(i, kind):
-            return torch.Size([self.owned_numel(i)])
-        return self.params[i][1].shape
 
     def compute_pages(self, li: int) -> int:
         """Pages unit ``li``'s compute copy moves to and from the gpu (none where it is the master)."""
