@@ -16,7 +16,8 @@ caught, and it goes on), ``unused`` /
 that step), ``resume`` (load the latest checkpoint under it first, and train from its step; ``resume_r<rank>``
 for one rank),
 ``gpu_bytes``, ``clip``, ``weights_dir`` (``save_weights`` there at the end, on every rank),
-``precision=bf16`` (a bf16 model computing in bf16), ``shard=0`` (``shard_optimizer_states=False``).
+``precision=bf16`` (a bf16 model computing in bf16), ``shard=0`` (``shard_optimizer_states=False``),
+``halve_at`` (before that step's forward, every rank halves some parameters through ``p.data``).
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                     except pagemem.PageMemError as after:
                         print(f"after Ctrl-C, step() raised {type(after).__name__}: {after}", file=sys.stderr)
                     raise
+            if "halve_at" in opts and step == int(opts["halve_at"]):
+                with torch.no_grad():  # on every rank, through .data: no version counter moves
+                    for n, p in model.named_parameters():
+                        if n.endswith("mlp.c_fc.weight") or n.endswith("ln_f.weight"):
+                            p.data.mul_(0.5)
             x = batch_of(step, rank, world)
             loss = engine(input_ids=x, labels=x).loss
             if mode == "fail1" and rank == victim and step == int(opts.get("at", 2)):

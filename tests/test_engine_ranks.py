@@ -209,6 +209,18 @@ def test_a_bf16_model_with_sharded_master_weights_trains_as_replicas_and_resumes
     assert 0 < distance(one, sharded) < 1e-2  # the ranks' sums in another order, through bf16 compute
 
 
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+def test_a_write_through_data_between_steps_is_kept_with_sharded_master_weights(tmp_path, precision):
+    """``p.data.mul_(0.5)`` between steps on every rank moves no version counter; with sharded
+    master weights the compute copy the write landed in is what ``host_value`` read, so the write
+    went unseen and the update overwrote it from the unwritten master share (silently wrong
+    weights). The sharded run equals replicas' bit for bit."""
+    opts = dict(steps=4, halve_at=2, precision=precision)
+    sharded = run_ok("engine", 2, tmp_path / "sharded.pt", **opts)
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", shard=0, **opts)
+    assert distance(sharded, replicas) == 0.0
+
+
 @pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow), 0])
 def test_a_killed_rank_makes_the_others_fail_naming_it(tmp_path, victim):
     rcs, errs, after = launch("kill", 3, tmp_path / "k.pt", timeout=120, victim=victim)

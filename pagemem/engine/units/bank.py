@@ -301,6 +301,14 @@ class ParamBank(StatesMoved, ShardedStates):
         if kind == "master" and (t is not None or self.master_sharded(i) and self.is_trainable(i)):
             self.refresh_compute(i, value)
 
+    def write_compute(self, i: int, value: torch.Tensor) -> None:
+        """Every copy of parameter ``i``'s compute copy takes ``value``; its master weights are
+        left as they are."""
+        if self.compute_is_master:
+            return
+        layer, k = self.where(i)
+        layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
+
     def write_parameter(self, i: int, value: torch.Tensor) -> None:
         """Parameter ``i`` was written (in place, by user code): its master weights (or, frozen,
         its compute copy) take ``value``, and every copy of its compute copy too."""

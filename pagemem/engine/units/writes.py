@@ -69,7 +69,10 @@ class KeepsWrites:
                 elsewhere = p.numel() > 0 and storage_ptr(p) != u.bound_ptrs.get(i)
                 if not moved and not elsewhere and i in self._data_taken:
                     self._wait_for_updates([i])  # an update behind backward changes master, then copy
-                    moved = not torch.equal(p.data, self.bank.host_value(i, p.dtype).to(p.device))
+                    if self.bank.master_sharded(i) and self.bank.is_trainable(i):
+                        moved = self._sharded_data_moved(i, p)
+                    else:
+                        moved = not torch.equal(p.data, self.bank.host_value(i, p.dtype).to(p.device))
                 self._data_taken.discard(i)
                 if moved or elsewhere:
                     self.bank.write_parameter(i, p.data)
@@ -77,6 +80,23 @@ class KeepsWrites:
                     self.written += 1
                     replaced |= elsewhere
         return replaced
+
+    def _sharded_data_moved(self, i: int, p: torch.Tensor) -> bool:
+        """Whether a write through parameter ``i``'s ``.data`` changed the elements whose master
+        weights this rank holds ([Note: sharded master weights]). ``host_value`` is the compute
+        copy there, the very pages ``p.data`` views, so comparing with it would never see a
+        write (the update would then overwrite it from the unwritten master share). The share is
+        compared with this rank's master share instead; the other elements have no master here
+        to compare with (the ranks owning them see the write in theirs), so every copy of the
+        compute copy takes the bound values, which the forwards before the next update read."""
+        a, b = self.bank.owned(i)
+        mine = self.bank.host_state(i, "master")  # empty where this rank owns none of it
+        flat = p.data.reshape(-1)[a:b].cpu()
+        if not torch.equal(flat, mine.to(p.dtype)):
+            return True
+        if b - a < p.numel():
+            self.bank.write_compute(i, p.data.detach().clone())
+        return False
 
 
 def storage_ptr(t: torch.Tensor) -> int:
