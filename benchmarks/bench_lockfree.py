@@ -123,20 +123,27 @@ def run(make, hf: bool, cfg: pagemem.EngineConfig, steps: int, seed: int = 0,
     after the first steps, when the engine has started its threads ([Note: a core partition])."""
     succ = successor_table()
     model = make()
-    losses, seconds, cpu = [], [], []
+    losses, seconds, cpu, updater = [], [], [], []
     with pagemem.Engine(model, cfg) as engine:
+        lf = engine.lockfree
         for s in range(steps):
             if partition is not None and s in (0, 3):
                 partition.apply()
             t0, c0, o0 = time.perf_counter(), time.thread_time(), _engine_threads_cpu()
+            w0, u0 = (lf.waited_s, lf.updates) if lf is not None else (0.0, 0)
             loss = loss_of(engine, batch(s, succ, seed), hf)
             engine.backward(loss)
             engine.step()
             seconds.append(time.perf_counter() - t0)
             cpu.append((time.thread_time() - c0, _engine_threads_cpu() - o0))
+            updater.append((lf.waited_s - w0, lf.updates - u0) if lf is not None else (0.0, 0))
             losses.append(loss.item())
         stats = engine.stats()
         stats["cpu_s"] = cpu  # per iteration: the compute thread's cpu seconds, and the engine threads'
+        # per iteration: seconds the compute waited for the updating thread, and the units it updated
+        # (each update reads and writes its unit's states once, however many iterations it holds)
+        stats["updater_per_iteration"] = updater
+        stats["units"] = len(engine.bank.layers)
 
         stats["followed"] = (engine.pager.last_plan, engine.pager.last_trace)
     return losses, seconds, stats
@@ -155,15 +162,24 @@ def _engine_threads_cpu() -> float:
 
 
 def cpu_ms(r, steps: int) -> dict:
-    """Per iteration (median over the last half): the compute thread's cpu ms, the engine threads'
-    cpu ms, and the compute thread's wall ms less its cpu ms (waiting: for the updater, the GIL, a
-    core taken by another process)."""
+    """Per iteration, over the last half (past the default's synchronous steps, whose waits for
+    the whole update are not the steady state's): the compute thread's cpu ms, the engine
+    threads' cpu ms, the compute thread's wall ms less its cpu ms (waiting: for the updater, the
+    GIL, a core taken by another process; medians), the ms it waited for the updating thread and
+    the unit updates (means; each update moves its unit's states in and out once, so
+    ``pass_fraction`` = updates / units is the share of a state pass the disk moves per iteration)."""
     half = r[2]["cpu_s"][steps // 2:]
     walls = r[1][steps // 2:]
-    return {"compute_cpu_ms": 1e3 * statistics.median(c for c, _ in half),
-            "engine_threads_cpu_ms": 1e3 * statistics.median(o for _, o in half),
-            "compute_not_running_ms": 1e3 * statistics.median(w - c for w, (c, _) in zip(walls, half)),
-            "waited_for_updater_ms": 1e3 * (r[2]["staleness"] or {}).get("waited_s", 0.0) / steps}
+    upd = r[2].get("updater_per_iteration", [])[steps // 2:]
+    out = {"compute_cpu_ms": 1e3 * statistics.median(c for c, _ in half),
+           "engine_threads_cpu_ms": 1e3 * statistics.median(o for _, o in half),
+           "compute_not_running_ms": 1e3 * statistics.median(w - c for w, (c, _) in zip(walls, half)),
+           "waited_for_updater_ms": 1e3 * statistics.mean(w for w, _ in upd) if upd else 0.0,
+           "waited_for_updater_all_steps_ms": 1e3 * (r[2]["staleness"] or {}).get("waited_s", 0.0) / steps}
+    if upd and r[2]["staleness"]:
+        out["updates_per_iteration"] = statistics.mean(n for _, n in upd)
+        out["pass_fraction"] = out["updates_per_iteration"] / r[2]["units"]
+    return out
 
 
 def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None = None,
@@ -373,10 +389,12 @@ def main() -> None:
                 ["states on nvme, lock-free, never waits", t["ms_never_waits_nvme"], t["ratio_never_waits_nvme"], "",
                  pr.get("ms_never_waits"), c["never_waits"]]]
         print(table(["engine", "ms / iteration", "x anchor", "goal", "simulator ms (error)", "compute cpu ms",
-                     "engine threads cpu ms", "compute not running ms", "waited for updater ms"],
+                     "engine threads cpu ms", "compute not running ms", "waited for updater ms",
+                     "state passes / it"],
                     [[name, f"{ms:.0f}", f"{x:.2f}", goal, err(p, ms), f"{u['compute_cpu_ms']:.0f}",
                       f"{u['engine_threads_cpu_ms']:.0f}", f"{u['compute_not_running_ms']:.0f}",
-                      f"{u['waited_for_updater_ms']:.1f}"] for name, ms, x, goal, p, u in rows],
+                      f"{u['waited_for_updater_ms']:.1f}",
+                      f"{u['pass_fraction']:.2f}" if "pass_fraction" in u else ""] for name, ms, x, goal, p, u in rows],
                     title=f"throughput, partition {t['partition']}, load average {t['load_average'][0]:.1f} "
                           f"(nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
                           f"lock-free staleness mean {t['staleness']['mean']:.2f}, max {t['staleness']['max']}, "
