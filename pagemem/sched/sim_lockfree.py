@@ -84,11 +84,10 @@ def _updater_task(task) -> bool:
 
 def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile,
                        max_staleness: int | None = None) -> LockFreePrediction:
-    """Predict an iteration of ``plan`` with the lock-free updater (see the Note); with
-    ``max_staleness`` (``EngineConfig.effective_max_staleness``) the compute side waits where a
-    pass spans more than ``max_staleness + 1`` iterations, so an iteration takes at least
-    ``pass / (max_staleness + 1)`` (the steady state: the engine's first ``synchronous_steps``
-    are not modelled)."""
+    """Predict an iteration of ``plan`` with the lock-free updater (see the Notes): the compute
+    side and the updating thread's pass costed from the plan's tasks, then the engine's rules
+    replayed unit by unit with ``max_staleness`` (``EngineConfig.effective_max_staleness``; the
+    steady state: the engine's first ``synchronous_steps`` are not modelled)."""
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan: expected a pagemem.sched.Plan, got {type(plan).__name__}")
     if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
