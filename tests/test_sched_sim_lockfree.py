@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagemem.sched import HardwareProfile, simulate
 from pagemem.sched.hardware import HOST_STAND_IN_SHARED
@@ -116,3 +118,23 @@ def test_the_replay_follows_the_engines_rules_on_a_hand_checked_case():
     slow = [_Unit(0, 0.040, 0.040, 0.0, 0.0, 0.015)]
     t, staleness = _follow(slow, 0.030, 1)
     assert 0.030 < t < 0.080 and t >= 0.020 and staleness <= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=st.lists(st.tuples(st.floats(0.0, 0.05), st.floats(0.0, 0.05), st.floats(0.0, 0.01),
+                                st.floats(0.0, 1.0)), min_size=1, max_size=6),
+       compute=st.floats(0.005, 0.1), bound=st.sampled_from([None, 0, 1, 2, 3]), keep=st.booleans())
+def test_the_replay_keeps_the_bound_and_never_beats_the_compute(costs, compute, bound, keep):
+    """Whatever the costs: the iteration is at least the compute side's (exactly it when nothing
+    bounds the lag), the mean lag at an iteration's start is within the bound, and a bound of 0
+    makes every iteration wait for its whole update (at least the disk's pass)."""
+    units = [_Unit(len(costs) - 1 - i, read, read, step, 0.0, compute * fresh)
+             for i, (read, _, step, fresh) in enumerate(costs)]
+    t, staleness = _follow(units, compute, bound, keep=keep)
+    assert t >= compute * (1 - 1e-9)
+    if bound is None:
+        assert t == pytest.approx(compute)
+    else:
+        assert staleness <= bound + 1e-9
+    if bound == 0:
+        assert t >= sum(2 * read for read, _, _, _ in costs) * (1 - 1e-9)
