@@ -495,16 +495,19 @@ class LockFreeUpdater:
             finally:
                 for lease in leases:
                     lease.release()
+        # the write-back: the store orders the next read of these pages behind it. Submitted before
+        # the update is published, so that a caller who waited for the publication (a checkpoint
+        # reading the states) finds the move queued, not racing its lease on the pages
+        writeback = None
+        if fetched is not None and not self._keeps(u):
+            writeback = self.store.move(layer.states(), "nvme")
+            self.writebacks += 1
         _seam("publish")
-        with self._cond:  # published before the write-back is submitted: the compute may be waiting for it
+        with self._cond:
             self._published.append(_Published(u, k, values, drift))
             self.updates += 1
             self._cond.notify_all()
-        if fetched is None or self._keeps(u):
-            return None
-        self.writebacks += 1
-        # the write-back: the store orders the next read of these pages behind it
-        return self.store.move(layer.states(), "nvme")
+        return writeback
 
     def _keeps(self, u: int) -> bool:
         """After an update of unit ``u`` (states on nvme): keep its states in cpu memory for its
