@@ -531,7 +531,12 @@ def _predicted(p: _Published, ahead: int) -> dict[int, torch.Tensor]:
     ([Note: predicting past the staleness]): the update itself, or extrapolated by its drift."""
     if p.drift is None or ahead <= 0:
         return p.values
-    return {i: torch.add(v, p.drift[i], alpha=ahead) for i, v in p.values.items()}
+    # one torch call for the unit, not one per parameter: each call on the compute thread gives
+    # the GIL up and waits to take it back from the updating thread (a py-spy profile found the
+    # compute thread waiting there, ~3.7 ms per iteration; timed under load, no difference beyond
+    # the noise); the same kernel per tensor, so the same values, bit for bit
+    keys = list(p.values)
+    return dict(zip(keys, torch._foreach_add([p.values[i] for i in keys], [p.drift[i] for i in keys], alpha=ahead)))
 
 
 @contextlib.contextmanager
