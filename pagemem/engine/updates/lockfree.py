@@ -57,9 +57,10 @@ the unit (``_keeps``), the units staggered by their index so that their write-ba
 the iterations; the disk moves ``1 / (b + 1)`` of a pass per iteration, as the simulator's
 lock-free mode assumed. Values are the same (the same AdamW steps on the same states): only
 where the states are between updates changes. Cost: cpu memory for the kept units' states
-(about a pass's worth spread over ``b + 1`` iterations: three of four units in the benchmark at
-most, against two before); where a fetch finds no room, the kept states of other units are
-written back first (``_fetch``), so a tight cpu budget falls back to writing every update.
+(in the benchmark, at the end of an update, mostly one to three of its four units' states were
+on the cpu, all four now and then; the budget check counts two); where a fetch finds no room,
+the kept states of other units are written back first (``_fetch``), so a tight cpu budget
+falls back to writing every update.
 Without a bound (the paper's behaviour: an update takes every iteration since the last) and
 at a bound of 0 (synchronous steps), every update writes back, as before.
 
