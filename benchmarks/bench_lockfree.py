@@ -247,7 +247,8 @@ def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None =
         scale = anchor[1] / predicted
         calibrated_hw = dataclasses.replace(hw, compute_scale=hw.compute_scale * scale)
         out["ms_anchor"] = 1e3 * predicted
-        out["calibrated"] = {"compute_scale": scale, "ms_anchor": 1e3 * simulate(a_plan, a_tr, calibrated_hw).iteration_time,
+        out["calibrated"] = {"compute_scale": scale,
+                             "ms_anchor": 1e3 * simulate(a_plan, a_tr, calibrated_hw).iteration_time,
                              **rows(calibrated_hw)}
     return out
 
@@ -419,8 +420,8 @@ def main() -> None:
 
         c = t["cpu"]
         cal = pr.get("calibrated", {})
-        rows = [["states on cpu (anchor)", t["ms_anchor_cpu_states"], 1.0, "", pr.get("ms_anchor"), cal.get("ms_anchor"),
-                 c["anchor"]],
+        rows = [["states on cpu (anchor)", t["ms_anchor_cpu_states"], 1.0, "", pr.get("ms_anchor"),
+                 cal.get("ms_anchor"), c["anchor"]],
                 ["states on nvme, synchronous", t["ms_sync_nvme"], t["ratio_sync_nvme"],
                  ">= 2: " + ("met" if t["ratio_sync_nvme"] >= 2 else "NOT met"), pr.get("ms_sync"), cal.get("ms_sync"),
                  c["sync_nvme"]],
@@ -437,7 +438,8 @@ def main() -> None:
                       f"{u['engine_threads_cpu_ms']:.0f}", f"{u['compute_not_running_ms']:.0f}",
                       f"{u['compute_blocked_ms']:.0f}",
                       f"{u['waited_for_updater_ms']:.1f}",
-                      f"{u['pass_fraction']:.2f}" if "pass_fraction" in u else ""] for name, ms, x, goal, p, q, u in rows],
+                      f"{u['pass_fraction']:.2f}" if "pass_fraction" in u else ""]
+                     for name, ms, x, goal, p, q, u in rows],
                     title=f"throughput, partition {t['partition']}, load average {t['load_average'][0]:.1f} "
                           f"(nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
                           f"lock-free staleness mean {t['staleness']['mean']:.2f}, max {t['staleness']['max']}, "
