@@ -204,3 +204,64 @@ class HeldStates(RuleBasedStateMachine):
 TestHeldStates = HeldStates.TestCase
 TestHeldStates.settings = settings(max_examples=8, stateful_step_count=8, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_the_updating_thread_starts_its_pass_after_the_steps_drain(tmp_path, monkeypatch):
+    """[Note: the drain before the wake-up]: ``step()`` writes the published updates before the
+    updating thread is woken for the iteration it submitted, so no take of the next pass runs
+    while that drain does (both are Python on one GIL). The updating thread is slowed so that
+    its updates land mid-iteration, and each drained update takes 20 ms: woken at ``submit``,
+    it would take units meanwhile."""
+    import threading
+    import time
+
+    from pagemem.engine.updates import lockfree
+
+    draining = threading.Event()
+    overlaps, drained = [], []
+    seen = {"update": 0, "publish": 0}
+
+    def seam(where):
+        if where in seen:
+            seen[where] += 1
+        if where == "update":
+            time.sleep(0.02)
+        elif where == "drain" and draining.is_set():
+            drained.append(1)
+            time.sleep(0.02)
+        elif where == "take" and draining.is_set():
+            overlaps.append(1)
+
+    real_after = lockfree.LockFreeUpdater.after_step
+    real_drain = lockfree.LockFreeUpdater.drain
+
+    def after_step(self):
+        draining.set()
+        try:
+            return real_after(self)
+        finally:
+            draining.clear()
+
+    def drain(self, limit=None):
+        out = real_drain(self, limit)
+        draining.clear()  # the drain is over: the wake-up follows
+        return out
+
+    monkeypatch.setattr(lockfree, "SEAM", seam)
+    monkeypatch.setattr(lockfree.LockFreeUpdater, "after_step", after_step)
+    monkeypatch.setattr(lockfree.LockFreeUpdater, "drain", drain)
+    make, loss = case()
+    model = make()
+    cfg = engine_config(make(), loss, tmp_path, "cpu", lock_free=True, synchronous_steps=0, max_staleness=1,
+                        fraction=0.0)
+    with pagemem.Engine(model, cfg) as engine:
+        for s in range(6):
+            engine.backward(loss(engine, model, s))  # every unit holds this iteration now: none is takeable
+            deadline = time.monotonic() + 30
+            while seen["update"] != seen["publish"] and time.monotonic() < deadline:
+                time.sleep(0.005)  # updates taken before the backward reached their unit land
+            engine.step()
+        stats = engine.stats()["staleness"]
+    assert drained, "no update was left for step()'s drain: the case does not test the order"
+    assert not overlaps
+    assert stats["max"] <= 1

@@ -235,7 +235,8 @@ class LockFreeUpdater:
                 self._units[u].lag += 1
             self._hps = list(hps)
             self.iterations += 1
-            self._cond.notify_all()
+            # the updating thread is woken by after_step, once the drain is done ([Note: the drain
+            # before the wake-up]); any wait of the compute side wakes it too
         return True
 
     # ------------------------------------------------------------------ the compute side
@@ -256,7 +257,21 @@ class LockFreeUpdater:
         # are: the latest update published (predicted past its lag, as the next forward sees
         # it), never older than the last forward's. (A state dict, the engine's or the model's,
         # drains every update first: ``quiesce``.)
-        self.drain(limit=None)
+        #
+        # [Note: the drain before the wake-up]
+        # ``submit`` does not wake the updating thread: this drain runs first, then it is woken.
+        # Both sides are Python on one GIL; woken at once, the updating thread starts its pass
+        # (submitting reads: Python per page) while this drain's torch calls give the GIL up and
+        # wait to take it back (issue 33: the drain took 8 ms of the compute thread's cpu and
+        # 4 ms blocked per iteration; drained first, 2.6 and 0.1, A/B under load). Nothing waits
+        # on the order: a wait of the compute side (``_drain_until``)
+        # wakes the thread itself, so a step() that raised between ``submit`` and here delays
+        # the pass until the next wait at most.
+        try:
+            self.drain(limit=None)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
 
     def bound(self) -> int | None:
         """The most iterations a unit may lag now ([Note: the lock-free default])."""
@@ -306,6 +321,7 @@ class LockFreeUpdater:
                     return
                 if not ready:
                     t0 = time.perf_counter()
+                    self._cond.notify_all()  # it may not be woken yet ([Note: the drain before the wake-up])
                     self._cond.wait(_POLL_SECONDS)
                     self.waited_s += time.perf_counter() - t0
                     continue
