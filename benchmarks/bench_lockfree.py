@@ -123,20 +123,30 @@ def run(make, hf: bool, cfg: pagemem.EngineConfig, steps: int, seed: int = 0,
     after the first steps, when the engine has started its threads ([Note: a core partition])."""
     succ = successor_table()
     model = make()
-    losses, seconds, cpu = [], [], []
+    losses, seconds, cpu, updater = [], [], [], []
     with pagemem.Engine(model, cfg) as engine:
+        lf = engine.lockfree
         for s in range(steps):
             if partition is not None and s in (0, 3):
                 partition.apply()
-            t0, c0, o0 = time.perf_counter(), time.thread_time(), _engine_threads_cpu()
+            t0, c0, o0, q0 = time.perf_counter(), time.thread_time(), _engine_threads_cpu(), _runnable_s()
+            w0, u0, b0 = (lf.waited_s, lf.updates, lf.writebacks) if lf is not None else (0.0, 0, 0)
             loss = loss_of(engine, batch(s, succ, seed), hf)
             engine.backward(loss)
             engine.step()
             seconds.append(time.perf_counter() - t0)
-            cpu.append((time.thread_time() - c0, _engine_threads_cpu() - o0))
+            cpu.append((time.thread_time() - c0, _engine_threads_cpu() - o0, _runnable_s() - q0))
+            updater.append((lf.waited_s - w0, lf.updates - u0, lf.writebacks - b0) if lf is not None else (0.0, 0, 0))
             losses.append(loss.item())
         stats = engine.stats()
-        stats["cpu_s"] = cpu  # per iteration: the compute thread's cpu seconds, and the engine threads'
+        # per iteration: the compute thread's cpu seconds, the engine threads', and the seconds the
+        # compute thread was runnable but not running (waiting for a core: other processes' load)
+        stats["cpu_s"] = cpu
+        # per iteration: seconds the compute waited for the updating thread, the unit updates it
+        # made and the units' states it wrote back (each read in again later; [Note: a fetch
+        # serves the bound's updates])
+        stats["updater_per_iteration"] = updater
+        stats["units"] = len(engine.bank.layers)
 
         stats["followed"] = (engine.pager.last_plan, engine.pager.last_trace)
     return losses, seconds, stats
@@ -154,25 +164,53 @@ def _engine_threads_cpu() -> float:
     return total
 
 
+def _runnable_s() -> float:
+    """Seconds the calling thread has waited runnable for a core (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def cpu_ms(r, steps: int) -> dict:
-    """Per iteration (median over the last half): the compute thread's cpu ms, the engine threads'
-    cpu ms, and the compute thread's wall ms less its cpu ms (waiting: for the updater, the GIL, a
-    core taken by another process)."""
+    """Per iteration, over the last half (past the default's synchronous steps, whose waits for
+    the whole update are not the steady state's): the compute thread's cpu ms, the engine
+    threads' cpu ms, the compute thread's wall ms less its cpu ms (waiting: for the updater, the
+    GIL, a core taken by another process; medians), the ms it waited for the updating thread and
+    the unit updates and write-backs (means; each write-back is one unit's states out and, later,
+    in again, so ``pass_fraction`` = write-backs / units is the share of a state pass the disk
+    moves per iteration)."""
     half = r[2]["cpu_s"][steps // 2:]
     walls = r[1][steps // 2:]
-    return {"compute_cpu_ms": 1e3 * statistics.median(c for c, _ in half),
-            "engine_threads_cpu_ms": 1e3 * statistics.median(o for _, o in half),
-            "compute_not_running_ms": 1e3 * statistics.median(w - c for w, (c, _) in zip(walls, half)),
-            "waited_for_updater_ms": 1e3 * (r[2]["staleness"] or {}).get("waited_s", 0.0) / steps}
+    upd = r[2].get("updater_per_iteration", [])[steps // 2:]
+    out = {"compute_cpu_ms": 1e3 * statistics.median(c for c, _, _ in half),
+           "engine_threads_cpu_ms": 1e3 * statistics.median(o for _, o, _ in half),
+           "compute_not_running_ms": 1e3 * statistics.median(w - c for w, (c, _, _) in zip(walls, half)),
+           # of which runnable, waiting for a core (the machine's load), and blocked (the GIL, a lock,
+           # the updating thread, the disk): what the load does not explain
+           "compute_waiting_for_a_core_ms": 1e3 * statistics.median(q for _, _, q in half),
+           "compute_blocked_ms": 1e3 * statistics.median(w - c - q for w, (c, _, q) in zip(walls, half)),
+           "waited_for_updater_ms": 1e3 * statistics.mean(w for w, _, _ in upd) if upd else 0.0,
+           "waited_for_updater_all_steps_ms": 1e3 * (r[2]["staleness"] or {}).get("waited_s", 0.0) / steps}
+    if upd and r[2]["staleness"]:
+        out["updates_per_iteration"] = statistics.mean(n for _, n, _ in upd)
+        out["pass_fraction"] = statistics.mean(b for _, _, b in upd) / r[2]["units"]
+    return out
 
 
 def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None = None,
-            max_staleness: int | None = None) -> dict:
+            max_staleness: int | None = None, anchor: tuple[dict, float] | None = None) -> dict:
     """The simulator's iteration for the plan the engine followed, synchronous and lock-free, on
     the ``dev-vm`` profile with the disk at the capped bandwidth and op durations timed now
     (per op, the median of three traces of a copy of the model, on the compute's cores when
     partitioned). With ``partition``, only the compute and the stand-in's copies share a
-    processor, and CPU Adam runs at the profile's rate per thread times the other cores."""
+    processor, and CPU Adam runs at the profile's rate per thread times the other cores.
+    ``anchor``: the anchor run's stats and its measured seconds per iteration: its own plan is
+    predicted too, and every row again with the ops' durations scaled so that the anchor's
+    prediction is its measurement (``calibrated``: the engine's host work around each op on the
+    compute thread, which a plain model's trace does not time; one factor, fitted on the anchor
+    alone, so the other rows stay predictions)."""
     plan_, engine_trace = stats["followed"]
     if plan_ is None:
         return {}
@@ -181,7 +219,8 @@ def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None =
     for _ in range(3):
         twin = make()
         timed.append(trace(twin, lambda: loss_of(twin, batch(0, succ), False).backward()))
-    tr = with_durations(engine_trace, median_durations(timed))
+    durations = median_durations(timed)
+    tr = with_durations(engine_trace, durations)
     hw = HardwareProfile.builtin("dev-vm")
     share = hw.ranks_per_server  # the profile's nvme rates are the server's
     hw = dataclasses.replace(hw, nvme_read_bytes_per_s=bandwidth * share, nvme_write_bytes_per_s=bandwidth * share)
@@ -190,13 +229,28 @@ def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None =
         hw = dataclasses.replace(hw, shared_processor=("compute", "h2d", "d2h"),
                                  cpu_adam_elements_per_s=hw.cpu_adam_elements_per_s * len(partition.others)
                                  / measured_threads)
-    sync = simulate(plan_, tr, hw)
-    free = simulate_lock_free(plan_, tr, hw, max_staleness)
-    never = simulate_lock_free(plan_, tr, hw)
-    return {"ms_sync": 1e3 * sync.iteration_time, "ms_lock_free": 1e3 * free.iteration_time,
-            "ms_never_waits": 1e3 * never.iteration_time,
-            "ms_update_pass": 1e3 * free.update_pass_time, "staleness": free.staleness,
-            "pass_busy_ms": {k: 1e3 * v for k, v in free.pass_busy.items()}}
+
+    def rows(profile: HardwareProfile) -> dict:
+        sync = simulate(plan_, tr, profile)
+        free = simulate_lock_free(plan_, tr, profile, max_staleness)
+        never = simulate_lock_free(plan_, tr, profile)
+        return {"ms_sync": 1e3 * sync.iteration_time, "ms_lock_free": 1e3 * free.iteration_time,
+                "ms_never_waits": 1e3 * never.iteration_time,
+                "ms_update_pass": 1e3 * free.update_pass_time, "staleness": free.staleness,
+                "pass_busy_ms": {k: 1e3 * v for k, v in free.pass_busy.items()}}
+
+    out = rows(hw)
+    if anchor is not None and anchor[0]["followed"][0] is not None:
+        a_plan, a_trace = anchor[0]["followed"]
+        a_tr = with_durations(a_trace, durations)
+        predicted = simulate(a_plan, a_tr, hw).iteration_time
+        scale = anchor[1] / predicted
+        calibrated_hw = dataclasses.replace(hw, compute_scale=hw.compute_scale * scale)
+        out["ms_anchor"] = 1e3 * predicted
+        out["calibrated"] = {"compute_scale": scale,
+                             "ms_anchor": 1e3 * simulate(a_plan, a_tr, calibrated_hw).iteration_time,
+                             **rows(calibrated_hw)}
+    return out
 
 
 def state_bytes(make) -> int:
@@ -304,7 +358,8 @@ def throughput(steps: int, bandwidth_factor: float, partition: CorePartition | N
             "ms_sync_nvme": 1e3 * t_sync, "ms_lock_free_nvme": 1e3 * t_free,
             "ratio_sync_nvme": t_sync / t_anchor, "ratio_lock_free_nvme": t_free / t_anchor,
             "staleness": free[2]["staleness"],
-            "predicted": predict(free[2], make, bandwidth, partition, free_cfg.effective_max_staleness),
+            "predicted": predict(free[2], make, bandwidth, partition, free_cfg.effective_max_staleness,
+                                 anchor=(anchor_run[2], t_anchor)),
             "ms_never_waits_nvme": 1e3 * t_never, "ratio_never_waits_nvme": t_never / t_anchor,
             "staleness_never_waits": never[2]["staleness"],
             "cpu": {k: cpu_ms(r, steps) for k, r in (("anchor", anchor_run), ("sync_nvme", sync), ("lock_free", free),
@@ -364,19 +419,27 @@ def main() -> None:
             return f"{predicted:.0f} ({100 * (predicted / measured - 1):+.0f}%)" if predicted else "-"
 
         c = t["cpu"]
-        rows = [["states on cpu (anchor)", t["ms_anchor_cpu_states"], 1.0, "", None, c["anchor"]],
+        cal = pr.get("calibrated", {})
+        rows = [["states on cpu (anchor)", t["ms_anchor_cpu_states"], 1.0, "", pr.get("ms_anchor"),
+                 cal.get("ms_anchor"), c["anchor"]],
                 ["states on nvme, synchronous", t["ms_sync_nvme"], t["ratio_sync_nvme"],
-                 ">= 2: " + ("met" if t["ratio_sync_nvme"] >= 2 else "NOT met"), pr.get("ms_sync"), c["sync_nvme"]],
+                 ">= 2: " + ("met" if t["ratio_sync_nvme"] >= 2 else "NOT met"), pr.get("ms_sync"), cal.get("ms_sync"),
+                 c["sync_nvme"]],
                 ["states on nvme, lock-free (default)", t["ms_lock_free_nvme"], t["ratio_lock_free_nvme"],
                  "<= 1.15: " + ("met" if t["ratio_lock_free_nvme"] <= 1.15 else "NOT met"), pr.get("ms_lock_free"),
-                 c["lock_free"]],
+                 cal.get("ms_lock_free"), c["lock_free"]],
                 ["states on nvme, lock-free, never waits", t["ms_never_waits_nvme"], t["ratio_never_waits_nvme"], "",
-                 pr.get("ms_never_waits"), c["never_waits"]]]
-        print(table(["engine", "ms / iteration", "x anchor", "goal", "simulator ms (error)", "compute cpu ms",
-                     "engine threads cpu ms", "compute not running ms", "waited for updater ms"],
-                    [[name, f"{ms:.0f}", f"{x:.2f}", goal, err(p, ms), f"{u['compute_cpu_ms']:.0f}",
+                 pr.get("ms_never_waits"), cal.get("ms_never_waits"), c["never_waits"]]]
+        print(table(["engine", "ms / iteration", "x anchor", "goal", "simulator ms (error)",
+                     f"simulator, ops x{cal.get('compute_scale', 1.0):.2f} (fitted on the anchor)", "compute cpu ms",
+                     "engine threads cpu ms", "compute not running ms", "of which blocked ms", "waited for updater ms",
+                     "state passes / it"],
+                    [[name, f"{ms:.0f}", f"{x:.2f}", goal, err(p, ms), err(q, ms), f"{u['compute_cpu_ms']:.0f}",
                       f"{u['engine_threads_cpu_ms']:.0f}", f"{u['compute_not_running_ms']:.0f}",
-                      f"{u['waited_for_updater_ms']:.1f}"] for name, ms, x, goal, p, u in rows],
+                      f"{u['compute_blocked_ms']:.0f}",
+                      f"{u['waited_for_updater_ms']:.1f}",
+                      f"{u['pass_fraction']:.2f}" if "pass_fraction" in u else ""]
+                     for name, ms, x, goal, p, q, u in rows],
                     title=f"throughput, partition {t['partition']}, load average {t['load_average'][0]:.1f} "
                           f"(nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
                           f"lock-free staleness mean {t['staleness']['mean']:.2f}, max {t['staleness']['max']}, "

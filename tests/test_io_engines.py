@@ -148,3 +148,30 @@ def test_aio_close_after_a_refused_submit_does_not_hang(tmp_path):
         closer.join(10)
         os.close(ro)
         assert not closer.is_alive(), f"close() hung on attempt {attempt}"
+
+
+def test_aio_a_signal_interrupting_the_reaper_loses_nothing(direct_file, monkeypatch):
+    """io_getevents cut short by a signal (EINTR: a profiler attaching, say) is waited again;
+    it used to kill the reaper, failing every request in flight and after."""
+    if "aio" not in ENGINES:
+        pytest.skip("libaio unavailable")
+    engine = AioEngine(4)
+    real = engine._ctx.getEvents
+    interrupted = []
+
+    def get_events(**kw):
+        if len(interrupted) < 3:
+            interrupted.append(1)
+            raise InterruptedError(errno.EINTR, "io_getevents")
+        return real(**kw)
+
+    monkeypatch.setattr(engine._ctx, "getEvents", get_events)
+    try:
+        src = mmap.mmap(-1, 8 * PAGE)
+        src.write(os.urandom(8 * PAGE))
+        views = memoryview(src)
+        res = run_all(engine, [(True, direct_file, i * PAGE, views[i * PAGE:(i + 1) * PAGE]) for i in range(8)])
+        assert res == [PAGE] * 8 and len(interrupted) == 3
+        assert engine.broken is None
+    finally:
+        engine.close()

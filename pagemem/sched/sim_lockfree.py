@@ -17,11 +17,34 @@ two parts, each from the same task table and cost functions the synchronous simu
 
 Where the profile's ``shared_processor`` puts a stream of the updating thread on the processor
 that computes (the host stand-in), that work per iteration is added to the compute side's
-iteration; a fixed point settles how much of a pass falls in one iteration. Staleness is
-predicted as the iterations one pass spans, less the one the compute side is in: a unit's
-parameters lag by about that much at an iteration's start. What this leaves out: contention
-that slows both sides beyond their own costs (memory bandwidth, a lock), and the drain of
-published values into the compute pages (a copy per updated parameter on the compute side).
+iteration; a fixed point settles how much of a pass falls in one iteration.
+
+[Note: the updating thread's rules, simulated]
+How many iterations one pass spans is not the ratio of the two sides' times: it follows from the
+engine's rules, which ``_follow`` replays unit by unit in time (``engine/updates/lockfree.py``):
+- a unit's sums cannot be taken while they hold gradients of the iteration not yet submitted:
+  from the backward's first gradient of the unit (``fresh``: that op's share of the compute
+  side's time) until ``step()``; a pass skips such a unit (its states stay fetched);
+- a pass is the units ready when it starts, in reverse; the next unit's read is queued before
+  the current one's update, its write-back after it, one disk serving both in order (as the
+  capped tier does: ``tiers/io/throttle.py``); the pass ends when its write-backs have landed;
+- an update of a unit whose sums hold ``k`` iterations takes ``k`` AdamW steps, but reads and
+  writes the states once;
+- an iteration starts when no unit lacks more than ``max_staleness`` submitted iterations;
+- with a bound ``b >= 1`` a unit's states are written back after every ``b + 1``-th update of
+  it, staggered by the unit's index, and kept in cpu memory between ([Note: a fetch serves the
+  bound's updates] in ``lockfree.py``).
+Why the last rule: an update taken during an iteration holds at most ``b`` iterations if the
+compute is not to wait (the oldest must be in before the next iteration starts, and the
+iteration in progress is not takeable yet), so without it a pass spans at most ``b``
+iterations without a wait, not ``b + 1``: at ``max_staleness=1`` every unit was read and
+written once per iteration, or the compute waited at ``step()`` while an update of two
+iterations ran. The first model (an iteration of at least ``pass / (b + 1)``) predicted 53 ms
+where that engine took 77; this replay, without the rule (``keep=False``), gives 79 for the
+same costs (BENCHMARKS.md, issue 33). Staleness is the mean lag units have when an iteration
+starts, over the replayed steady state. What this leaves out: contention that
+slows both sides beyond their own costs (memory bandwidth, a lock), and the drain of published
+values into the compute pages (a copy per updated parameter on the compute side).
 """
 
 from __future__ import annotations
@@ -61,11 +84,10 @@ def _updater_task(task) -> bool:
 
 def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile,
                        max_staleness: int | None = None) -> LockFreePrediction:
-    """Predict an iteration of ``plan`` with the lock-free updater (see the Note); with
-    ``max_staleness`` (``EngineConfig.effective_max_staleness``) the compute side waits where a
-    pass spans more than ``max_staleness + 1`` iterations, so an iteration takes at least
-    ``pass / (max_staleness + 1)`` (the steady state: the engine's first ``synchronous_steps``
-    are not modelled)."""
+    """Predict an iteration of ``plan`` with the lock-free updater (see the Notes): the compute
+    side and the updating thread's pass costed from the plan's tasks, then the engine's rules
+    replayed unit by unit with ``max_staleness`` (``EngineConfig.effective_max_staleness``; the
+    steady state: the engine's first ``synchronous_steps`` are not modelled)."""
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan: expected a pagemem.sched.Plan, got {type(plan).__name__}")
     if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
@@ -96,7 +118,148 @@ def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile,
         if abs(new - t) <= 1e-9 * max(1.0, t):
             break
         t = new
-    if max_staleness is not None:
-        t = max(t, pass_time / (max_staleness + 1))
-    staleness = max(0.0, pass_time / t - 1.0) if t else 0.0
+    units = _units(mine, plan, trace, profile, setting, t)
+    if not units or pass_time <= 0 or t <= 0:
+        return LockFreePrediction(t, pass_time, busy, 0.0, side)
+    t, staleness = _follow(units, t, max_staleness)
     return LockFreePrediction(t, pass_time, busy, staleness, side)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One unit as the updating thread sees it (seconds)."""
+
+    layer: int
+    read: float
+    """Its states in from the disk."""
+    write: float
+    """And back."""
+    step: float
+    """The updating thread's time per AdamW step of it."""
+    fixed: float
+    """The updating thread's time per update besides the steps (its share of the disk's host work)."""
+    fresh: float
+    """Into an iteration, when the backward first adds to its sums."""
+
+
+def _units(mine: list, plan: Plan, trace: Trace, profile: HardwareProfile, setting: Setting,
+           iteration: float) -> list[_Unit]:
+    """The updater's tasks by unit, in the order the updating thread walks them (reverse)."""
+    per: dict[int, dict[str, float]] = {}
+    for task in mine:
+        cost = per.setdefault(task.target.layer, {"read": 0.0, "write": 0.0, "step": 0.0, "fixed": 0.0})
+        seconds = sum(profile.seconds(resource, amount, task.tier, plan.world_size)
+                      for resource, amount in costs(task, setting) if amount)
+        key = {"move_to_cpu": "read", "offload": "write", "update": "step"}.get(task.operation)
+        if key is not None:
+            cost[key] += seconds
+        host = host_cost(task, setting)
+        if host and host[1]:
+            cost["fixed"] += profile.seconds(host[0], host[1], task.tier, plan.world_size)
+    durations = [op.duration for op in trace.ops]
+    total = sum(durations) or 1.0
+    before = [0.0]
+    for d in durations:
+        before.append(before[-1] + d)
+    first_grad: dict[int, int] = {}
+    for tensor in trace.tensors:
+        if tensor.kind == "grad" and tensor.layer is not None and tensor.accesses:
+            first_grad[tensor.layer] = min(first_grad.get(tensor.layer, len(durations)), min(tensor.accesses))
+    return [_Unit(layer, c["read"], c["write"], c["step"], c["fixed"],
+                  iteration * before[first_grad.get(layer, len(durations))] / total)
+            for layer, c in sorted(per.items(), reverse=True)]
+
+
+def _follow(units: list[_Unit], iteration: float, bound: int | None, steps: int = 64,
+            keep: bool = True) -> tuple[float, float]:
+    """Replay the compute side (``iteration`` seconds of work per step) against the updating
+    thread's rules ([Note: the updating thread's rules, simulated]) for ``steps`` steps; returns
+    the mean iteration (start to start) and the mean lag at an iteration's start, both over the
+    second half. ``keep=False``: every update writes its states back (the engine before [Note: a
+    fetch serves the bound's updates])."""
+    n = len(units)
+    untaken, lag = [0] * n, [0] * n
+    on_cpu = [False] * n
+    served: list[int | None] = [None] * n  # updates since the states were read (the engine's _since_read)
+    clock = {"now": 0.0, "disk": 0.0}
+    starts: list[float] = []
+    seen: list[float] = []
+    window = [0.0, -1.0]  # the iteration in progress: [start, step()] (-1: none yet)
+
+    def fresh(u: int) -> bool:
+        return window[1] < 0 and clock["now"] >= window[0] + units[u].fresh
+
+    def disk(seconds: float) -> float:
+        start = max(clock["now"], clock["disk"])
+        clock["disk"] = start + seconds
+        return clock["disk"]
+
+    def compute():
+        for _ in range(steps):
+            yield lambda: bound is None or max(lag) <= bound  # the drain writes what is published
+            starts.append(clock["now"])
+            seen.append(sum(lag) / n)
+            window[:] = [clock["now"], -1.0]
+            yield clock["now"] + iteration
+            window[1] = clock["now"]
+            for u in range(n):
+                untaken[u] += 1
+                lag[u] += 1
+
+    def updater():
+        while True:
+            yield lambda: any(untaken[u] and not fresh(u) for u in range(n))
+            order = [u for u in range(n) if untaken[u] and not fresh(u)]
+            landed = [0.0] * n
+
+            def fetch(u: int) -> None:
+                landed[u] = clock["now"] if on_cpu[u] or not units[u].read else disk(units[u].read)
+                on_cpu[u] = True
+
+            writebacks = []
+            fetch(order[0])
+            for i, u in enumerate(order):
+                if i + 1 < len(order):
+                    fetch(order[i + 1])
+                yield landed[u]
+                if fresh(u):  # its states stay fetched, for the next pass
+                    continue
+                k, untaken[u] = untaken[u], 0
+                yield clock["now"] + k * units[u].step + units[u].fixed
+                lag[u] -= k  # published
+                if not (units[u].read or units[u].write):
+                    continue
+                if keep and bound:  # [Note: a fetch serves the bound's updates]: LockFreeUpdater._keeps
+                    count = (units[u].layer % (bound + 1) if served[u] is None else served[u]) + 1
+                    served[u] = 0 if count > bound else count
+                    if count <= bound:
+                        continue
+                writebacks.append(disk(units[u].write))
+                on_cpu[u] = False
+            yield max(writebacks, default=clock["now"])
+
+    _run_processes([compute(), updater()], clock, stop=lambda: len(starts) >= steps)
+    half = len(starts) // 2
+    span = (starts[-1] - starts[half]) / max(1, len(starts) - 1 - half)
+    return span, sum(seen[half:]) / max(1, len(seen) - half)
+
+
+def _run_processes(procs: list, clock: dict, stop) -> None:
+    """A two-process event loop: each process yields a time to sleep until, or a condition
+    (a callable) to wait for; conditions are checked again whenever a process acts."""
+    waits: list = [None] * len(procs)
+    for i, p in enumerate(procs):
+        waits[i] = next(p)
+    while not stop():
+        progressed = False
+        for i, p in enumerate(procs):
+            w = waits[i]
+            if callable(w) and w() or not callable(w) and w <= clock["now"]:
+                waits[i] = next(p)
+                progressed = True
+        if progressed:
+            continue
+        times = [w for w in waits if not callable(w)]
+        if not times:
+            raise RuntimeError("the lock-free replay deadlocked")  # every process waits for a condition
+        clock["now"] = max(clock["now"], min(times))

@@ -44,6 +44,26 @@ every submitted iteration is applied and published, so a checkpoint is a synchro
 failing or dead updating thread raises in the training loop at the next call (its error
 chained), never hangs: every wait checks it.
 
+[Note: a fetch serves the bound's updates] With a bound ``b >= 1`` an update taken during an
+iteration can hold at most ``b`` iterations without the compute waiting for it (the oldest must
+be in the buffered parameters before the next iteration starts, and the iteration in progress
+cannot be taken yet: its ``step()`` has not come), so if every update read and wrote its unit's
+states, the disk would move ``1 / b`` state passes per iteration, however long a pass takes
+(at ``max_staleness=1``: a whole pass per iteration, or the compute waiting at ``step()`` for
+an update of two iterations; issue 33 measured 0.7 passes per iteration and 1.48x the in-memory
+iteration, BENCHMARKS.md). So with a bound ``b >= 1`` a unit's states stay in cpu memory after
+an update and serve its next ones: they are written back after every ``b + 1``-th update of
+the unit (``_keeps``), the units staggered by their index so that their write-backs spread over
+the iterations; the disk moves ``1 / (b + 1)`` of a pass per iteration, as the simulator's
+lock-free mode assumed. Values are the same (the same AdamW steps on the same states): only
+where the states are between updates changes. Cost: cpu memory for the kept units' states
+(in the benchmark, at the end of an update, mostly one to three of its four units' states were
+on the cpu, all four now and then; the budget check counts two); where a fetch finds no room,
+the kept states of other units are written back first (``_fetch``), so a tight cpu budget
+falls back to writing every update.
+Without a bound (the paper's behaviour: an update takes every iteration since the last) and
+at a bound of 0 (synchronous steps), every update writes back, as before.
+
 [Note: predicting past the staleness] A unit that lags ``s`` iterations computes its gradients at
 weights ``s`` updates old, and AdamW loses quality with even one (on ``bench_lockfree.py``'s
 branching task, plain PyTorch one step late ends 2% above synchronous). With
@@ -134,6 +154,12 @@ class LockFreeUpdater:
         self._hps: list[AdamW] = []
         self._published: deque[_Published] = deque()
         self._locks = [threading.Lock() for _ in range(n)]
+        self._since_read: list[int | None] = [None] * n
+        """Per unit: updates its states served since they were read from nvme, where they are
+        kept in cpu memory (0: written back; None: not counted yet, the next count starts at the
+        unit's stagger; [Note: a fetch serves the bound's updates]). The updating thread's alone."""
+        self.writebacks = 0
+        """Write-backs of a unit's states to nvme (each one reads them in again later)."""
         self._stop = False
         self._error: BaseException | None = None
         self.iterations = 0
@@ -209,7 +235,8 @@ class LockFreeUpdater:
                 self._units[u].lag += 1
             self._hps = list(hps)
             self.iterations += 1
-            self._cond.notify_all()
+            # the updating thread is woken by after_step, once the drain is done ([Note: the drain
+            # before the wake-up]); any wait of the compute side wakes it too
         return True
 
     # ------------------------------------------------------------------ the compute side
@@ -230,7 +257,21 @@ class LockFreeUpdater:
         # are: the latest update published (predicted past its lag, as the next forward sees
         # it), never older than the last forward's. (A state dict, the engine's or the model's,
         # drains every update first: ``quiesce``.)
-        self.drain(limit=None)
+        #
+        # [Note: the drain before the wake-up]
+        # ``submit`` does not wake the updating thread: this drain runs first, then it is woken.
+        # Both sides are Python on one GIL; woken at once, the updating thread starts its pass
+        # (submitting reads: Python per page) while this drain's torch calls give the GIL up and
+        # wait to take it back (issue 33: the drain took 8 ms of the compute thread's cpu and
+        # 4 ms blocked per iteration; drained first, 2.6 and 0.1, A/B under load). Nothing waits
+        # on the order: a wait of the compute side (``_drain_until``)
+        # wakes the thread itself, so a step() that raised between ``submit`` and here delays
+        # the pass until the next wait at most.
+        try:
+            self.drain(limit=None)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
 
     def bound(self) -> int | None:
         """The most iterations a unit may lag now ([Note: the lock-free default])."""
@@ -280,6 +321,7 @@ class LockFreeUpdater:
                     return
                 if not ready:
                     t0 = time.perf_counter()
+                    self._cond.notify_all()  # it may not be woken yet ([Note: the drain before the wake-up])
                     self._cond.wait(_POLL_SECONDS)
                     self.waited_s += time.perf_counter() - t0
                     continue
@@ -339,7 +381,7 @@ class LockFreeUpdater:
         return {"iterations": self.iterations, "updates": self.updates,
                 "mean": sum(k * c for k, c in self.staleness.items()) / seen if seen else 0.0,
                 "max": max(self.staleness, default=0), "histogram": dict(sorted(self.staleness.items())),
-                "waited_s": self.waited_s}
+                "waited_s": self.waited_s, "writebacks": self.writebacks}
 
     def close(self) -> None:
         """Apply what was submitted, then stop the thread (raises its error, if any)."""
@@ -408,6 +450,17 @@ class LockFreeUpdater:
         try:
             return self.store.move(states, "cpu")
         except OutOfMemory:
+            pass
+        for layer in self.bank.layers:  # kept for their next update ([Note: a fetch serves the bound's updates])
+            kept = layer.states()
+            if layer.index != u and self._since_read[layer.index] and kept and self.store.tier_of(kept[0]) == "cpu":
+                with _saying(f"writing unit {layer.index}'s optimizer states back to nvme"):
+                    self.store.move(kept, "nvme").wait()
+                self._since_read[layer.index] = 0
+                self.writebacks += 1
+        try:
+            return self.store.move(states, "cpu")
+        except OutOfMemory:
             for layer in self.bank.layers:
                 kept = layer.states()
                 if layer.index != u and layer.state_tier == "nvme" and kept and self.store.tier_of(kept[0]) == "cpu" \
@@ -459,14 +512,30 @@ class LockFreeUpdater:
             finally:
                 for lease in leases:
                     lease.release()
-        # the write-back: the store orders the next read of these pages behind it
-        writeback = self.store.move(layer.states(), "nvme") if fetched is not None else None
+        # the write-back: the store orders the next read of these pages behind it. Submitted before
+        # the update is published, so that a caller who waited for the publication (a checkpoint
+        # reading the states) finds the move queued, not racing its lease on the pages
+        writeback = None
+        if fetched is not None and not self._keeps(u):
+            writeback = self.store.move(layer.states(), "nvme")
+            self.writebacks += 1
         _seam("publish")
         with self._cond:
             self._published.append(_Published(u, k, values, drift))
             self.updates += 1
             self._cond.notify_all()
         return writeback
+
+    def _keeps(self, u: int) -> bool:
+        """After an update of unit ``u`` (states on nvme): keep its states in cpu memory for its
+        next update instead of writing them back ([Note: a fetch serves the bound's updates])."""
+        b = self.bound()
+        if not b:  # no bound, or a synchronous step: every update writes back (the stagger starts afresh)
+            self._since_read[u] = None
+            return False
+        served = (u % (b + 1) if self._since_read[u] is None else self._since_read[u]) + 1
+        self._since_read[u] = 0 if served > b else served
+        return served <= b
 
 
 def _master(pieces: list) -> torch.Tensor:
@@ -479,7 +548,12 @@ def _predicted(p: _Published, ahead: int) -> dict[int, torch.Tensor]:
     ([Note: predicting past the staleness]): the update itself, or extrapolated by its drift."""
     if p.drift is None or ahead <= 0:
         return p.values
-    return {i: torch.add(v, p.drift[i], alpha=ahead) for i, v in p.values.items()}
+    # one torch call for the unit, not one per parameter: each call on the compute thread gives
+    # the GIL up and waits to take it back from the updating thread (a py-spy profile found the
+    # compute thread waiting there, ~3.7 ms per iteration; timed under load, no difference beyond
+    # the noise); the same kernel per tensor, so the same values, bit for bit
+    keys = list(p.values)
+    return dict(zip(keys, torch._foreach_add([p.values[i] for i in keys], [p.drift[i] for i in keys], alpha=ahead)))
 
 
 @contextlib.contextmanager

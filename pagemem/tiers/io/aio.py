@@ -153,7 +153,10 @@ class AioEngine(IOEngine):
                 return False
         # bounded wait: a request the kernel refused after we counted it never completes,
         # so the reaper must come back to re-read the count (and to notice close())
-        events = self._ctx.getEvents(min_nr=1, nr=self.depth, timeout=_REAP_WAIT)
+        try:
+            events = self._ctx.getEvents(min_nr=1, nr=self.depth, timeout=_REAP_WAIT)
+        except InterruptedError:  # a signal (a profiler's, ptrace) cut io_getevents short: nothing was
+            return True           # consumed, so wait again (it used to kill the reaper: every request failed)
         with self._cv:
             self._inflight -= len(events)
             refill = []
