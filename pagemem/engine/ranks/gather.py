@@ -2,13 +2,12 @@
 sharded moments] in ``units/shards.py``).
 
 Every rank knows every rank's share (``shard_states`` is a function of the model and the page
-size), so the ranks need exchange nothing but the values: the updated parameters' shares are
-laid out unit by unit in one sequence (``placed``), each unit's slot as long as the largest
-rank's share of it, each rank's runs of the unit from the slot's start and zeros after (the
-shares are even to a page per unit, so there is little padding; per unit, so that the plan's
-``all_gather optim`` of each layer counts what is sent: ``unit_gather_elements``); the ``k``-th
-batch holds elements ``[k E, (k + 1) E)`` of the sequence (``E``: ``BATCH_BYTES`` of fp32), two
-batches in flight. What arrives from the other ranks is written into every copy of the compute
+size), so the ranks need exchange nothing but the values: each rank's shares of the updated
+parameters, unit by unit, are one sequence (``placed``), zero-padded at the end to the largest
+rank's (the shares are even to a page per unit and rotate over the ranks from unit to unit, so
+there is little padding; padding each unit's share instead would send whole units of zeros where
+a unit is smaller than a page per rank); the ``k``-th batch holds elements ``[k E, (k + 1) E)`` of
+every rank's sequence (``E``: ``BATCH_BYTES`` of fp32), two batches in flight. What arrives from the other ranks is written into every copy of the compute
 copy, cast, and into the master weights where this rank holds them whole, as the owner's own
 update wrote its share."""
 
@@ -30,28 +29,23 @@ lies in the gathered sequence."""
 
 def placed(bank: ParamBank, params: list[int]) -> tuple[list[list[Placed]], int]:
     """Every rank's runs of ``params`` placed in the sequence the gather sends, and its length:
-    unit by unit, each unit's slot as long as the largest rank's share of it (``shards.
-    unit_gather_elements``, what the plan counts), each rank's runs back to back from the slot's
-    start, the rest zero padding."""
+    each rank's runs back to back, unit by unit, in unit order; the sequence is as long as the
+    largest rank's share, the shorter ones zero-padded at the end (``shards.
+    unit_gather_elements`` attributes it to the units, what the plan counts)."""
     shares = bank.every_share()
     wanted = set(params)
     out: list[list[Placed]] = [[] for _ in shares]
-    at = 0
+    ends = [0] * len(shares)
     for layer in bank.layers:
-        idx = [i for i in layer.params if i in wanted]
-        if not idx:
-            continue
-        slot = 0
-        for r, share in enumerate(shares):
-            pos = at
-            for i in idx:
+        for i in layer.params:
+            if i not in wanted:
+                continue
+            for r, share in enumerate(shares):
                 a, b = share.ranges[i]
                 if b > a:
-                    out[r].append((i, a, b, pos))
-                    pos += b - a
-            slot = max(slot, pos - at)
-        at += slot
-    return out, at
+                    out[r].append((i, a, b, ends[r]))
+                    ends[r] += b - a
+    return out, max(ends)
 
 
 def _window(seq: list[Placed], lo: int, hi: int) -> list[tuple[Segment, int]]:

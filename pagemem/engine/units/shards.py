@@ -122,7 +122,9 @@ def master_shardable(compute_dtypes: list, own_dtypes: list, compute_is_master: 
 
 
 def unit_gather_elements(units: list[list[int]], shares: list[StateShards]) -> list[int]:
-    """Per unit: the elements each rank contributes to the all-gather of the updated weights
-    (``ranks/gather.py``): the largest rank's share of the unit, which every rank pads its own to."""
-    return [max(sum(share.owned(i) for i in idx) for share in shares) for idx in units]
-
+    """Per unit: its part of what each rank contributes to the all-gather of the updated weights
+    (``ranks/gather.py``): every rank sends as many elements as the rank with the largest share
+    holds, so a unit's part is that rank's share of it (the parts add up to what is sent)."""
+    totals = [sum(share.owned(i) for idx in units for i in idx) for share in shares]
+    largest = shares[totals.index(max(totals))]
+    return [sum(largest.owned(i) for i in idx) for idx in units]
