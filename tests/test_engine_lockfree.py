@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pagemem
-from pagemem.engine.updates import lockfree
+from pagemem.engine.updates import lockfree, lockfree_thread
 from pagemem.engine.updates import update as update_module
 from exactness import assert_same, engine_config, reference, same_loop, train_both
 from test_engine_exactness import CASES, hf_model, lm_loss
@@ -328,7 +328,7 @@ def test_a_failing_updater_thread_surfaces_in_the_training_loop(tmp_path, monkey
     make, loss = CASES["parameter read after a child"]
     model = make()
     engine = pagemem.Engine(model, engine_config(make(), loss, tmp_path, "nvme", lock_free=True))
-    monkeypatch.setattr(lockfree, "fused_steps", broken)
+    monkeypatch.setattr(lockfree_thread, "fused_steps", broken)
     engine.backward(loss(engine, model, 0))
     engine.step()
     with pytest.raises(pagemem.StepFailed, match="adam failed") as raised:

@@ -42,27 +42,9 @@ it added to were kept before it added ([Note: a failed backward is undone] in
 ``backward_undo.py``), and are restored, submitted gradients and all. ``save()`` drains: it waits until
 every submitted iteration is applied and published, so a checkpoint is a synchronous one. A
 failing or dead updating thread raises in the training loop at the next call (its error
-chained), never hangs: every wait checks it.
-
-[Note: a fetch serves the bound's updates] With a bound ``b >= 1`` an update taken during an
-iteration can hold at most ``b`` iterations without the compute waiting for it (the oldest must
-be in the buffered parameters before the next iteration starts, and the iteration in progress
-cannot be taken yet: its ``step()`` has not come), so if every update read and wrote its unit's
-states, the disk would move ``1 / b`` state passes per iteration, however long a pass takes
-(at ``max_staleness=1``: a whole pass per iteration, or the compute waiting at ``step()`` for
-an update of two iterations; issue 33 measured 0.7 passes per iteration and 1.48x the in-memory
-iteration, BENCHMARKS.md). So with a bound ``b >= 1`` a unit's states stay in cpu memory after
-an update and serve its next ones: they are written back after every ``b + 1``-th update of
-the unit (``_keeps``), the units staggered by their index so that their write-backs spread over
-the iterations; the disk moves ``1 / (b + 1)`` of a pass per iteration, as the simulator's
-lock-free mode assumed. Values are the same (the same AdamW steps on the same states): only
-where the states are between updates changes. Cost: cpu memory for the kept units' states
-(in the benchmark, at the end of an update, mostly one to three of its four units' states were
-on the cpu, all four now and then; the budget check counts two); where a fetch finds no room,
-the kept states of other units are written back first (``_fetch``), so a tight cpu budget
-falls back to writing every update.
-Without a bound (the paper's behaviour: an update takes every iteration since the last) and
-at a bound of 0 (synchronous steps), every update writes back, as before.
+chained), never hangs: every wait checks it. The updating thread's side, and [Note: a fetch
+serves the bound's updates] (states kept in cpu memory between a unit's updates under a bound),
+are in ``lockfree_thread.py``.
 
 [Note: predicting past the staleness] A unit that lags ``s`` iterations computes its gradients at
 weights ``s`` updates old, and AdamW loses quality with even one (on ``bench_lockfree.py``'s
@@ -82,24 +64,22 @@ published values kept in fp32 until drained.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from pagemem.engine.interrupts import shielded
-from pagemem.engine.updates.adam import AdamW, fused_steps
+from pagemem.engine.updates.adam import AdamW
 from pagemem.engine.updates.adam_threads import Workers
 from pagemem.engine.updates.backward_undo import HOLDS, BackwardUndo
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import FRESH, GradLedger, GradState
-from pagemem.engine.updates.state_pieces import with_grad
+from pagemem.engine.updates.lockfree_thread import Published, UpdatingThread
 from pagemem.engine.updates.staleness import staleness_bound
-from pagemem.errors import OutOfMemory, InvalidRequest, StepFailed, TierIOError, warn
+from pagemem.errors import InvalidRequest, StepFailed, TierIOError, warn
 from pagemem.store import PageStore
 
 SHARED_SUMS = ("zero_grad: with lock_free the gradients of this iteration share sums with those already handed "
@@ -113,18 +93,7 @@ SEAM: Callable[[str], None] | None = None
 """Tests only: called at the seams of both sides (see ``LockFreeUpdater``), to inject delays."""
 
 
-@dataclasses.dataclass
-class _Published:
-    unit: int
-    iterations: int
-    """How many submitted iterations of this unit's gradients the update applied."""
-    values: dict[int, torch.Tensor]
-    """Each parameter's new value: in the compute dtype, or its fp32 master where ``drift`` is set."""
-    drift: dict[int, torch.Tensor] | None
-    """With ``staleness_correction="predict"``: each parameter's change per iteration in this update (fp32)."""
-
-
-class LockFreeUpdater:
+class LockFreeUpdater(UpdatingThread):
     """The updating thread and both buffers' bookkeeping (see the Note)."""
 
     def __init__(self, bank: ParamBank, store: PageStore, chunks: Callable[[list[int]], Any],
@@ -152,7 +121,7 @@ class LockFreeUpdater:
         """Held while a gradient state moves here or a unit's counts change, and by the updating
         thread while it takes a unit's sums."""
         self._hps: list[AdamW] = []
-        self._published: deque[_Published] = deque()
+        self._published: deque[Published] = deque()
         self._locks = [threading.Lock() for _ in range(n)]
         self._since_read: list[int | None] = [None] * n
         """Per unit: updates its states served since they were read from nvme, where they are
@@ -372,6 +341,10 @@ class LockFreeUpdater:
             exc = self._running.exception()
             raise StepFailed(f"the lock-free updater's thread ended ({exc!r}); load the last checkpoint") from exc
 
+    def _seam(self, where: str) -> None:
+        """The updating thread's seams (``SEAM``, tests only)."""
+        _seam(where)
+
     def unit_lock(self, u: int) -> threading.Lock:
         """Held while unit ``u``'s master weights and moments change (readers take it too)."""
         return self._locks[u]
@@ -400,150 +373,7 @@ class LockFreeUpdater:
             self._worker.close()
         self.check()
 
-    # ------------------------------------------------------------------ the updating thread
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._stop and not (order := self._ready()):
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                writebacks: list = []
-                fetch = self._fetch(order[0], writebacks)
-                for n, u in enumerate(order):
-                    fetched, fetch = fetch, (self._fetch(order[n + 1], writebacks) if n + 1 < len(order) else None)
-                    writebacks.append(self._update(u, fetched))
-                for u, handle in zip(order, writebacks):  # a failed write-back raises here (the states stay
-                    if handle is not None:                 # valid on the cpu)
-                        with _saying(f"writing unit {u}'s optimizer states back to nvme"):
-                            handle.wait()
-        except BaseException as exc:  # surfaces in the training loop (check)
-            self._error = exc
-            with self._cond:
-                self._cond.notify_all()
-
-    def _ready(self) -> list[int]:
-        """Units whose sums hold submitted iterations and nothing else, in reverse: none open in
-        a backward, none holding gradients of the iteration not yet submitted (taking those
-        would apply them before their ``step()``, counted as no iteration). Under the lock."""
-        return [u.index for u in reversed(self._units) if u.untaken and not self._fresh(u.index)]
-
-    def _fetch(self, u: int, writebacks: list) -> Any:
-        """Start reading unit ``u``'s states from nvme into cpu memory (None where they are not
-        on nvme). No cpu room: the pass's write-backs are waited for (their cpu pages go), then
-        the states fetched for units that were not updated go back (their nvme copy is still
-        good), and the compute copies a plan staged ahead on the cpu (their home is nvme): the
-        cpu holds two units' states, as the budget check counted ([Note: homes on nvme])."""
-        if self.bank.layers[u].state_tier != "nvme":
-            return None
-        states = self.bank.layers[u].states()
-        try:
-            return self.store.move(states, "cpu")
-        except OutOfMemory:
-            pass
-        for handle in writebacks:
-            if handle is not None:
-                with _saying("writing optimizer states back to nvme"):
-                    handle.wait()
-        try:
-            return self.store.move(states, "cpu")
-        except OutOfMemory:
-            pass
-        for layer in self.bank.layers:  # kept for their next update ([Note: a fetch serves the bound's updates])
-            kept = layer.states()
-            if layer.index != u and self._since_read[layer.index] and kept and self.store.tier_of(kept[0]) == "cpu":
-                with _saying(f"writing unit {layer.index}'s optimizer states back to nvme"):
-                    self.store.move(kept, "nvme").wait()
-                self._since_read[layer.index] = 0
-                self.writebacks += 1
-        try:
-            return self.store.move(states, "cpu")
-        except OutOfMemory:
-            for layer in self.bank.layers:
-                kept = layer.states()
-                if layer.index != u and layer.state_tier == "nvme" and kept and self.store.tier_of(kept[0]) == "cpu" \
-                        and "nvme" in self.store.tiers_of(kept[0]):
-                    self.store.move(kept, "nvme").wait()  # the nvme copy is current: nothing is written
-            self.bank.drop_cpu_copies()  # a plan stages compute pages in whatever room it finds
-        return self.store.move(states, "cpu")
-
-    def _update(self, u: int, fetched: Any) -> Any:
-        """Unit ``u``'s update; returns its write-back to nvme (None where its states stay)."""
-        layer = self.bank.layers[u]
-        if fetched is not None:
-            with _saying(f"reading unit {u}'s optimizer states from nvme"):
-                fetched.wait()
-        _seam("take")
-        params = [i for i in layer.params if self.bank.is_trainable(i)]
-        with self._cond:
-            if self._fresh(u):  # open, or holding gradients not yet submitted (see _ready): it waits for the
-                return None     # next pass (its states stay fetched)
-            self.bank.grads_landed(params)  # copies of its last gradients may still be in flight (CUDA)
-            k, self._units[u].untaken = self._units[u].untaken, 0
-            hps = self._hps
-            taken = [i for i in params if self.ledger.state(i) is GradState.HANDED_OFF]
-            grads = {i: self._take_sum(i) for i in taken}
-            for i in taken:
-                self.ledger.move(i, GradState.NONE)
-        if fetched is not None:  # the nvme copies go stale with the update: dropped first
-            self.store.release(layer.states(), "nvme").wait()
-        _seam("update")
-        values: dict[int, torch.Tensor] = {}
-        drift: dict[int, torch.Tensor] | None = {} if self.predict else None
-        with self._locks[u]:
-            chunks, leases = self._chunks(taken, False)  # the sums were taken (they may live on nvme)
-            try:
-                for i, pieces in chunks:
-                    g = grads[i] if k == 1 else grads[i] / k
-                    pieces = with_grad(pieces, g)
-                    before = _master(pieces).clone() if drift is not None else None
-                    for _ in range(k):  # [Note: one step per iteration]
-                        fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.bank.group_of(i)],
-                                    None)
-                        self.bank.count_step(i)
-                    shape = self.bank.params[i][1].shape
-                    if drift is None:
-                        values[i] = _master(pieces).to(self.bank.compute_dtype_of(i), copy=True).reshape(shape)
-                    else:
-                        values[i] = _master(pieces).clone().reshape(shape)
-                        drift[i] = values[i].sub(before.reshape(shape)).div_(k)
-            finally:
-                for lease in leases:
-                    lease.release()
-        # the write-back: the store orders the next read of these pages behind it. Submitted before
-        # the update is published, so that a caller who waited for the publication (a checkpoint
-        # reading the states) finds the move queued, not racing its lease on the pages
-        writeback = None
-        if fetched is not None and not self._keeps(u):
-            writeback = self.store.move(layer.states(), "nvme")
-            self.writebacks += 1
-        _seam("publish")
-        with self._cond:
-            self._published.append(_Published(u, k, values, drift))
-            self.updates += 1
-            self._cond.notify_all()
-        return writeback
-
-    def _keeps(self, u: int) -> bool:
-        """After an update of unit ``u`` (states on nvme): keep its states in cpu memory for its
-        next update instead of writing them back ([Note: a fetch serves the bound's updates])."""
-        b = self.bound()
-        if not b:  # no bound, or a synchronous step: every update writes back (the stagger starts afresh)
-            self._since_read[u] = None
-            return False
-        served = (u % (b + 1) if self._since_read[u] is None else self._since_read[u]) + 1
-        self._since_read[u] = 0 if served > b else served
-        return served <= b
-
-
-def _master(pieces: list) -> torch.Tensor:
-    """A parameter's fp32 master weights, flat (a view where it is one piece)."""
-    return torch.cat([c.param for _, c in pieces]) if len(pieces) > 1 else pieces[0][1].param
-
-
-def _predicted(p: _Published, ahead: int) -> dict[int, torch.Tensor]:
+def _predicted(p: Published, ahead: int) -> dict[int, torch.Tensor]:
     """The values to buffer for update ``p`` when ``ahead`` submitted iterations are not in it
     ([Note: predicting past the staleness]): the update itself, or extrapolated by its drift."""
     if p.drift is None or ahead <= 0:
@@ -554,16 +384,6 @@ def _predicted(p: _Published, ahead: int) -> dict[int, torch.Tensor]:
     # the noise); the same kernel per tensor, so the same values, bit for bit
     keys = list(p.values)
     return dict(zip(keys, torch._foreach_add([p.values[i] for i in keys], [p.drift[i] for i in keys], alpha=ahead)))
-
-
-@contextlib.contextmanager
-def _saying(what: str) -> Iterator[None]:
-    """A ``TierIOError`` inside says ``what`` failed (the original chained)."""
-    try:
-        yield
-    except TierIOError as exc:
-        notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
-        raise TierIOError(f"{what} failed ({exc}{notes})", exc.errno) from exc
 
 
 def _seam(where: str) -> None:
