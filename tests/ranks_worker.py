@@ -104,6 +104,9 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
     made_sent = engine.stats()["ranks"]["sent_bytes"]
     with engine:
         for step in range(first, steps):
+            if mode == "killgather" and rank == victim and step == int(opts.get("at", 2)):
+                from pagemem.engine.ranks.gather import MasterGather  # dies once its share is updated
+                MasterGather.__call__ = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
             if mode == "kill" and rank == victim and step == int(opts.get("at", 2)):
                 model.transformer.h[0].register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
             if mode == "hang" and rank == victim and step == int(opts.get("at", 2)):
@@ -142,7 +145,16 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                 except pagemem.PageMemError as after:
                     print(f"after RankFailed, step() raised {type(after).__name__}", file=sys.stderr)
                 raise
-            engine.step()
+            try:
+                engine.step()
+            except pagemem.RankFailed:
+                if mode == "killgather":  # the weights now mix two steps: a read must say so
+                    try:
+                        model.state_dict()
+                        print("after RankFailed in the update, model.state_dict() returned", file=sys.stderr)
+                    except pagemem.RankFailed as after:
+                        print(f"after RankFailed in the update, model.state_dict() raised: {after}", file=sys.stderr)
+                raise
             if mode == "save0" and rank == 0 and step == int(opts.get("at", 2)):
                 try:  # a DDP habit: rank 0 alone saves
                     engine.save(opts["save_dir"])

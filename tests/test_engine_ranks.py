@@ -229,6 +229,17 @@ def test_a_killed_rank_makes_the_others_fail_naming_it(tmp_path, victim):
         assert "after RankFailed, step() raised StepFailed" in errs[r]
 
 
+@pytest.mark.slow
+def test_a_rank_killed_while_the_shares_are_gathered_leaves_weights_that_refuse_to_be_read(tmp_path):
+    """The survivor updated its share and never received the victim's: its weights mix two steps,
+    so ``model.state_dict()`` (the habit of saving in an exception handler) raises ``RankFailed``
+    instead of returning them."""
+    rcs, errs, after = launch("killgather", 2, tmp_path / "k.pt", timeout=120, victim=1)
+    assert rcs[1] == -9 and rcs[0] not in (0, None) and after < 60
+    assert "after RankFailed in the update, model.state_dict() raised" in errs[0], errs[0][-2000:]
+    assert "mix two steps" in errs[0]
+
+
 @pytest.mark.slow  # make test's budget: the killed-rank and lone-save cases cover the liveness and the headers
 def test_a_rank_that_stops_calling_is_named_within_the_timeout(tmp_path):
     rcs, errs, _ = launch("hang", 2, tmp_path / "h.pt", timeout=120, wait_for=[0], victim=1, at=2, steps=4, collective_timeout=5)

@@ -57,7 +57,7 @@ from pagemem.engine.ranks.replicas import agree_on_values, sync_buffers
 from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.units.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.updates.update import Updater
-from pagemem.errors import ConfigError, FirstError, InvalidRequest
+from pagemem.errors import ConfigError, FirstError, InvalidRequest, RankFailed
 from pagemem.process import current_pid, is_owner
 from pagemem.store import PageStore
 from pagemem.tracer.clock import OpClock
@@ -251,6 +251,13 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
         submitted land, writes to parameters are kept. Refused inside a backward that may have
         updated parameters (``overlap_update``): they would be a mix."""
         self._find_failed_backward(what)
+        coll = self.collectives
+        if coll is not None and coll.failed is not None and self.updater.unfinished is not None:
+            # [Note: sharded moments]: the update ran on this rank's share and the ranks' shares
+            # never arrived: these weights hold two steps at once
+            raise RankFailed(f"{what}: refused: a rank failed during the update ({coll.failed}); this rank updated "
+                             "its share of the weights and never received the others', so its weights mix two steps: "
+                             "restart from the last checkpoint", coll.failed.ranks)
         if self.phase.in_backward and self.updater.overlap:
             raise InvalidRequest(f"{what}: called during backward, which may have updated some parameters already "
                                  "(overlap_update); read them once backward has returned")
