@@ -407,6 +407,7 @@ def store_calls(store: PageStore, tmp_path) -> dict:
         "lease_many": lambda: store.lease_many([t]),
         "location": lambda: store.location(page),
         "move": lambda: store.move(t, "nvme"),
+        "move_spans": lambda: store.move_spans(0.0),
         "page_count": lambda: store.page_count([t, u]),
         "read": lambda: store.read(u),
         "release": lambda: store.release(t, "cpu"),
