@@ -525,6 +525,21 @@ def test_requires_grad_changed_after_the_engine_is_made_takes_effect_at_the_next
     assert stats["iterations"]["traced"] == 2  # traced again after the change: its ops differ
 
 
+def test_unfreezing_a_parameter_whose_unit_a_plan_keeps_on_the_gpu_takes_effect(tmp_path):
+    """A gpu budget the whole model fits in: the plan keeps every unit, optimizer states and
+    gradient sums included, on the gpu ([Note: states a plan keeps on the gpu]), and sizes the
+    arena to it. An unfrozen parameter's new states go where its unit's go at rest; the next
+    plan places them again (it raised ``OutOfMemory`` on the gpu tier from ``make_trainable``)."""
+    def make():
+        torch.manual_seed(0)
+        m = ParamAfterChild()
+        m.inp.requires_grad_(False)
+        m.w.requires_grad_(False)
+        return m
+    stats = same_loop(make, mse, unfreeze_at_2, 5, tmp_path, fraction=50)
+    assert stats["iterations"]["traced"] == 2
+
+
 def test_close_says_so_when_the_weights_do_not_fit_in_host_memory(tmp_path, monkeypatch):
     from pagemem.engine.units import readback
     make, loss = CASES["parameter read after a child"]

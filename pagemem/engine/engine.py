@@ -304,6 +304,9 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                                      "never be updated: put it in param_groups when making the engine")
         for want, r in zip(now, records):
             if want and not r.requires_grad:
+                # [Note: states a plan keeps on the gpu]: the unit's states go home first, so the
+                # new ones are made there too; the plans are forgotten below, the next places them
+                self.bank.place_states(self.bank.layer_of[r.index], None)
                 self.bank.make_trainable(r.index)
             r.requires_grad = want
         for h in self._hooks:
