@@ -84,6 +84,7 @@ def test_two_ranks_train_into_one_run_directory(whole, tmp_path):
     assert alone == pytest.approx([m["loss"] for m in lines[:3]], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow  # make test's budget: test_engine_ranks covers a killed rank
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(whole, tmp_path):
     run, _ = whole
     proc = torchrun(tmp_path, *RUN, restarts=1, env={KILL_HOOK: "1:7"})

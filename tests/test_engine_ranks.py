@@ -203,7 +203,8 @@ def test_a_bf16_model_with_sharded_master_weights_trains_as_replicas_and_resumes
     assert 0 < distance(one, sharded) < 1e-2  # the ranks' sums in another order, through bf16 compute
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test's budget: the simulated-rank tests cover the sharded master in the fast suite
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_write_through_data_between_steps_is_kept_with_sharded_master_weights(tmp_path, precision):
     """``p.data.mul_(0.5)`` between steps on every rank moves no version counter; with sharded
     master weights the compute copy the write landed in is what ``host_value`` read, so the write
@@ -255,7 +256,7 @@ def test_a_parameter_unused_on_one_rank_gets_the_average_ddp_gives(tmp_path):
     assert distance(ours, ddp) == 0.0
 
 
-@pytest.mark.parametrize("loop", ["habit", "accum"])
+@pytest.mark.parametrize("loop", ["habit", pytest.param("accum", marks=pytest.mark.slow)])
 def test_loop_habits_equal_ddp_bit_for_bit(tmp_path, loop):
     """``p.grad`` after ``loss.backward()`` is the average, as DDP's is (clipping by hand reads
     it); accumulation averages once per step, as DDP with ``no_sync`` does."""
@@ -296,6 +297,7 @@ def test_ctrl_c_in_a_hung_collective_breaks_the_engine(tmp_path, signals, said):
     assert "after Ctrl-C, step() raised StepFailed" in errs[0] and said in errs[0], errs[0][-2000:]
 
 
+@pytest.mark.slow  # make test's budget
 def test_replicas_start_from_rank_zero_and_follow_its_buffers_as_ddp(tmp_path):
     """Ranks that initialised their models with different seeds train rank 0's model, and
     BatchNorm's running statistics are rank 0's before each forward: every rank's weights and
@@ -374,6 +376,7 @@ def test_a_rank_that_closes_its_engine_releases_the_others_at_once(tmp_path):
     assert "rank(s) 0 closed their engine" in errs[1], errs[1][-2000:]
 
 
+@pytest.mark.slow  # make test's budget: the lone-save case covers the headers
 def test_a_backward_failed_on_one_rank_alone_fails_every_rank_at_the_next_average(tmp_path):
     """Rank 1 catches its failed backward and goes on: its batches no longer line up with rank
     0's, so the next average finds the ranks at different steps and every rank raises."""
@@ -383,6 +386,7 @@ def test_a_backward_failed_on_one_rank_alone_fails_every_rank_at_the_next_averag
         assert "the ranks are at different steps" in e, e[-2000:]
 
 
+@pytest.mark.slow  # make test's budget
 def test_ranks_over_different_models_all_refuse(tmp_path):
     rcs, errs, _ = launch("mismatch", 2, tmp_path / "m.pt", timeout=120)
     assert all(rc not in (0, None) for rc in rcs)
