@@ -148,7 +148,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
     from pagemem.sched import HardwareProfile
-    from pagemem.sched.network import collective_seconds
 
     hw = HardwareProfile.builtin("dev-vm")
     rows, out = [], []
@@ -164,13 +163,11 @@ def main() -> None:
             # all-gather of the largest share of master weights ([Note: sharded moments])
             share = max(r0["moment_shares"]) if shard else 0
             ring = 2 * (world - 1) * 4 * r0["params"] // world + (world - 1) * 4 * share
-            comm_s = collective_seconds(hw, "all_reduce", 4 * r0["params"], world) + (
-                collective_seconds(hw, "all_gather", 4 * share, world) if shard else 0.0)
             sim_s = r0["sim_seconds"]  # the plan's collectives are in it (the "states" rows)
             sim_tps = tokens / sim_s if sim_s else None
             mean_tps = statistics.mean(r["tokens_per_s"] for r in ranks)
             row = {"world_size": world, "sharded": shard, "ranks": ranks, "per_rank_tokens_per_s": mean_tps,
-                   "sim_tokens_per_s": sim_tps, "sim_iteration_s": sim_s, "sim_collectives_s": comm_s,
+                   "sim_tokens_per_s": sim_tps, "sim_iteration_s": sim_s,
                    "ring_bytes_per_iteration": ring, "sent_bytes_per_iteration": r0["sent_per_iteration"],
                    "plan_network_bytes": r0["plan_network_bytes"],
                    "zero3_plan_network_bytes": r0["zero3_network_bytes"],

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import pagemem
+import exactness
 from exactness import HP, assert_same, engine_config, reference, same_loop, train_both
 from exactness_models import ParamAfterChild, Shared, TinyViT, WeightNormed
 
@@ -513,31 +514,34 @@ def unfreeze_at_2(run, model, opt, s, loss):
     opt.step()
 
 
+def frozen_at_first() -> ParamAfterChild:
+    """``ParamAfterChild`` with ``inp`` and ``w`` frozen when the engine is made."""
+    torch.manual_seed(0)
+    m = ParamAfterChild()
+    m.inp.requires_grad_(False)
+    m.w.requires_grad_(False)
+    return m
+
+
 @pytest.mark.parametrize("optimizer_tier", TIERS)
 def test_requires_grad_changed_after_the_engine_is_made_takes_effect_at_the_next_iteration(optimizer_tier, tmp_path):
-    def make():
-        torch.manual_seed(0)
-        m = ParamAfterChild()
-        m.inp.requires_grad_(False)
-        m.w.requires_grad_(False)
-        return m
-    stats = same_loop(make, mse, unfreeze_at_2, 4, tmp_path, optimizer_tier=optimizer_tier)
+    stats = same_loop(frozen_at_first, mse, unfreeze_at_2, 4, tmp_path, optimizer_tier=optimizer_tier)
     assert stats["iterations"]["traced"] == 2  # traced again after the change: its ops differ
 
 
-def test_unfreezing_a_parameter_whose_unit_a_plan_keeps_on_the_gpu_takes_effect(tmp_path):
+@pytest.mark.parametrize("executor, page", [("plan", None), ("demand", None), ("plan", 4096)])
+def test_unfreezing_a_parameter_whose_unit_a_plan_keeps_on_the_gpu_takes_effect(tmp_path, executor, page,
+                                                                                 monkeypatch):
     """A gpu budget the whole model fits in: the plan keeps every unit, optimizer states and
     gradient sums included, on the gpu ([Note: states a plan keeps on the gpu]), and sizes the
     arena to it. An unfrozen parameter's new states go where its unit's go at rest; the next
-    plan places them again (it raised ``OutOfMemory`` on the gpu tier from ``make_trainable``)."""
-    def make():
-        torch.manual_seed(0)
-        m = ParamAfterChild()
-        m.inp.requires_grad_(False)
-        m.w.requires_grad_(False)
-        return m
-    stats = same_loop(make, mse, unfreeze_at_2, 5, tmp_path, fraction=50)
-    assert stats["iterations"]["traced"] == 2
+    plan places them again (it raised ``OutOfMemory`` on the gpu tier from ``make_trainable``).
+    Both executors; 4 KiB pages too."""
+    if page is not None:
+        monkeypatch.setattr(exactness, "PAGE", page)
+    stats = same_loop(frozen_at_first, mse, unfreeze_at_2, 5, tmp_path, fraction=50, executor=executor)
+    if executor == "plan":
+        assert stats["iterations"]["traced"] == 2
 
 
 def test_close_says_so_when_the_weights_do_not_fit_in_host_memory(tmp_path, monkeypatch):
