@@ -7,9 +7,9 @@ parameters, unit by unit, are one sequence (``placed``), zero-padded at the end 
 rank's (the shares are even to a page per unit and rotate over the ranks from unit to unit, so
 there is little padding; padding each unit's share instead would send whole units of zeros where
 a unit is smaller than a page per rank); the ``k``-th batch holds elements ``[k E, (k + 1) E)`` of
-every rank's sequence (``E``: ``BATCH_BYTES`` of fp32), two batches in flight. What arrives from the other ranks is written into every copy of the compute
-copy, cast, and into the master weights where this rank holds them whole, as the owner's own
-update wrote its share."""
+every rank's sequence (``E``: ``BATCH_BYTES`` of fp32), two batches in flight. What arrives from
+the other ranks is written into every copy of the compute copy, cast, and into the master weights
+where this rank holds them whole, as the owner's own update wrote its share."""
 
 from __future__ import annotations
 

@@ -135,7 +135,8 @@ class ParamBank(StatesMoved, ShardedStates):
             every = kind == "compute" or (kind == "master" and self.compute_is_master)
             chained = kind == "grad" or (kind != "compute" and not states_apart)
             for _name, idx in layer_specs:
-                members = [i for i in idx if (every or trainable[i]) and (not self.is_sharded(i, kind) or self.owned_numel(i))]
+                members = [i for i in idx
+                           if (every or trainable[i]) and (not self.is_sharded(i, kind) or self.owned_numel(i))]
                 group = store.allocate_group([(self.state_shape(i, kind), dtype or dtypes[i]) for i in members],
                                              tier=tier, after=tail if chained else None) if members else []
                 tail = group[-1] if group else tail
