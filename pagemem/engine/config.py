@@ -49,7 +49,12 @@ class EngineConfig:
     ``shard_optimizer_states``: with several ranks, each holds and updates only its share of the
     Adam moments, and of the fp32 master weights where the parameter computes in its own dtype,
     and the ranks gather the updated weights (ZeRO stage 1: [Note: sharded moments] and [Note:
-    sharded master weights] in ``units/shards.py``); False keeps a replica on every rank. ``adam_threads``: CPU Adam
+    sharded master weights] in ``units/shards.py``); False keeps a replica on every rank.
+    ``shard_parameters``: with several ranks, each also keeps only its share of the compute copy
+    at rest: a unit's whole copy exists on the gpu only while the unit is resident, gathered from
+    every rank's share when it is fetched (ZeRO stage 3 for the parameters: [Note: gathered units]
+    in ``ranks/unit_gather.py``); every read of a parameter outside forward and backward is then
+    a collective every rank makes. ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
     means on when the gpu tier is CUDA, for units whose states are off the gpu (backward runs
@@ -82,6 +87,7 @@ class EngineConfig:
     loss_scale: str | float | None = "default"
     collective_timeout_s: float = 600.0
     shard_optimizer_states: bool = True
+    shard_parameters: bool = False
     adam_threads: int | None = None
     overlap_update: bool | None = None
     executor: str = "plan"
@@ -113,6 +119,10 @@ class EngineConfig:
             raise ConfigError(f"collective_timeout_s: must be at least 1 second (the first collective waits for every "
                               f"rank's tracing and planning), got {self.collective_timeout_s!r}")
         check_bool("shard_optimizer_states", self.shard_optimizer_states)
+        check_bool("shard_parameters", self.shard_parameters)
+        if self.shard_parameters and not self.shard_optimizer_states:
+            raise ConfigError("shard_parameters: needs shard_optimizer_states=True (each rank's share of the compute "
+                              "copy is its share of the master weights, cast)")
         if self.adam_threads is not None:
             check_int("adam_threads", self.adam_threads, 1, 1024)
         if self.overlap_update is not None:

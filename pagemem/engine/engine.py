@@ -37,7 +37,8 @@ from pagemem.engine.units.budget_checks import check_units_fit, unit_cap
 from pagemem.engine.units.homes import choose_home_tier
 from pagemem.engine.checkpoints.ckpt_state import engine_dtype
 from pagemem.engine.units.safetensors_values import FromSafetensors
-from pagemem.engine.units.values import FromCheckpoint, FromStateDict, ModuleInit, ValueSource, source_of
+from pagemem.engine.units.values import (FromCheckpoint, FromModule, FromStateDict, ModuleInit, ValueSource,
+                                         source_of)
 from pagemem.engine.config import EngineConfig, check_no_amsgrad
 from pagemem.engine.updates.groups import checked_groups
 from pagemem.engine.gradients.grad_ledger import GradLedger
@@ -53,7 +54,8 @@ from pagemem.engine.paging.pager import Pager
 from pagemem.engine.ranks import Collectives, RankGroup
 from pagemem.engine.ranks.gather import MasterGather
 from pagemem.engine.ranks.join import join_ranks
-from pagemem.engine.ranks.replicas import agree_on_values, sync_buffers
+from pagemem.engine.ranks.replicas import agree_on_module_values, agree_on_values, sync_buffers
+from pagemem.engine.ranks.unit_gather import UnitGather
 from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.units.readback import give_weights_back, hook_state_dicts
 from pagemem.engine.updates.update import Updater
@@ -123,10 +125,14 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                 self.ranks = RankGroup.resolve(process_group, self.store.tier("gpu").device)
                 """The process group's ranks this engine is data parallel over."""
                 self.collectives = join_ranks(self.ranks, model, config)
+                gathered = self.collectives is not None and config.shard_parameters
+                if gathered and _values and isinstance(source, FromModule):  # no rank holds whole values after
+                    agree_on_module_values(model, self.collectives)
                 self._build(model, config, groups, source)
                 if self.collectives is not None and _values:  # [Note: replicas agree as DDP makes them]; a
                     # model on meta resumed by Engine.load has no values yet: every rank loads one checkpoint
-                    agree_on_values(self.bank, self.collectives)
+                    if not gathered:
+                        agree_on_values(self.bank, self.collectives)
                     sync_buffers(model, self.collectives)
             except BaseException:
                 self._undo_build(model, restore=init is None and values is None and _values)
@@ -151,7 +157,7 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                               unit_bytes=unit_cap(config.store), source=source, states_apart=config.lock_free,
                               home_tier=self._home_tier,
                               ranks=((self.ranks.rank, self.ranks.world_size) if config.shard_optimizer_states
-                                     else (0, 1)))
+                                     else (0, 1)), gathered=config.shard_parameters)
         if isinstance(source, (FromStateDict, FromSafetensors)):
             source.set_buffers(model, self.store.tier("gpu").device)
         if not isinstance(source, FromCheckpoint):
@@ -195,6 +201,10 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
             assert self.collectives is not None
             self.updater.gather_masters = MasterGather(self.bank, self.collectives)
             self.optimizer.states.whole_moments = self.updater.gather_masters.whole_moments
+            if self.bank.gathered:  # [Note: gathered units]
+                self.unit_gather = UnitGather(self.bank, self.collectives, self.updater.gather_masters)
+                self.bank.gather_unit = self.unit_gather
+                self.bank.whole_master = self.unit_gather.whole_master
         self.phase = PhaseMachine()
         """Where the engine stands between backward and the update, with the backwards since the
         last update ([Note: engine phases], ``phase.py``)."""
@@ -395,6 +405,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
             try:
                 self.gradients.take_back()
                 self.pager.residency.keep_writes()  # [Note: writes to parameters]
+                if self.bank.gathered:  # a resident copy would be stale after the update ([Note: gathered units])
+                    self.pager.residency.release_all()
                 # a failure leaves the counters: step() again finishes this update ([Note: a step is a transaction])
                 if self.lockfree is not None:
                     hps = [check_no_amsgrad(self.optimizer.hyper(g)) for g in range(len(self.optimizer.param_groups))]

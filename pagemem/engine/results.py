@@ -4,6 +4,8 @@ values, and ``stats()``. A mixin of ``Engine``, as ``backward.py`` is: these met
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import os
@@ -148,6 +150,8 @@ class ResultsMixin:
             raise ConfigError(f"max_shard_bytes: must be at least 1 byte, got {max_shard_bytes!r}")
         self._before_reading_weights("save_weights")
         entries = safetensors_save.weight_entries(self.module, self.bank)
+        if self.bank.gathered:  # each value a collective every rank makes ([Note: gathered units]); rank 0 writes
+            entries = [dataclasses.replace(e, read=lambda v=e.read(): v) for e in entries]
         if self.collectives is not None:  # replicas: rank 0 writes ([Note: checkpoints over ranks])
             self.collectives.begin("saving weights")
             return by_rank_zero(self.collectives, "save_weights", os.fspath(directory),
@@ -246,4 +250,6 @@ class ResultsMixin:
                   {"rank": 0, "world_size": 1, "backend": self.ranks.backend, "collectives": 0, "sent_bytes": 0,
                    "collective_wait_seconds": 0.0})
         return {**counts, "moment_shares": shares, "sharded": gather is not None,
-                "gathered_bytes": gather.gathered_bytes if gather is not None else 0}
+                "gathered_bytes": gather.gathered_bytes if gather is not None else 0,
+                "gathered_units": self.unit_gather.gathers if self.bank.gathered else 0,
+                "unit_gather_bytes": self.unit_gather.received_bytes if self.bank.gathered else 0}

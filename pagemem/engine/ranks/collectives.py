@@ -55,7 +55,7 @@ GIVE_UP_ON_SIGNAL_S = 5.0
 OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter values", "rank 0's buffers",
               "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint",
               "clipping gradients", "reading the optimizer state", "loading the optimizer state", "updating",
-              "reading the weights")
+              "reading the weights", "gathering a unit")
 """The engine's operations (``begin``): a header names one by its index here."""
 _serials = itertools.count()
 """Engines made in this process, in order: every rank makes its engines in the same order, so the

@@ -48,6 +48,27 @@ def agree_on_values(bank: ParamBank, coll: Collectives) -> int:
     return len(differ)
 
 
+def agree_on_module_values(model: nn.Module, coll: Collectives) -> int:
+    """The module's own parameters that differ from rank 0's anywhere take rank 0's values,
+    before the engine takes them into pages: an engine whose ranks keep shares of every value
+    (``shard_parameters``, [Note: gathered units] in ``unit_gather.py``) holds no rank's whole
+    value afterwards to compare or send. Parameters on meta (no values yet) are left alone: each
+    element then takes its owner's first value, one model on every rank. Returns how many took
+    rank 0's values."""
+    params = [p for _, p in model.named_parameters()]
+    real = [p for p in params if not p.is_meta]
+    mine = [_digest(p.detach().cpu()) for p in real]
+    top, low = coll.begin("comparing every rank's parameter values", mine)
+    differ = [p for p, a, b in zip(real, top, low) if a != b]
+    with torch.no_grad():
+        for p in differ:
+            t = p.detach().to(coll.ranks.device).contiguous()
+            coll.broadcast(t, 0, "rank 0's parameter values")
+            if coll.ranks.rank != 0:
+                p.copy_(t.to(p.device))
+    return len(differ)
+
+
 def _broadcast_params(bank: ParamBank, coll: Collectives, params: list[int], size: int) -> None:
     buf = torch.empty(size, dtype=torch.float32)
     if coll.ranks.rank == 0:

@@ -24,7 +24,7 @@ Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``reside
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from pagemem.engine.units.records import (ParamRecord, compute_dtype_of, compute
 from pagemem.engine.units.state_moves import StatesMoved
 from pagemem.engine.units.unit import Unit
 from pagemem.engine.units.values import FromModule, ValueSource, check_source, materialize_meta
-from pagemem.engine.units.shards import StateShards, master_shardable, shard_states
+from pagemem.engine.units.shards import StateShards, check_gatherable, master_shardable, shard_states
 from pagemem.engine.units.state_shares import MOMENTS, ShardedStates
 
 
@@ -53,7 +53,8 @@ def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 class ParamBank(StatesMoved, ShardedStates):
     def __init__(self, model: nn.Module, store: PageStore, compute_dtype: torch.dtype | None, optimizer_tier: str,
                  unit_bytes: int | None = None, source: ValueSource | None = None,
-                 states_apart: bool = False, home_tier: str = "cpu", ranks: tuple[int, int] = (0, 1)) -> None:
+                 states_apart: bool = False, home_tier: str = "cpu", ranks: tuple[int, int] = (0, 1),
+                 gathered: bool = False) -> None:
         """``source`` gives the first values (default: the module's own; see [Note: first values]
         in ``values.py``), one module at a time. ``states_apart``: each unit's optimizer states on
         pages of their own (the lock-free updater moves one unit's states at a time);
@@ -61,7 +62,9 @@ class ParamBank(StatesMoved, ShardedStates):
         where compute copies and gradient sums live at rest, ``"cpu"`` or ``"nvme"`` ([Note: homes
         on nvme] in ``homes.py``; resolved from ``EngineConfig.home_tier`` by ``choose_home_tier``).
         ``ranks``: ``(rank, world_size)`` over which the Adam moments are sharded ([Note: sharded
-        moments] in ``units/shards.py``; ``(0, 1)``: not sharded)."""
+        moments] in ``units/shards.py``; ``(0, 1)``: not sharded). ``gathered``: no compute copy at
+        rest, each rank's share of it being its share of the master ([Note: gathered units] in
+        ``ranks/unit_gather.py``)."""
         self.store = store
         self.states_apart = states_apart
         self.copies = GradCopies()
@@ -91,6 +94,11 @@ class ParamBank(StatesMoved, ShardedStates):
         PyTorch does. Those pages never move: units have nothing to page (``param_nbytes`` 0,
         ``compute_pages`` 0), so a plan only schedules compute around them."""
         trainable = [p.requires_grad for _, p in self.params]
+        self.gathered = gathered and ranks[1] > 1
+        """Compute copies exist only while their unit is resident, gathered from every rank's
+        share of the master ([Note: gathered units] in ``ranks/unit_gather.py``)."""
+        if self.gathered:
+            check_gatherable(self.params, trainable, dtypes, self.compute_is_master)
         """[Note: frozen parameters] A parameter that does not require a gradient when the bank is
         made keeps only its compute copy: no fp32 master, no moments, no gradient sums (a LoRA
         model pays optimizer memory for its adapters only). Unfrozen later, it gets them then
@@ -110,6 +118,14 @@ class ParamBank(StatesMoved, ShardedStates):
             store.page_bytes, *ranks)
         """Which elements of each parameter's moments this rank holds (None: all of them)."""
         self._every_share: list[StateShards] | None = None
+        self.whole_master: Callable[[int], torch.Tensor] | None = None
+        self.gather_unit: Callable[[Unit], None] | None = None
+        """A gathered bank's filler of a unit's compute copy (``ranks/unit_gather.py``), set by
+        the engine."""
+        self._stale_copies: list[list[PagedTensor]] = []
+        """Gathered compute copies replaced while still pinned (``drop_compute`` frees them later)."""
+        """A gathered bank's reader of one parameter's whole fp32 master (a collective every rank
+        makes: ``ranks/unit_gather.py``), set by the engine."""
         self._master_sharded: tuple[bool, ...] = tuple(
             self.shards is not None and ok
             for ok in master_shardable(dtypes, [p.dtype for _, p in self.params], self.compute_is_master))
@@ -130,8 +146,8 @@ class ParamBank(StatesMoved, ShardedStates):
                                   ("grad", torch.float32, grad_tier_beside(optimizer_tier, home_tier))):
             tail = None
             groups[kind] = []
-            if kind == "compute" and self.compute_is_master:
-                continue  # the master's groups, once they exist (see the Note)
+            if kind == "compute" and (self.compute_is_master or self.gathered):
+                continue  # the master's groups, once they exist (see the Note), or none at rest
             every = kind == "compute" or (kind == "master" and self.compute_is_master)
             chained = kind == "grad" or (kind != "compute" and not states_apart)
             for _name, idx in layer_specs:
@@ -144,6 +160,10 @@ class ParamBank(StatesMoved, ShardedStates):
                 groups[kind].append([at.get(i) for i in idx])
         if self.compute_is_master:
             groups["compute"] = groups["master"]
+        elif self.gathered:
+            groups["compute"] = [[] for _ in layer_specs]  # made on the gpu while the unit is resident
+        self._gathered_pages = tuple(pack([nbytes[i] for i in idx], store.page_bytes).pages for _, idx in layer_specs)
+        """Pages each unit's whole compute copy takes (what a gathered unit allocates on the gpu)."""
         for li, (name, idx) in enumerate(layer_specs):
             for k, i in enumerate(idx):
                 layer_of[i], position[i] = li, k
@@ -172,7 +192,7 @@ class ParamBank(StatesMoved, ShardedStates):
         layer, k = self.where(i)
         if layer.master[k] is not None:
             layer.master[k].copy_(self._mine(i, "master", value.float()).reshape(layer.master[k].shape))
-        if not self.compute_is_master:
+        if not self.compute_is_master and not self.gathered:
             layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
         for t in (layer.exp_avg[k], layer.exp_avg_sq[k]):
             if t is not None:
@@ -184,6 +204,9 @@ class ParamBank(StatesMoved, ShardedStates):
         unit's (on pages of their own). Nothing changes if the pages cannot be had."""
         if self.records[i].trainable:
             return
+        if self.gathered:
+            raise InvalidRequest(f"parameter {self.params[i][0]!r}: unfreezing a parameter is not built with "
+                                 "shard_parameters=True (a frozen parameter is refused when the engine is made)")
         layer, k = self.where(i)
         tier = layer.state_tier
         kinds = [("exp_avg", tier), ("exp_avg_sq", tier), ("grad", grad_tier_beside(tier, self.home_tier))]
@@ -265,6 +288,11 @@ class ParamBank(StatesMoved, ShardedStates):
         compute copy gives it, which is the master cast for ``dtype`` the parameter's own
         (``master_whole_here`` says when a caller must gather the fp32 master instead)."""
         layer, k = self.where(i)
+        if self.gathered:
+            if self.whole_master is None:
+                raise InvalidRequest(f"parameter {self.params[i][0]!r}: its value is spread over the ranks "
+                                     "(shard_parameters=True) and no gather is set up")
+            return self.whole_master(i).to(dtype).reshape(self.params[i][1].shape)
         t = layer.master[k] if layer.master[k] is not None and not self.master_sharded(i) else layer.compute[k]
         return t.to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
 
@@ -282,6 +310,8 @@ class ParamBank(StatesMoved, ShardedStates):
 
     def compute_pages(self, li: int) -> int:
         """Pages unit ``li``'s compute copy moves to and from the gpu (none where it is the master)."""
+        if self.gathered:
+            return self._gathered_pages[li]
         return 0 if self.compute_is_master else self.store.page_count(self.layers[li].compute)
 
     def set_state(self, i: int, kind: str, value: torch.Tensor) -> None:
@@ -294,7 +324,7 @@ class ParamBank(StatesMoved, ShardedStates):
             if layer.master[k] is not None:
                 layer.master[k].copy_(self._mine(i, "master", value.float()).reshape(layer.master[k].shape))
             if not self.compute_is_master:
-                layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
+                self.write_compute(i, value)
             return
         t = getattr(layer, kind)[k]
         if t is not None:
@@ -308,6 +338,8 @@ class ParamBank(StatesMoved, ShardedStates):
         if self.compute_is_master:
             return
         layer, k = self.where(i)
+        if self.gathered and not layer.compute:
+            return  # at rest this rank's share of it is its share of the master
         layer.compute[k].copy_(value.to(self.compute_dtype_of(i)))
 
     def write_parameter(self, i: int, value: torch.Tensor) -> None:
@@ -327,6 +359,9 @@ class ParamBank(StatesMoved, ShardedStates):
         if self.compute_is_master:
             return
         layer, k = self.where(i)
+        if self.gathered:  # nothing at rest; a resident unit is never updated ([Note: gathered units])
+            assert not layer.compute, f"unit {layer.name!r} resident during its update"
+            return
         shape = self.params[i][1].shape
         if start == 0 and master.numel() == shape.numel():
             layer.compute[k].copy_(master.reshape(shape).to(self.compute_dtype_of(i)))
@@ -344,7 +379,7 @@ class ParamBank(StatesMoved, ShardedStates):
             layer, k = self.where(i)
             if not self.master_sharded(i):
                 items.append((layer.master[k], value, start))
-            if not self.compute_is_master:
+            if not self.compute_is_master and not self.gathered:
                 items.append((layer.compute[k], value.to(self.compute_dtype_of(i)), start))
         if items:
             self.store.write_many(items)
@@ -352,7 +387,7 @@ class ParamBank(StatesMoved, ShardedStates):
     def refresh_unit(self, values: dict[int, torch.Tensor]) -> None:
         """Write new values (``refresh_compute``'s, already in the compute dtype) into the compute
         copies of one unit's parameters, in one store operation."""
-        if self.compute_is_master or not values:
+        if self.compute_is_master or self.gathered or not values:
             return
         items = []
         for i, value in values.items():

@@ -127,7 +127,7 @@ class Residency(KeepsWrites):
     def stage(self, li: int, pages: range | None = None) -> None:
         """Start copying unit ``li``'s pages (all, or the run ``pages``) to the gpu. Reserves
         now: OutOfMemory, changing nothing, when they do not fit."""
-        if self.home_on_gpu:
+        if self.home_on_gpu or self.bank.gathered:  # a gathered unit is gathered at its use ([Note: gathered units])
             return
         layer, u = self.bank.layers[li], self._units[li]
         if u.bound or u.settled:  # a parked unit's only copy is on the gpu already
@@ -145,7 +145,7 @@ class Residency(KeepsWrites):
         Nothing where the compute copy is not on nvme, or the unit is on the gpu; no cpu room
         leaves them to be read from nvme at their ``stage``."""
         layer, u = self.bank.layers[li], self._units[li]
-        if self.home_on_gpu or self.bank.home_tier != "nvme" or u.bound or u.settled:
+        if self.home_on_gpu or self.bank.gathered or self.bank.home_tier != "nvme" or u.bound or u.settled:
             return
         try:
             self.store.copy(layer.compute, "cpu", pages=pages)
@@ -157,7 +157,7 @@ class Residency(KeepsWrites):
     def release_host(self, li: int) -> None:
         """Drop the cpu copy ``stage_host`` made of unit ``li``'s pages (its home stays on nvme).
         A page pinned or in flight keeps its copy until the next release."""
-        if self.home_on_gpu or self.bank.home_tier != "nvme":
+        if self.home_on_gpu or self.bank.gathered or self.bank.home_tier != "nvme":
             return
         layer = self.bank.layers[li]
         try:
@@ -176,7 +176,7 @@ class Residency(KeepsWrites):
         if self.home_on_gpu:
             self._bind_views(layer)
             return
-        if not u.settled and u.staged_pages < self.store.page_count(layer.compute):
+        if not u.settled and u.staged_pages < self.bank.compute_pages(li):
             self.misses += 1
         self._fetch(layer, keep={li}, reserve=0)
 
@@ -186,8 +186,8 @@ class Residency(KeepsWrites):
         becomes the only one, so the refresh after each update writes one copy, not two. Evicting
         it later moves it back to the cpu. No room on either side leaves it as it was."""
         layer, u = self.bank.layers[li], self._units[li]
-        if u.settled or (u.bound and u.held):  # a scope may read it: it stays as it is
-            return
+        if self.bank.gathered or u.settled or (u.bound and u.held):  # a scope may read it: it stays as it is
+            return  # (a gathered unit is evicted before each update: [Note: gathered units])
         if u.bound:
             self.evict(layer)  # its views pin the pages: settle between unbound pages only
             if u.state is UnitState.ZOMBIE:
@@ -262,7 +262,7 @@ class Residency(KeepsWrites):
         """[Note: demand staging] follows the previous demand iteration's order: one unit ahead,
         and only into free room (it never evicts), so fetches stay the only ones that make room."""
         order = self._order
-        if self.home_on_gpu:
+        if self.home_on_gpu or self.bank.gathered:
             return
         try:
             pos = order.index(li, self._cursor)
@@ -285,15 +285,18 @@ class Residency(KeepsWrites):
     def _fetch(self, layer: Unit, keep: set[int], reserve: int, bind: bool = True) -> None:
         t0 = time.perf_counter()
         u = self._units[layer.index]
-        need = max(0, self.store.page_count(layer.compute) - u.staged_pages)
+        need = max(0, self.bank.compute_pages(layer.index) - u.staged_pages)
         while (self.used_pages + need) * self.page_bytes + reserve > self.budget_bytes:
             if not self._evict_one(keep):
                 break
         while True:
             try:
-                for handle in u.staged:
-                    handle.wait()
-                self.store.copy(layer.compute, "gpu").wait()
+                if self.bank.gathered:
+                    self._gather(layer)
+                else:
+                    for handle in u.staged:
+                        handle.wait()
+                    self.store.copy(layer.compute, "gpu").wait()
                 break
             except OutOfMemory as exc:
                 if not self._evict_one(keep):
@@ -310,6 +313,17 @@ class Residency(KeepsWrites):
         if bind:
             self._bind_views(layer)
         self.wait_seconds += time.perf_counter() - t0
+
+    def _gather(self, layer: Unit) -> None:
+        """A gathered unit's whole compute copy made on the gpu and filled from every rank's
+        share ([Note: gathered units]); OutOfMemory, nothing made, when it does not fit."""
+        assert self.bank.gather_unit is not None, "a gathered bank needs the engine's gather"
+        self.bank.make_compute(layer)  # a zombie's copy, still pinned, is set aside (an update may have passed)
+        try:
+            self.bank.gather_unit(layer)
+        except BaseException:
+            self.bank.drop_compute(layer)
+            raise
 
     def _bind_views(self, layer: Unit) -> None:
         params = self.bank.params
@@ -405,6 +419,8 @@ class Residency(KeepsWrites):
         Units home on the gpu have nothing to give back."""
         if self.home_on_gpu:
             return True
+        if self.bank.gathered:
+            return self.bank.drop_compute(layer)
         try:
             if layer.settled:
                 self.store.move(layer.compute, self.bank.home_tier).wait()

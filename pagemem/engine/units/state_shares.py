@@ -26,6 +26,7 @@ class ShardedStates:
     shards: StateShards | None
     _master_sharded: tuple[bool, ...]
     _every_share: list[StateShards] | None
+    _stale_copies: list[list]
     params: tuple[tuple[str, "nn.Parameter"], ...]
     layers: list["Unit"]
     store: "PageStore"
@@ -83,3 +84,31 @@ class ShardedStates:
         if self.is_sharded(i, kind):
             return torch.Size([self.owned_numel(i)])
         return self.params[i][1].shape
+
+    # ------------------------------------------------------------------ gathered compute copies
+
+    def make_compute(self, layer: "Unit") -> None:
+        """A gathered unit's whole compute copy, allocated on the gpu tier into ``layer.compute``
+        (its values unspecified until gathered: [Note: gathered units] in ``ranks/unit_gather.py``).
+        OutOfMemory, changing nothing, when it does not fit."""
+        specs = [(tuple(self.params[i][1].shape), self.compute_dtype_of(i)) for i in layer.params]
+        made = self.store.allocate_group(specs, tier="gpu")
+        if layer.compute and not self.drop_compute(layer):  # a zombie's copy, pinned: freed once unpinned
+            self._stale_copies.append(list(layer.compute))
+            layer.compute.clear()
+        layer.compute.extend(made)
+
+    def drop_compute(self, layer: "Unit") -> bool:
+        """Free a gathered unit's compute copy; False (nothing freed) while a view pins any of it.
+        Older copies set aside pinned are freed here once nothing pins them."""
+        for old in list(self._stale_copies):
+            if not any(t.pins for t in old):
+                for t in old:
+                    t.free()
+                self._stale_copies.remove(old)
+        if any(t.pins for t in layer.compute):
+            return False
+        for t in layer.compute:
+            t.free()
+        layer.compute.clear()
+        return True

@@ -231,7 +231,7 @@ class Updater(UpdatesInBackward, StreamedUpdate):
                 self._count_unowned(u)
             for batch in self._batches(u.remaining()):
                 self._update_batch(batch, u, check=False)
-            if sharded:
+            if sharded and not self.bank.gathered:  # gathered units: no copy at rest to refresh
                 self.flush()  # the gather reads and writes master weights the write-back moves
                 assert self.gather_masters is not None
                 self.gather_masters(u.params)

@@ -1,0 +1,102 @@
+"""A unit's whole compute copy gathered from every rank's share when it is fetched.
+
+[Note: gathered units]
+With ``EngineConfig.shard_parameters`` (several ranks, ZeRO stage 3 for the parameters) a rank
+keeps no compute copy at rest: its share of each unit's compute copy is its share of the fp32
+master ([Note: sharded master weights] in ``units/shards.py``), cast to the parameter's own
+dtype, which is the dtype it computes in (mixed precision and frozen parameters are refused
+when the engine is made: ``shards.check_gatherable``). When the residency fetches a unit
+(``Residency.bind``/``ensure``) the bank allocates the unit's whole compute copy on the gpu tier
+(``ParamBank.make_compute``), and ``UnitGather`` fills it: one header (the unit's index: ranks
+fetching different units raise ``RankFailed`` together instead of pairing unrelated buffers),
+then one all-gather of every rank's share of the unit, the bytes of the cast values as sent (so
+a bf16 model's gathered copy holds the bits each owner's cast gives), each rank's contribution
+zero-padded to the largest rank's share of that unit. Evicting the unit frees the copy
+(``ParamBank.drop_compute``); a tensor derived from a view that pins it makes it a zombie, as a
+replica is. Nothing is written back: an update changes only the masters, whose shares are the
+compute copy's next values, so the ranks need no gather after the update, and a step evicts
+every resident unit first (its copy would be stale). A write to a resident parameter
+(``p.data.mul_``, ``load_state_dict``) is kept as with sharded masters (each rank takes the
+elements it owns into its master share), which is exact when every rank writes the same values.
+
+Every fetch is a collective: every rank must fetch the same units in the same order. The plan
+and the demand path do (every rank runs the same model on batches of the same shapes); a read
+of a parameter outside forward and backward on some ranks only (a rank-0 ``print(p)``) meets
+the others' next operation and every rank raises ``RankFailed`` naming the operations. Reading
+a parameter's value whole off the gpu (``model.state_dict()``, ``close()``, ``save_weights``)
+gathers its fp32 master (``whole_master``), also a collective every rank makes. The plan's
+``move_to_gpu`` copies are not staged ahead (a gather is synchronous here): each fetch runs at
+the unit's first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagemem.engine.ranks.collectives import Collectives
+from pagemem.engine.ranks.gather import MasterGather
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.unit import Unit
+
+
+class UnitGather:
+    """Fills a gathered unit's compute copy from every rank's master share (see the Note)."""
+
+    def __init__(self, bank: ParamBank, coll: Collectives, masters: MasterGather) -> None:
+        self.bank = bank
+        self.coll = coll
+        self.masters = masters
+        self.shares = bank.every_share()
+        self.gathers = 0
+        """Units gathered so far."""
+        self.received_bytes = 0
+        """Bytes of other ranks' shares written into this rank's gathered copies."""
+
+    def _share_bytes(self, layer: Unit, rank: int) -> list[tuple[int, int, int, int]]:
+        """``rank``'s share of the unit: ``(parameter, first element, end element, byte offset)``
+        per parameter it owns part of, back to back in parameter order."""
+        out, at = [], 0
+        for i in layer.params:
+            a, b = self.shares[rank].ranges[i]
+            if b > a:
+                out.append((i, a, b, at))
+                at += (b - a) * self.bank.compute_dtype_of(i).itemsize
+        return out
+
+    def __call__(self, layer: Unit) -> None:
+        """Fill ``layer.compute`` (allocated whole on the gpu) with every rank's share."""
+        bank, coll = self.bank, self.coll
+        world, me = coll.ranks.world_size, coll.ranks.rank
+        top, low = coll.begin("gathering a unit", [layer.index])
+        if top != low:
+            coll.fail_out_of_step(f"the ranks fetch different units: {low[0]} to {top[0]} (this rank {layer.index}); "
+                                  "every rank must run the same modules in the same order, and read parameters "
+                                  "outside forward and backward on every rank alike")
+        runs = [self._share_bytes(layer, r) for r in range(world)]
+        ends = [(run[-1][3] + (run[-1][2] - run[-1][1]) * bank.compute_dtype_of(run[-1][0]).itemsize) if run else 0
+                for run in runs]
+        longest = max(ends)
+        self.gathers += 1
+        if not longest:
+            return
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        for i, a, b, at in runs[me]:
+            value = bank.host_state(i, "master").to(bank.compute_dtype_of(i))
+            mine[at:at + value.numel() * value.element_size()].copy_(value.view(torch.uint8))
+        dev = coll.ranks.device
+        outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
+        coll.wait(coll.all_gather(outs, mine.to(dev), "gathering a unit"))
+        items = []
+        for r in range(world):
+            got = outs[r] if r != me else mine
+            for i, a, b, at in runs[r]:
+                dtype = bank.compute_dtype_of(i)
+                value = got[at:at + (b - a) * dtype.itemsize].to("cpu").view(dtype)
+                items.append((layer.compute[bank.position[i]], value, a))
+                if r != me:
+                    self.received_bytes += value.numel() * dtype.itemsize
+        bank.store.write_many(items)
+
+    def whole_master(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s whole fp32 master, flat (a collective every rank makes)."""
+        return self.masters.whole_masters([i])[i].reshape(-1)
