@@ -183,6 +183,9 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             elif "save_dir" in opts and mode != "save0" and step + 1 == int(opts["save_at"]):
                 engine.save(opts["save_dir"])
         stats = engine.stats()
+        at_rest = sum(t.nbytes for layer in engine.bank.layers for t in layer.compute)  # between steps
+        if "state_dict_too" in opts:  # every rank reads the weights through the module too
+            module_weights = {k: v.clone() for k, v in model.state_dict().items()}
         plan = engine.pager.last_plan
         plan_network = plan.bytes_moved()["network"] if plan is not None else None
         weights = engine.state_dict()
@@ -192,7 +195,8 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             assert os.path.exists(paths[-1])  # rank 0 wrote them; every rank is told where
     if rank == 0:
         torch.save({"weights": weights, "stats": stats["ranks"], "made_sent": made_sent, "optim": optim,
-                    "plan_network": plan_network,
+                    "plan_network": plan_network, "compute_at_rest": at_rest,
+                    "module_weights": module_weights if "state_dict_too" in opts else None,
                     "gpu_bytes": engine.config.store.gpu_bytes,
                     "moved": stats["moved_bytes"]}, out)
 

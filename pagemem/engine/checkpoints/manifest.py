@@ -163,9 +163,10 @@ def validate(m: dict[str, Any]) -> None:
                       "copy's dtype where config.compute_dtype is null)", params[i]["dtype"])
                 itemsize = COMPUTE_DTYPES[name]
             frozen = tensors["exp_avg"][i] is None
-            if where is None:  # a frozen parameter has no moments, and a master only where it is the compute copy
-                _need(kind != "compute" and frozen, f"tensors.{kind}[{i}]",
-                      "where the tensor lies (a trainable parameter has every state)", where)
+            if where is None:  # a frozen parameter has no moments, and a master only where it is the compute copy;
+                # a compute copy its master sets may be left out (sharded parameters keep none at rest)
+                _need(frozen and kind != "compute" or kind == "compute" and tensors["master"][i] is not None,
+                      f"tensors.{kind}[{i}]", "where the tensor lies (a trainable parameter has every state)", where)
                 continue
             _need(kind in ("compute", "master") or not frozen, f"tensors.{kind}[{i}]", "null (a frozen parameter)",
                   where)

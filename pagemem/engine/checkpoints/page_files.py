@@ -26,7 +26,8 @@ def write_pages(engine: Checkpointed, kind: str, path: str, base: int | None = N
     tensors: list[dict | None] = []
     for i in range(len(bank.params)):
         layer, k = bank.where(i)
-        t = getattr(layer, kind)[k]
+        # no compute copy at rest with sharded parameters: the master sets it ([Note: gathered units])
+        t = None if kind == "compute" and bank.gathered else getattr(layer, kind)[k]
         if t is None or (only is not None and not only(i)):  # a frozen parameter's states (see [Note: frozen parameters])
             tensors.append(None)
             continue

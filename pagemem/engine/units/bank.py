@@ -359,10 +359,11 @@ class ParamBank(StatesMoved, ShardedStates):
         if self.compute_is_master:
             return
         layer, k = self.where(i)
-        if self.gathered:  # nothing at rest; a resident unit is never updated ([Note: gathered units])
-            assert not layer.compute, f"unit {layer.name!r} resident during its update"
-            return
         shape = self.params[i][1].shape
+        if self.gathered:  # nothing at rest; a resident unit takes whole values (a write), never an update's
+            if not layer.compute:
+                return
+            assert start == 0 and master.numel() == shape.numel(), f"unit {layer.name!r} resident during its update"
         if start == 0 and master.numel() == shape.numel():
             layer.compute[k].copy_(master.reshape(shape).to(self.compute_dtype_of(i)))
         else:
