@@ -129,6 +129,8 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                     for n, p in model.named_parameters():
                         if n.endswith("mlp.c_fc.weight") or n.endswith("ln_f.weight"):
                             p.data.mul_(0.5)
+            if "read_on" in opts and rank == int(opts["read_on"]) and step == int(opts.get("at", 2)):
+                print(f"rank {rank} reads {float(model.transformer.h[2].mlp.c_fc.weight.sum()):.3f}", file=sys.stderr)
             x = batch_of(step, rank, world)
             loss = engine(input_ids=x, labels=x).loss
             if mode == "fail1" and rank == victim and step == int(opts.get("at", 2)):

@@ -53,3 +53,30 @@ def test_writes_between_steps_and_a_checkpoint_resumed_with_one_and_two_ranks(tm
         resumed = run_ok("engine", world, tmp_path / f"resumed{world}{sharded}.pt", nvme=nvme, shard_params=sharded,
                          resume=ckpt)
         assert distance(resumed, whole) <= (0.0 if world == 2 else 1e-6), (world, sharded)
+
+
+def test_a_bf16_model_with_sharded_parameters_trains_as_replicas(tmp_path):
+    """Each rank sends the bf16 bits of its share (its master cast), which are the bits every
+    replica's compute copy holds."""
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, precision="bf16")
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", precision="bf16")
+    assert distance(ours, replicas) == 0.0
+    assert distance(ours, {k: v * 0 for k, v in ours.items()}) > 1e-3
+
+
+def test_a_rank_killed_in_forward_makes_the_other_fail_naming_it(tmp_path):
+    """The survivor waits in the next unit's gather: ``RankFailed`` naming the dead rank, within
+    the liveness bound, not the collective timeout."""
+    rcs, errs, after = launch("kill", 2, tmp_path / "k.pt", timeout=120, victim=1, shard_params=1)
+    assert rcs[1] == -9 and rcs[0] not in (0, None) and after < 60
+    assert "RankFailed" in errs[0] and "rank(s) 1 stopped" in errs[0], errs[0][-2000:]
+
+
+def test_a_parameter_read_on_one_rank_alone_fails_every_rank_instead_of_hanging(tmp_path):
+    """A rank-0 habit between steps (reading a parameter that is not resident) is a gather the
+    other rank does not make: both raise ``RankFailed`` naming what they were at."""
+    rcs, errs, after = launch("engine", 2, tmp_path / "r.pt", timeout=120, shard_params=1, read_on=0, at=2,
+                              collective_timeout=20)
+    assert rcs[0] not in (0, None) and rcs[1] not in (0, None), errs
+    for err in errs:
+        assert "RankFailed" in err and "different" in err, err[-2000:]

@@ -69,7 +69,8 @@ class UnitGather:
         world, me = coll.ranks.world_size, coll.ranks.rank
         top, low = coll.begin("gathering a unit", [layer.index])
         if top != low:
-            coll.fail_out_of_step(f"the ranks fetch different units: {low[0]} to {top[0]} (this rank {layer.index}); "
+            coll.fail_out_of_step(f"the ranks fetch different units (unit {low[0]} to unit {top[0]}; this rank unit "
+                                  f"{layer.index}, {layer.name!r}); "
                                   "every rank must run the same modules in the same order, and read parameters "
                                   "outside forward and backward on every rank alike")
         runs = [self._share_bytes(layer, r) for r in range(world)]
