@@ -64,9 +64,9 @@ params = sum(p.numel() for p in model.parameters())
 n_params = len(list(model.parameters()))
 store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=64 << 20, cpu_bytes=512 << 20)
 config = pagemem.EngineConfig(store=store, compute_dtype=torch.float32, adam_threads=max(1, (os.cpu_count() or 1) // world),
-                              shard_optimizer_states=bool(shard))
+                              shard_optimizer_states=bool(shard), shard_parameters=shard == 2)
 g = torch.Generator().manual_seed(rank)
-seconds, sent = [], []
+seconds, sent, gathers = [], [], []
 with pagemem.Engine(model, config) as engine:
     for step in range(steps):
         x = torch.randint(0, cfg.vocab, (%(batch)d, %(seq)d + 1), generator=g)
@@ -77,7 +77,14 @@ with pagemem.Engine(model, config) as engine:
         engine.step()
         seconds.append(time.perf_counter() - t0)
         sent.append(engine.stats()["ranks"]["sent_bytes"] - before)
+        gathers.append(engine.stats()["ranks"]["unit_gathers"])
     stats = engine.stats()
+    at_rest = sum(t.nbytes for layer in engine.bank.layers for t in layer.compute)  # compute copy between steps
+    # each unit's gather sends the largest rank's share of it (fp32 here) from every rank
+    unit_gather = []
+    if world > 1 and shard:
+        shares = engine.bank.every_share()
+        unit_gather = [max(sum(sh.owned(i) for i in layer.params) for sh in shares) * 4 for layer in engine.bank.layers]
     plan, trace = engine.pager.last_plan, engine.pager.last_trace
     sim = simulate(plan, trace, HardwareProfile.builtin("dev-vm")).iteration_time if plan is not None else None
     plan_network = plan.bytes_moved()["network"] if plan is not None else None
@@ -91,7 +98,8 @@ if world > 1 and trace is not None:
 print(json.dumps({"rank": rank, "seconds": seconds, "sent": sent, "sim_seconds": sim, "params": params,
                   "n_params": n_params, "wait_seconds": stats["ranks"]["collective_wait_seconds"],
                   "collectives": stats["ranks"]["collectives"], "zero3_network_bytes": zero3,
-                  "plan_network_bytes": plan_network,
+                  "plan_network_bytes": plan_network, "compute_at_rest": at_rest, "gathers": gathers,
+                  "unit_gather_bytes": unit_gather,
                   "optimizer_state_bytes": stats["optimizer_state_bytes"], "moment_shares": stats["ranks"]["moment_shares"],
                   "step_seconds": stats["seconds"]["step"] / steps}))
 if world > 1:
@@ -125,13 +133,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, steps: int, script: str = WORKER, shard: bool = True) -> list[dict]:
+def run(world: int, steps: int, script: str = WORKER, shard: int = 1) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(os.path.join(tmp, f"r{r}.err"), "w+") for r in range(world)]
         procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), str(port), str(steps),
-                                   str(int(shard))],
+                                   str(shard)],
                                   stdout=subprocess.PIPE, stderr=logs[r], text=True, env=env) for r in range(world)]
         outs = [p.communicate(timeout=1800)[0] for p in procs]
         for r, p in enumerate(procs):
@@ -152,7 +160,7 @@ def main() -> None:
     hw = HardwareProfile.builtin("dev-vm")
     rows, out = [], []
     for world in [int(w) for w in args.worlds.split(",")]:
-        for shard in ((True, False) if world > 1 else (False,)):
+        for shard in ((1, 0, 2) if world > 1 else (0,)):  # states sharded, replicas, parameters sharded too
             ranks = run(world, args.steps, shard=shard)
             tokens = BATCH * SEQ
             for r in ranks:
@@ -162,11 +170,21 @@ def main() -> None:
             # the anchor: the ring all-reduce of the gradients, and with sharded moments the
             # all-gather of the largest share of master weights ([Note: sharded moments])
             share = max(r0["moment_shares"]) if shard else 0
-            ring = 2 * (world - 1) * 4 * r0["params"] // world + (world - 1) * 4 * share
+            ring = 2 * (world - 1) * 4 * r0["params"] // world
+            if shard == 2:  # every unit gathered once per iteration (step() evicts them): its largest share from each rank
+                counts = [[0] * len(r0["unit_gather_bytes"])] + r0["gathers"]  # each unit's gathers so far, by step
+                per_step = [[a - b for a, b in zip(now, then)] for then, now in zip(counts, counts[1:])][2:]
+                ring += statistics.median((world - 1) * sum(g * n for g, n in zip(step, r0["unit_gather_bytes"]))
+                                          for step in per_step)
+                row_gathers = statistics.median(sum(step) for step in per_step)
+            elif shard:
+                ring += (world - 1) * 4 * share
             sim_s = r0["sim_seconds"]  # the plan's collectives are in it (the "states" rows)
-            sim_tps = tokens / sim_s if sim_s else None
+            sim_tps = tokens / sim_s if sim_s and shard != 2 else None  # its plan does not hold the unit gathers
             mean_tps = statistics.mean(r["tokens_per_s"] for r in ranks)
-            row = {"world_size": world, "sharded": shard, "ranks": ranks, "per_rank_tokens_per_s": mean_tps,
+            row = {"world_size": world, "sharded": ("replicas", "states", "params")[shard], "ranks": ranks,
+                   "unit_gathers_per_iteration": row_gathers if shard == 2 else 0,
+                   "compute_copy_bytes_at_rest": r0["compute_at_rest"], "per_rank_tokens_per_s": mean_tps,
                    "sim_tokens_per_s": sim_tps, "sim_iteration_s": sim_s,
                    "ring_bytes_per_iteration": ring, "sent_bytes_per_iteration": r0["sent_per_iteration"],
                    "plan_network_bytes": r0["plan_network_bytes"],
@@ -176,9 +194,11 @@ def main() -> None:
             out.append(row)
             mib = 1 << 20
             z3 = row["zero3_plan_network_bytes"]
-            rows.append([world, "moments" if shard else "replicas", f"{mean_tps:.0f}",
-                         f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else "on demand",
+            rows.append([world, ("replicas", "states", "states+params")[shard], f"{mean_tps:.0f}",
+                         f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else
+                         ("not modelled" if shard == 2 else "on demand"),
                          f"{mean_tps * world:.0f}", f"{row['optimizer_state_bytes_per_rank'] / mib:.2f}",
+                         f"{r0['compute_at_rest'] / mib:.2f}",
                          f"{row['step_seconds_per_rank'] * 1e3:.0f}",
                          f"{row['sent_bytes_per_iteration'] / mib:.2f}",
                          f"{r0['plan_network_bytes'] / mib:.2f}" if r0["plan_network_bytes"] is not None else "-",
@@ -186,7 +206,7 @@ def main() -> None:
                          f"{z3 / mib:.2f}" if isinstance(z3, int) else "-",
                          f"{statistics.mean(r['wait_seconds'] for r in ranks) / args.steps * 1e3:.1f}"])
     print(table(["ranks", "sharded", "tokens/s per rank", "sim tokens/s (measured/sim)", "tokens/s all ranks",
-                 "optimizer states MiB/rank", "step() ms", "sent MiB/iter", "plan MiB/iter", "ring MiB/iter",
+                 "optimizer states MiB/rank", "compute copy at rest MiB/rank", "step() ms", "sent MiB/iter", "plan MiB/iter", "ring MiB/iter",
                  "zero-3 plan MiB/iter",
                  "collective wait ms/iter"], rows,
                 title=f"GPT h{HIDDEN} x{LAYERS} layers, vocab {VOCAB}, {BATCH}x{SEQ} tokens per rank per step, gloo "

@@ -252,4 +252,5 @@ class ResultsMixin:
         return {**counts, "moment_shares": shares, "sharded": gather is not None,
                 "gathered_bytes": gather.gathered_bytes if gather is not None else 0,
                 "gathered_units": self.unit_gather.gathers if self.bank.gathered else 0,
+                "unit_gathers": list(self.unit_gather.unit_gathers) if self.bank.gathered else [],
                 "unit_gather_bytes": self.unit_gather.received_bytes if self.bank.gathered else 0}

@@ -3,11 +3,11 @@
 [Note: data parallel over the process group]
 An engine made while a ``torch.distributed`` group is initialised (or given
 ``process_group=``) is data parallel over it; the group is the one source of rank and world
-size, and every budget is per rank. Every rank holds the whole compute copy and gradient sums
-(the ZeRO-3 plan's all-gathers and reduce-scatters, which would shard them, are not run yet; each
-rank shards only its optimizer states: [Note: sharded moments], [Note: sharded master weights],
-and plans its iterations as such, ``sharding="states"``) and runs forward and backward on its own
-batch. At the end of the backward that completes
+size, and every budget is per rank. Every rank holds the whole gradient sums and, unless
+``shard_parameters`` gathers them per unit ([Note: gathered units] in ``unit_gather.py``), the
+whole compute copy (each rank shards its optimizer states: [Note: sharded moments], [Note: sharded
+master weights], and plans its iterations as such, ``sharding="states"``; the ZeRO-3 plan's
+reduce-scatters are not run yet) and runs forward and backward on its own batch. At the end of the backward that completes
 an accumulation step (``accumulation_steps``; every backward by habit with the default 1, as
 DDP does, or DDP's ``no_sync`` for the earlier micro-batches) the ranks average their fp32
 gradient sums: first they agree which parameters have a gradient on any rank (a parameter

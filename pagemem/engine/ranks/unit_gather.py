@@ -49,6 +49,8 @@ class UnitGather:
         self.shares = bank.every_share()
         self.gathers = 0
         """Units gathered so far."""
+        self.unit_gathers = [0] * len(bank.layers)
+        """How many times each unit was gathered."""
         self.received_bytes = 0
         """Bytes of other ranks' shares written into this rank's gathered copies."""
 
@@ -78,6 +80,7 @@ class UnitGather:
                 for run in runs]
         longest = max(ends)
         self.gathers += 1
+        self.unit_gathers[layer.index] += 1
         if not longest:
             return
         mine = torch.zeros(longest, dtype=torch.uint8)
