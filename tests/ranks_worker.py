@@ -232,7 +232,8 @@ def run_unused(rank: int, world: int, out: str, opts: dict[str, str], ddp: bool)
         opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
     else:
         store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=1 << 20, cpu_bytes=16 << 20, page_bytes=PAGE)
-        engine = pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), adam_threads=1))
+        engine = pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), adam_threads=1,
+                                                            shard_parameters=opts.get("shard_params") == "1"))
     for step in range(6):
         x, use_b = branchy_batch(step, rank)
         if ddp:
@@ -266,6 +267,8 @@ def run_loop(rank: int, world: int, out: str, opts: dict[str, str], ddp: bool) -
         store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=gpu_budget(world), cpu_bytes=64 << 20,
                                     page_bytes=PAGE)
         extra = {"accumulation_steps": 2} if loop == "accum" else {}
+        if opts.get("shard_params") == "1":
+            extra["shard_parameters"] = True
         if loop == "fp16":
             extra.update(compute_dtype=torch.float16, max_grad_norm=1.0)
         engine = pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP),

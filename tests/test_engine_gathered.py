@@ -80,3 +80,21 @@ def test_a_parameter_read_on_one_rank_alone_fails_every_rank_instead_of_hanging(
     assert rcs[0] not in (0, None) and rcs[1] not in (0, None), errs
     for err in errs:
         assert "RankFailed" in err and "different" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("loop", ["habit", pytest.param("accum", marks=pytest.mark.slow)])
+def test_loop_habits_with_sharded_parameters_equal_ddp_bit_for_bit(tmp_path, loop):
+    """``loss.backward()``, clipping by hand over ``model.parameters()`` (``p.grad`` is whole on
+    every rank), ``optimizer.step()``/``zero_grad()``; accumulation over two micro-batches."""
+    ours = run_ok("loop", 2, tmp_path / "ours.pt", loop=loop, shard_params=1)
+    ddp = run_ok("loop-ddp", 2, tmp_path / "ddp.pt", loop=loop)
+    assert distance(ours, ddp) == 0.0
+
+
+def test_a_module_run_on_some_ranks_only_fails_every_rank_loudly(tmp_path):
+    """A head one rank's batch skips (as a mixture of experts routes) is a gather the other rank
+    does not make: every rank raises ``RankFailed`` within the liveness bound, none hangs (the
+    replicated engine trains this model as DDP with ``find_unused_parameters`` does)."""
+    rcs, errs, after = launch("unused", 2, tmp_path / "u.pt", timeout=120, shard_params=1)
+    assert rcs[0] not in (0, None) and rcs[1] not in (0, None)
+    assert all("RankFailed" in e and "same modules in the same order" in e for e in errs), errs

@@ -57,6 +57,9 @@ OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter 
               "clipping gradients", "reading the optimizer state", "loading the optimizer state", "updating",
               "reading the weights", "gathering a unit")
 """The engine's operations (``begin``): a header names one by its index here."""
+_GATHER_HINT = ("; with shard_parameters=True each unit's fetch is a collective too: every rank must run the same "
+                "modules in the same order (no module skipped by one rank's batch) and read parameters between "
+                "steps on every rank alike")
 _serials = itertools.count()
 """Engines made in this process, in order: every rank makes its engines in the same order, so the
 n-th has the same serial everywhere (its heartbeat keys)."""
@@ -190,7 +193,7 @@ class Collectives:
                              f"operations: this rank at {op!r} (its operation {self.operations}), others at "
                              f"{' or '.join(repr(x) for x in names) or repr(op)} (operations {low[0]} to {top[0]}); "
                              "every rank must call the engine alike (save(), save_weights(), backward and forward "
-                             "under autograd on every rank)")
+                             "under autograd on every rank)" + (_GATHER_HINT if "gathering a unit" in (op, *names) else ""))
             self.failed = err
             raise err
         return self._max_min(values, op) if values else ([], [])
