@@ -82,7 +82,7 @@ def engine_config(opts: dict[str, str], world: int) -> pagemem.EngineConfig:
                                 cpu_bytes=64 << 20, nvme_bytes=(256 << 20) if nvme else 0, nvme_path=nvme,
                                 page_bytes=PAGE)
     return pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier="nvme" if nvme else "cpu",
-                                compute_dtype=model_dtype(opts), max_grad_norm=float(opts.get("clip", 0.05)),
+                                compute_dtype=torch.bfloat16 if opts.get("mixed") == "1" else model_dtype(opts), max_grad_norm=float(opts.get("clip", 0.05)),
                                 adam_threads=1, collective_timeout_s=float(opts.get("collective_timeout", 60)),
                                 shard_optimizer_states=opts.get("shard", "1") == "1",
                                 shard_parameters=opts.get("shard_params", "0") == "1")

@@ -98,3 +98,15 @@ def test_a_module_run_on_some_ranks_only_fails_every_rank_loudly(tmp_path):
     rcs, errs, after = launch("unused", 2, tmp_path / "u.pt", timeout=120, shard_params=1)
     assert rcs[0] not in (0, None) and rcs[1] not in (0, None)
     assert all("RankFailed" in e and "same modules in the same order" in e for e in errs), errs
+
+
+def test_mixed_precision_with_sharded_parameters_trains_as_replicas(tmp_path):
+    """A fp32 model computing in bf16: the fp32 master is sharded too (the replicated engine
+    keeps it whole, since its reads between steps are local), each rank's share of the bf16
+    compute copy its master share cast; ``engine.state_dict()`` gathers the fp32 masters."""
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, mixed=1, state_dict_too=1)
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", mixed=1, state_dict_too=1)
+    assert distance(ours, replicas) == 0.0
+    assert all(v.dtype == torch.float32 for v in ours.values())
+    module, theirs = (torch.load(tmp_path / f"{n}.pt")["module_weights"] for n in ("gathered", "replicas"))
+    assert module.keys() == theirs.keys() and all(torch.equal(module[k], theirs[k]) for k in theirs)

@@ -3,9 +3,10 @@
 [Note: gathered units]
 With ``EngineConfig.shard_parameters`` (several ranks, ZeRO stage 3 for the parameters) a rank
 keeps no compute copy at rest: its share of each unit's compute copy is its share of the fp32
-master ([Note: sharded master weights] in ``units/shards.py``), cast to the parameter's own
-dtype, which is the dtype it computes in (mixed precision and frozen parameters are refused
-when the engine is made: ``shards.check_gatherable``). When the residency fetches a unit
+master ([Note: sharded master weights] in ``units/shards.py``; with gathered units every
+master apart from its compute copy is sharded, a fp32 model computing in bf16 included), cast to
+the dtype it computes in (frozen parameters and states on the gpu are refused when the engine is
+made: ``shards.check_gatherable``). When the residency fetches a unit
 (``Residency.bind``/``ensure``) the bank allocates the unit's whole compute copy on the gpu tier
 (``ParamBank.make_compute``), and ``UnitGather`` fills it: one header (the unit's index: ranks
 fetching different units raise ``RankFailed`` together instead of pairing unrelated buffers),

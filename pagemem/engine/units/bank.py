@@ -98,7 +98,7 @@ class ParamBank(StatesMoved, ShardedStates):
         """Compute copies exist only while their unit is resident, gathered from every rank's
         share of the master ([Note: gathered units] in ``ranks/unit_gather.py``)."""
         if self.gathered:
-            check_gatherable(self.params, trainable, dtypes, self.compute_is_master)
+            check_gatherable(self.params, trainable, self.compute_is_master)
         """[Note: frozen parameters] A parameter that does not require a gradient when the bank is
         made keeps only its compute copy: no fp32 master, no moments, no gradient sums (a LoRA
         model pays optimizer memory for its adapters only). Unfrozen later, it gets them then
@@ -128,7 +128,7 @@ class ParamBank(StatesMoved, ShardedStates):
         makes: ``ranks/unit_gather.py``), set by the engine."""
         self._master_sharded: tuple[bool, ...] = tuple(
             self.shards is not None and ok
-            for ok in master_shardable(dtypes, [p.dtype for _, p in self.params], self.compute_is_master))
+            for ok in master_shardable(dtypes, [p.dtype for _, p in self.params], self.compute_is_master, self.gathered))
         """Per parameter: whether this rank holds only its share of the master weights ([Note:
         sharded master weights] in ``units/shards.py``)."""
         self.layers: list[Unit] = []

@@ -74,7 +74,8 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int, ranks: tupl
     is_master = compute_is_master(dtypes, config.optimizer_tier)
     fp32 = [p.numel() * 4 for _, p in params]
     trained = [i for i, (_, p) in enumerate(params) if p.requires_grad]
-    compute = 0 if is_master else sum(pack([nbytes[i] for i in idx], pb).pages for _, idx in units)
+    gathered = config.shard_parameters and ranks[1] > 1  # no compute copy at rest ([Note: gathered units])
+    compute = 0 if is_master or gathered else sum(pack([nbytes[i] for i in idx], pb).pages for _, idx in units)
     is_trained = set(trained)
     order = [i for _, idx in units for i in idx if i in is_trained]
     kinds = 2 if is_master else 3
@@ -82,7 +83,7 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int, ranks: tupl
                            [p.requires_grad for _, p in params], pb, ranks)
     masters = 0 if is_master else state_pages(
         [idx for _, idx in units], [p.numel() for _, p in params], [p.requires_grad for _, p in params], pb, ranks,
-        master_shardable(dtypes, [p.dtype for _, p in params], is_master))  # [Note: sharded master weights]
+        master_shardable(dtypes, [p.dtype for _, p in params], is_master, gathered))  # [Note: sharded master weights]
     states = masters + 2 * moments
     grads = pack([fp32[i] for i in order], pb).pages
     best, name = 0, ""

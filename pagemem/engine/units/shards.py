@@ -114,11 +114,14 @@ def state_pages(units: list[list[int]], numels: list[int], trained: list[bool], 
     return pack(sizes, page_bytes).pages if sizes else 0
 
 
-def master_shardable(compute_dtypes: list, own_dtypes: list, compute_is_master: bool) -> list[bool]:
+def master_shardable(compute_dtypes: list, own_dtypes: list, compute_is_master: bool,
+                     gathered: bool = False) -> list[bool]:
     """Per parameter: whether its master weights may be sharded ([Note: sharded master
     weights]): it computes in its own dtype, so the compute copy every rank keeps whole holds
-    the master cast to that dtype, and the master is not the compute copy itself."""
-    return [not compute_is_master and c == o for c, o in zip(compute_dtypes, own_dtypes)]
+    the master cast to that dtype, and the master is not the compute copy itself. With
+    ``gathered`` compute copies ([Note: gathered units] in ``ranks/unit_gather.py``) every master
+    apart from its compute copy: every whole read gathers anyway."""
+    return [not compute_is_master and (gathered or c == o) for c, o in zip(compute_dtypes, own_dtypes)]
 
 
 def unit_gather_elements(units: list[list[int]], shares: list[StateShards]) -> list[int]:
@@ -130,23 +133,19 @@ def unit_gather_elements(units: list[list[int]], shares: list[StateShards]) -> l
     return [sum(largest.owned(i) for i in idx) for idx in units]
 
 
-def check_gatherable(params: "tuple[tuple[str, object], ...]", trainable: list[bool], compute_dtypes: list,
+def check_gatherable(params: "tuple[tuple[str, object], ...]", trainable: list[bool],
                      compute_is_master: bool) -> None:
     """Refuse, naming the first parameter, a model whose compute copy cannot be sharded as its
     master is ([Note: gathered units] in ``ranks/unit_gather.py``): each rank's share of a compute
     copy is its share of the fp32 master, cast, so every parameter must be trained (a frozen
-    one has no master), compute in its own dtype, and have a master apart from the compute copy
-    (optimizer states off the gpu)."""
+    one has no master) and have a master apart from the compute copy (optimizer states off the
+    gpu)."""
     from pagemem.errors import ConfigError
 
     if compute_is_master:
         raise ConfigError("shard_parameters: needs the optimizer states off the gpu (optimizer_tier 'cpu' or "
                           "'nvme'): with fp32 states on the gpu the compute copy is the master itself")
-    for (name, p), trained, dtype in zip(params, trainable, compute_dtypes):
+    for (name, _), trained in zip(params, trainable):
         if not trained:
             raise ConfigError(f"shard_parameters: parameter {name!r} is frozen; a frozen parameter has no master "
                               "weights to shard its compute copy by (not built yet): leave shard_parameters False")
-        if dtype != p.dtype:  # type: ignore[attr-defined]
-            raise ConfigError(f"shard_parameters: parameter {name!r} is {p.dtype} and would compute in {dtype} "  # type: ignore[attr-defined]
-                              "(mixed precision is not built yet with sharded parameters): cast the model to the "
-                              "compute dtype, or leave shard_parameters False")
