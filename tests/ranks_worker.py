@@ -94,6 +94,8 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
     model = make_model(model_dtype(opts))
     if mode == "mismatch" and rank == victim:
         model.transformer.h[0].ln_1.bias.requires_grad_(False)
+    if "freeze" in opts:  # on every rank
+        model.transformer.h[0].ln_1.bias.requires_grad_(False)
     first = 0
     resume = opts.get(f"resume_r{rank}", opts.get("resume"))
     if resume is not None:

@@ -110,3 +110,10 @@ def test_mixed_precision_with_sharded_parameters_trains_as_replicas(tmp_path):
     assert all(v.dtype == torch.float32 for v in ours.values())
     module, theirs = (torch.load(tmp_path / f"{n}.pt")["module_weights"] for n in ("gathered", "replicas"))
     assert module.keys() == theirs.keys() and all(torch.equal(module[k], theirs[k]) for k in theirs)
+
+
+def test_a_frozen_parameter_is_refused_on_every_rank_when_the_engine_is_made(tmp_path):
+    rcs, errs, _ = launch("engine", 2, tmp_path / "f.pt", timeout=120, shard_params=1, freeze=1)
+    assert rcs == [1, 1]
+    for err in errs:
+        assert "ConfigError: shard_parameters: parameter 'transformer.h.0.ln_1.bias' is frozen" in err, err[-2000:]
