@@ -187,6 +187,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             elif "save_dir" in opts and mode != "save0" and step + 1 == int(opts["save_at"]):
                 engine.save(opts["save_dir"])
         stats = engine.stats()
+        paging = engine.pager.stats()
         at_rest = sum(t.nbytes for layer in engine.bank.layers for t in layer.compute)  # between steps
         if "state_dict_too" in opts:  # every rank reads the weights through the module too
             module_weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -202,7 +203,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                     "plan_network": plan_network, "compute_at_rest": at_rest,
                     "module_weights": module_weights if "state_dict_too" in opts else None,
                     "gpu_bytes": engine.config.store.gpu_bytes,
-                    "moved": stats["moved_bytes"]}, out)
+                    "moved": stats["moved_bytes"], "paging": paging}, out)
 
 
 class Branchy(torch.nn.Module):

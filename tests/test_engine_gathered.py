@@ -31,6 +31,8 @@ def test_sharded_parameters_train_as_replicas_and_as_ddp(tmp_path, world):
     saved = load_file(tmp_path / "hf" / "model.safetensors")
     assert all(torch.equal(saved[k], ours[k]) for k in saved) and len(saved) >= len(ours) - 1
     assert stats["stats"]["gathered_units"] > 0
+    # the plan's moves start the gathers ahead of their units' compute, which finds them landed
+    assert stats["paging"]["prefetches"] > 0 and stats["paging"]["misses"] < stats["stats"]["gathered_units"]
     ddp = run_ok("ddp", world, tmp_path / "ddp.pt")
     if world == 2:
         assert distance(ours, ddp) == 0.0

@@ -25,12 +25,20 @@ and the demand path do (every rank runs the same model on batches of the same sh
 of a parameter outside forward and backward on some ranks only (a rank-0 ``print(p)``) meets
 the others' next operation and every rank raises ``RankFailed`` naming the operations. Reading
 a parameter's value whole off the gpu (``model.state_dict()``, ``close()``, ``save_weights``)
-gathers its fp32 master (``whole_master``), also a collective every rank makes. The plan's
-``move_to_gpu`` copies are not staged ahead (a gather is synchronous here): each fetch runs at
-the unit's first use.
+gathers its fp32 master (``whole_master``), also a collective every rank makes.
+
+Staged: where the plan moves a unit to the gpu ahead of its compute (``Residency.stage`` at its
+``move_to_gpu``), the gather starts there (``UnitGather.start``: the header at once, the
+all-gather on the collectives' thread while the model computes) and lands at the unit's bind;
+every rank follows the same plan, so every rank starts the same gathers in the same order. A
+staged gather the residency drops before its bind (evicted to make room, or by the step, whose
+update would make it stale) was a collective every rank made: it is waited for and thrown away.
+The demand path (the first iteration, an iteration off its plan) gathers at each unit's use.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -38,6 +46,27 @@ from pagemem.engine.ranks.collectives import Collectives
 from pagemem.engine.ranks.gather import MasterGather
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.unit import Unit
+
+
+class StagedGather:
+    """A unit's gather under way (``UnitGather.start``): ``wait()`` lands it, once; a failure is
+    raised by the first ``wait()`` and again by every later one."""
+
+    def __init__(self, land: "Callable[[], None] | None") -> None:
+        self._land = land
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        land, self._land = self._land, None
+        if land is None:
+            return
+        try:
+            land()
+        except BaseException as exc:
+            self._error = exc
+            raise
 
 
 class UnitGather:
@@ -67,7 +96,13 @@ class UnitGather:
         return out
 
     def __call__(self, layer: Unit) -> None:
-        """Fill ``layer.compute`` (allocated whole on the gpu) with every rank's share."""
+        """Fill ``layer.compute`` (allocated whole on the gpu) with every rank's share, now."""
+        self.start(layer).wait()
+
+    def start(self, layer: Unit) -> "StagedGather":
+        """Begin filling ``layer.compute``: the header now, the all-gather on the collectives'
+        thread; ``wait()`` on what it returns writes what arrived (a staged fetch: the plan's
+        ``move_to_gpu`` of the unit, waited for at its compute)."""
         bank, coll = self.bank, self.coll
         world, me = coll.ranks.world_size, coll.ranks.rank
         top, low = coll.begin("gathering a unit", [layer.index])
@@ -83,24 +118,29 @@ class UnitGather:
         self.gathers += 1
         self.unit_gathers[layer.index] += 1
         if not longest:
-            return
+            return StagedGather(None)
         mine = torch.zeros(longest, dtype=torch.uint8)
         for i, a, b, at in runs[me]:
             value = bank.host_state(i, "master").to(bank.compute_dtype_of(i))
             mine[at:at + value.numel() * value.element_size()].copy_(value.view(torch.uint8))
         dev = coll.ranks.device
         outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
-        coll.wait(coll.all_gather(outs, mine.to(dev), "gathering a unit"))
-        items = []
-        for r in range(world):
-            got = outs[r] if r != me else mine
-            for i, a, b, at in runs[r]:
-                dtype = bank.compute_dtype_of(i)
-                value = got[at:at + (b - a) * dtype.itemsize].to("cpu").view(dtype)
-                items.append((layer.compute[bank.position[i]], value, a))
-                if r != me:
-                    self.received_bytes += value.numel() * dtype.itemsize
-        bank.store.write_many(items)
+        pending = coll.all_gather(outs, mine.to(dev), "gathering a unit")
+
+        def land() -> None:
+            coll.wait(pending)
+            items = []
+            for r in range(world):
+                got = outs[r] if r != me else mine
+                for i, a, b, at in runs[r]:
+                    dtype = bank.compute_dtype_of(i)
+                    value = got[at:at + (b - a) * dtype.itemsize].to("cpu").view(dtype)
+                    items.append((layer.compute[bank.position[i]], value, a))
+                    if r != me:
+                        self.received_bytes += value.numel() * dtype.itemsize
+            bank.store.write_many(items)
+
+        return StagedGather(land)
 
     def whole_master(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s whole fp32 master, flat (a collective every rank makes)."""

@@ -24,7 +24,7 @@ Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``reside
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -48,6 +48,14 @@ def _accumulate(dst: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
             dst.copy_(grad)
         else:
             dst.add_(grad.to(device=dst.device, dtype=dst.dtype))
+
+
+class UnitGatherer(Protocol):
+    """What fills a gathered unit's compute copy (``ranks/unit_gather.py``'s ``UnitGather``)."""
+
+    def __call__(self, layer: Unit) -> None: ...
+
+    def start(self, layer: Unit) -> Any: ...
 
 
 class ParamBank(StatesMoved, ShardedStates):
@@ -119,7 +127,7 @@ class ParamBank(StatesMoved, ShardedStates):
         """Which elements of each parameter's moments this rank holds (None: all of them)."""
         self._every_share: list[StateShards] | None = None
         self.whole_master: Callable[[int], torch.Tensor] | None = None
-        self.gather_unit: Callable[[Unit], None] | None = None
+        self.gather_unit: UnitGatherer | None = None
         """A gathered bank's filler of a unit's compute copy (``ranks/unit_gather.py``), set by
         the engine."""
         self._stale_copies: list[list[PagedTensor]] = []

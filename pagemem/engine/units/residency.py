@@ -127,10 +127,14 @@ class Residency(KeepsWrites):
     def stage(self, li: int, pages: range | None = None) -> None:
         """Start copying unit ``li``'s pages (all, or the run ``pages``) to the gpu. Reserves
         now: OutOfMemory, changing nothing, when they do not fit."""
-        if self.home_on_gpu or self.bank.gathered:  # a gathered unit is gathered at its use ([Note: gathered units])
+        if self.home_on_gpu:
             return
         layer, u = self.bank.layers[li], self._units[li]
         if u.bound or u.settled:  # a parked unit's only copy is on the gpu already
+            return
+        if self.bank.gathered:  # [Note: gathered units]: the whole unit at its first staged run of pages
+            if u.state is not UnitState.STAGING:
+                self._stage_gather(layer)
             return
         handle = self.store.copy(layer.compute, "gpu", pages=pages)
         u.to(UnitState.STAGING)
@@ -291,8 +295,11 @@ class Residency(KeepsWrites):
                 break
         while True:
             try:
-                if self.bank.gathered:
+                if self.bank.gathered and not u.staged:
                     self._gather(layer)
+                elif self.bank.gathered:
+                    for handle in u.staged:
+                        handle.wait()
                 else:
                     for handle in u.staged:
                         handle.wait()
@@ -324,6 +331,23 @@ class Residency(KeepsWrites):
         except BaseException:
             self.bank.drop_compute(layer)
             raise
+
+    def _stage_gather(self, layer: Unit) -> None:
+        """Start a gathered unit's fetch ahead of its bind ([Note: gathered units]): its compute
+        copy made on the gpu (OutOfMemory, nothing made, when it does not fit), the gather under
+        way."""
+        assert self.bank.gather_unit is not None, "a gathered bank needs the engine's gather"
+        u = self._units[layer.index]
+        self.bank.make_compute(layer)
+        try:
+            handle = self.bank.gather_unit.start(layer)
+        except BaseException:
+            self.bank.drop_compute(layer)
+            raise
+        u.to(UnitState.STAGING)
+        u.staged.append(handle)
+        u.staged_pages = self.bank.compute_pages(layer.index)
+        self.prefetches += 1
 
     def _bind_views(self, layer: Unit) -> None:
         params = self.bank.params
