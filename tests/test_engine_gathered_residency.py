@@ -1,0 +1,196 @@
+"""Stateful test of ``Residency`` over gathered units ([Note: gathered units]): a bank that keeps
+rank 0 of 2's shares and no compute copy at rest, a stand-in for the ranks' gather (this rank's
+share from its master, the other rank's from the true values), and any sequence of stage / bind /
+release / ensure / make room / scope holds / views kept alive / the step's release of everything:
+bound parameters hold the true values, unbound ones guarded NaN placeholders, a unit at home holds
+no compute copy, every staged gather is landed at most once and never read unlanded, and once
+nothing pins them the gpu holds exactly the copies of the units that have one."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from torch import nn
+
+import pagemem
+from pagemem.engine.units.bank import ParamBank
+from pagemem.engine.units.guard import Guard, GuardedParameter
+from pagemem.engine.units.residency import Residency
+from pagemem.engine.units.scopes import Scopes
+from pagemem.engine.units.unit import Unit, UnitState
+from pagemem.errors import OutOfMemory
+
+PAGE = 16 * 1024
+
+
+class FakeGather:
+    """The ranks' gather on one process: rank 0's share from its master shares (what the real
+    gather sends), rank 1's from the true values; ``start`` hands back a handle that lands once."""
+
+    def __init__(self, bank: ParamBank, want: dict[int, torch.Tensor]) -> None:
+        self.bank, self.want = bank, want
+        self.started = self.landed = 0
+        self.unlanded: set[int] = set()
+
+    def __call__(self, layer: Unit) -> None:
+        self.start(layer).wait()
+
+    def start(self, layer: Unit):
+        self.started += 1
+        token = self.started
+        self.unlanded.add(token)
+        shares = self.bank.every_share()
+        values = {}
+        for i in layer.params:
+            whole = self.want[i].reshape(-1).clone()
+            a, b = shares[0].ranges[i]
+            whole[a:b] = self.bank.host_state(i, "master")  # this rank's share, as sent
+            values[i] = whole
+        machine = self
+
+        class Handle:
+            done = False
+
+            def wait(self) -> None:
+                if self.done:
+                    return
+                self.done = True
+                machine.unlanded.discard(token)
+                machine.landed += 1
+                for i, v in values.items():
+                    layer.compute[machine.bank.position[i]].copy_(v.reshape(machine.bank.params[i][1].shape))
+
+        return Handle()
+
+
+class GatheredResidencyMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(*(nn.Linear(32, 63) for _ in range(5)))  # shares that do not divide evenly
+        self.want_by_name = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        cfg = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=4 * PAGE, cpu_bytes=64 * PAGE)
+        self.store = pagemem.PageStore(cfg)
+        self.bank = ParamBank(self.model, self.store, torch.float32, "cpu", unit_bytes=PAGE, ranks=(0, 2),
+                              gathered=True)
+        self.gather = FakeGather(self.bank, {i: self.want_by_name[n] for i, (n, _) in enumerate(self.bank.params)})
+        self.bank.gather_unit = self.gather
+        self.scopes = Scopes(self.bank.layers)
+        self.guard = Guard(self.bank.params, self._fetch, threading.RLock(),
+                           resident=lambda i: self.bank.layers[self.bank.layer_of[i]].bound)
+        self.res = Residency(self.bank, self.guard)
+        self.n = len(self.bank.layers)
+        self.views: list[torch.Tensor] = []
+        self.held: list[int] = []
+
+    def _fetch(self, i: int) -> None:
+        self.res.ensure([self.bank.layer_of[i]])
+
+    def teardown(self) -> None:
+        self.views.clear()
+        self.res.release_all()
+        self.store.close()
+
+    units = st.integers(0, 4)
+
+    @rule(u=units, action=st.sampled_from(["stage", "bind", "ensure"]))
+    def bring(self, u, action):
+        u %= self.n
+        call = {"stage": lambda: self.res.stage(u), "bind": lambda: self.res.bind(u),
+                "ensure": lambda: self.res.ensure([u])}[action]
+        try:
+            call()
+        except OutOfMemory:
+            pass
+
+    @rule(u=units)
+    def settle_is_a_no_op(self, u):
+        before = self.res.state_of(u % self.n)
+        self.res.settle(u % self.n)
+        assert self.res.state_of(u % self.n) is before  # gathered units are never kept for good
+
+    @rule(u=units)
+    def release(self, u):
+        self.res.release(u % self.n)
+
+    @rule()
+    def make_room(self):
+        self.res.make_room([], self.res.budget_bytes)
+
+    @rule(u=units)
+    def keep_a_view(self, u):
+        u %= self.n
+        if self.res.is_bound(u):
+            p = self.bank.params[self.bank.layers[u].params[0]][1]
+            with torch._C.DisableTorchFunctionSubclass():
+                self.views.append(p.data[:1])
+
+    @rule()
+    def drop_views(self):
+        self.views.clear()
+
+    @precondition(lambda self: len(self.held) < 2)
+    @rule(u=units)
+    def hold(self, u):
+        u %= self.n
+        try:
+            self.res.ensure([u])
+        except OutOfMemory:
+            return
+        self.scopes._open_forward(len(self.held), (u,), False)
+        self.held.append(u)
+
+    @precondition(lambda self: self.held)
+    @rule()
+    def let_go(self):
+        self.held.pop()
+        self.scopes._close_forward(len(self.held))
+
+    @precondition(lambda self: not self.held)
+    @rule()
+    def step_releases_everything_and_nothing_stays_on_the_gpu_once_unpinned(self):
+        self.views.clear()
+        self.res.release_all()
+        assert all(not u.compute for u in self.bank.layers)
+        self.bank.drop_compute(self.bank.layers[0])  # frees copies set aside while pinned
+        assert self.res.used_pages == 0
+        assert not self.gather.unlanded  # a dropped staged gather was waited for
+
+    @invariant()
+    def parameters_are_true_values_or_guarded_nan(self):
+        for i, (name, p) in enumerate(self.bank.params):
+            u = self.bank.layer_of[i]
+            with torch._C.DisableTorchFunctionSubclass():
+                data = p.data
+            if self.res.is_bound(u):
+                assert torch.equal(data, self.want_by_name[name]), name
+            else:
+                assert isinstance(p, GuardedParameter), name
+                assert data.isnan().all(), name
+
+    @invariant()
+    def a_unit_holds_a_compute_copy_exactly_when_its_state_says(self):
+        for unit in self.bank.layers:
+            if unit.state is UnitState.HOME:
+                assert not unit.compute
+            else:
+                assert unit.state in (UnitState.STAGING, UnitState.BOUND, UnitState.ZOMBIE), unit.state
+                assert unit.compute and all(t.tiers == {"gpu"} for t in unit.compute)
+            if unit.state is not UnitState.STAGING:
+                assert not unit.staged
+        # only a staging unit's gather may be under way
+        assert len(self.gather.unlanded) <= sum(u.state is UnitState.STAGING for u in self.bank.layers)
+
+    @invariant()
+    def held_units_stay_bound(self):
+        for u in self.held:
+            assert self.res.is_bound(u)
+        assert self.res.used_pages <= self.store.tier("gpu").capacity
+
+
+GatheredResidencyMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestGatheredResidencyMachine = GatheredResidencyMachine.TestCase
