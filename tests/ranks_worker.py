@@ -95,7 +95,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
     if mode == "mismatch" and rank == victim:
         model.transformer.h[0].ln_1.bias.requires_grad_(False)
     if "freeze" in opts:  # on every rank
-        model.transformer.h[0].ln_1.bias.requires_grad_(False)
+        model.transformer.h[0].ln_1.weight.requires_grad_(False)
     first = 0
     resume = opts.get(f"resume_r{rank}", opts.get("resume"))
     if resume is not None:
@@ -129,7 +129,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             if "halve_at" in opts and step == int(opts["halve_at"]):
                 with torch.no_grad():  # on every rank, through .data: no version counter moves
                     for n, p in model.named_parameters():
-                        if n.endswith("mlp.c_fc.weight") or n.endswith("ln_f.weight"):
+                        if n.endswith(("mlp.c_fc.weight", "ln_f.weight", "h.0.ln_1.weight")):  # the last frozen with freeze=1
                             p.data.mul_(0.5)
             if "read_on" in opts and rank == int(opts["read_on"]) and step == int(opts.get("at", 2)):
                 print(f"rank {rank} reads {float(model.transformer.h[2].mlp.c_fc.weight.sum()):.3f}", file=sys.stderr)

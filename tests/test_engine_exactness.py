@@ -615,6 +615,20 @@ def test_writes_to_parameters_are_kept(loop, optimizer_tier, tmp_path):
     assert stats["parameter_writes"] > 0
 
 
+def frozen_bias_model():
+    model = seeded(ParamAfterChild)()
+    model.out.bias.requires_grad_(False)  # write_through_data writes it: a frozen one has no master
+    return model
+
+
+@pytest.mark.parametrize("optimizer_tier", TIERS)
+def test_a_write_through_data_to_a_frozen_parameter_is_kept(optimizer_tier, tmp_path):
+    """A frozen parameter's write through ``p.data`` is compared with the home copy of its
+    compute copy (the gpu replica ``p.data`` views would always agree) and kept."""
+    stats = same_loop(frozen_bias_model, mse, write_through_data, 4, tmp_path, optimizer_tier=optimizer_tier)
+    assert stats["parameter_writes"] > 0
+
+
 class RenormedEmbedding(nn.Module):
     """An embedding with ``max_norm``: its forward renormalizes rows of the weight in place."""
 

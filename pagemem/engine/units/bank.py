@@ -106,7 +106,7 @@ class ParamBank(StatesMoved, ShardedStates):
         """Compute copies exist only while their unit is resident, gathered from every rank's
         share of the master ([Note: gathered units] in ``ranks/unit_gather.py``)."""
         if self.gathered:
-            check_gatherable(self.params, trainable, self.compute_is_master)
+            check_gatherable(self.compute_is_master)
         """[Note: frozen parameters] A parameter that does not require a gradient when the bank is
         made keeps only its compute copy: no fp32 master, no moments, no gradient sums (a LoRA
         model pays optimizer memory for its adapters only). Unfrozen later, it gets them then
@@ -156,7 +156,9 @@ class ParamBank(StatesMoved, ShardedStates):
             groups[kind] = []
             if kind == "compute" and (self.compute_is_master or self.gathered):
                 continue  # the master's groups, once they exist (see the Note), or none at rest
-            every = kind == "compute" or (kind == "master" and self.compute_is_master)
+            # a frozen parameter has a master only where it is the compute copy, or as the share of its
+            # compute copy a gathered bank keeps ([Note: gathered units])
+            every = kind == "compute" or (kind == "master" and (self.compute_is_master or self.gathered))
             chained = kind == "grad" or (kind != "compute" and not states_apart)
             for _name, idx in layer_specs:
                 members = [i for i in idx
@@ -212,13 +214,10 @@ class ParamBank(StatesMoved, ShardedStates):
         unit's (on pages of their own). Nothing changes if the pages cannot be had."""
         if self.records[i].trainable:
             return
-        if self.gathered:
-            raise InvalidRequest(f"parameter {self.params[i][0]!r}: unfreezing a parameter is not built with "
-                                 "shard_parameters=True (a frozen parameter is refused when the engine is made)")
         layer, k = self.where(i)
         tier = layer.state_tier
         kinds = [("exp_avg", tier), ("exp_avg_sq", tier), ("grad", grad_tier_beside(tier, self.home_tier))]
-        if not self.compute_is_master:
+        if not self.compute_is_master and layer.master[k] is None:  # a gathered bank's frozen one has its share
             kinds.insert(0, ("master", tier))
         kinds = [(kind, t) for kind, t in kinds if not self.is_sharded(i, kind) or self.owned_numel(i)]
         made: dict[str, PagedTensor] = {}
@@ -229,7 +228,7 @@ class ParamBank(StatesMoved, ShardedStates):
             for t in made.values():
                 t.free()
             raise
-        value = layer.compute[k].to_torch().float()
+        value = layer.compute[k].to_torch().float() if "master" in made else None
         for kind, t in made.items():
             t.copy_(self._mine(i, kind, value).reshape(t.shape) if kind == "master" else torch.zeros(t.shape))
             getattr(layer, kind)[k] = t
@@ -304,6 +303,26 @@ class ParamBank(StatesMoved, ShardedStates):
         t = layer.master[k] if layer.master[k] is not None and not self.master_sharded(i) else layer.compute[k]
         return t.to_torch().cpu().to(dtype).reshape(self.params[i][1].shape)
 
+    def unviewed_value(self, i: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Parameter ``i``'s value from a copy its bound ``.data`` does not view, to compare a
+        write through ``.data`` with ([Note: writes to parameters]): its master weights, or for a
+        frozen one (no master) the home copy of its compute copy, which a gpu replica leaves
+        alone; None where no such copy can be read (a frozen parameter homed on nvme: the caller
+        takes the bound values as written)."""
+        layer, k = self.where(i)
+        if layer.master[k] is not None or self.compute_is_master:
+            return self.host_value(i, dtype)
+        if self.home_tier != "cpu":
+            return None
+        try:
+            lease = layer.compute[k].lease("cpu", write=False)
+        except InvalidRequest:
+            return None
+        try:
+            return lease.tensor.to(dtype, copy=True).reshape(self.params[i][1].shape)
+        finally:
+            lease.release()
+
     def host_state(self, i: int, kind: str) -> torch.Tensor:
         """Parameter ``i``'s ``kind`` state (``exp_avg``, ``exp_avg_sq``, ``master``) on the host;
         with sharded moments (and master weights: ``master_sharded``), this rank's elements of it
@@ -339,6 +358,8 @@ class ParamBank(StatesMoved, ShardedStates):
             t.copy_(self._mine(i, kind, value).reshape(t.shape))  # this rank's elements of a sharded state
         if kind == "master" and (t is not None or self.master_sharded(i) and self.is_trainable(i)):
             self.refresh_compute(i, value)
+        elif kind == "master" and not self.is_trainable(i) and not self.gathered:
+            self.set_state(i, "compute", value)  # a master saved for a frozen one by a gathered bank
 
     def write_compute(self, i: int, value: torch.Tensor) -> None:
         """Every copy of parameter ``i``'s compute copy takes ``value``; its master weights are

@@ -81,8 +81,8 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int, ranks: tupl
     kinds = 2 if is_master else 3
     moments = moment_pages([idx for _, idx in units], [p.numel() for _, p in params],
                            [p.requires_grad for _, p in params], pb, ranks)
-    masters = 0 if is_master else state_pages(
-        [idx for _, idx in units], [p.numel() for _, p in params], [p.requires_grad for _, p in params], pb, ranks,
+    masters = 0 if is_master else state_pages(  # a gathered bank keeps a master share of frozen ones too
+        [idx for _, idx in units], [p.numel() for _, p in params], [p.requires_grad or gathered for _, p in params], pb, ranks,
         master_shardable(dtypes, [p.dtype for _, p in params], is_master, gathered))  # [Note: sharded master weights]
     states = masters + 2 * moments
     grads = pack([fp32[i] for i in order], pb).pages

@@ -133,19 +133,13 @@ def unit_gather_elements(units: list[list[int]], shares: list[StateShards]) -> l
     return [sum(largest.owned(i) for i in idx) for idx in units]
 
 
-def check_gatherable(params: "tuple[tuple[str, object], ...]", trainable: list[bool],
-                     compute_is_master: bool) -> None:
-    """Refuse, naming the first parameter, a model whose compute copy cannot be sharded as its
-    master is ([Note: gathered units] in ``ranks/unit_gather.py``): each rank's share of a compute
-    copy is its share of the fp32 master, cast, so every parameter must be trained (a frozen
-    one has no master) and have a master apart from the compute copy (optimizer states off the
-    gpu)."""
+def check_gatherable(compute_is_master: bool) -> None:
+    """Refuse a model whose compute copy cannot be sharded as its master is ([Note: gathered
+    units] in ``ranks/unit_gather.py``): each rank's share of a compute copy is its share of the
+    fp32 master, cast (a frozen parameter gets a master share for it), so the master must be
+    apart from the compute copy (optimizer states off the gpu)."""
     from pagemem.errors import ConfigError
 
     if compute_is_master:
         raise ConfigError("shard_parameters: needs the optimizer states off the gpu (optimizer_tier 'cpu' or "
                           "'nvme'): with fp32 states on the gpu the compute copy is the master itself")
-    for (name, _), trained in zip(params, trainable):
-        if not trained:
-            raise ConfigError(f"shard_parameters: parameter {name!r} is frozen; a frozen parameter has no master "
-                              "weights to shard its compute copy by (not built yet): leave shard_parameters False")

@@ -69,10 +69,11 @@ class KeepsWrites:
                 elsewhere = p.numel() > 0 and storage_ptr(p) != u.bound_ptrs.get(i)
                 if not moved and not elsewhere and i in self._data_taken:
                     self._wait_for_updates([i])  # an update behind backward changes master, then copy
-                    if self.bank.master_sharded(i) and self.bank.is_trainable(i):
+                    if self.bank.master_sharded(i) and (self.bank.is_trainable(i) or self.bank.gathered):
                         moved = self._sharded_data_moved(i, p)
                     else:
-                        moved = not torch.equal(p.data, self.bank.host_value(i, p.dtype).to(p.device))
+                        unviewed = self.bank.unviewed_value(i, p.dtype)  # not the pages p.data views
+                        moved = unviewed is None or not torch.equal(p.data, unviewed.to(p.device))
                 self._data_taken.discard(i)
                 if moved or elsewhere:
                     self.bank.write_parameter(i, p.data)
