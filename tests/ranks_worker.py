@@ -126,6 +126,8 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                     except pagemem.PageMemError as after:
                         print(f"after Ctrl-C, step() raised {type(after).__name__}: {after}", file=sys.stderr)
                     raise
+            if "unfreeze_at" in opts and step == int(opts["unfreeze_at"]):  # on every rank
+                model.transformer.h[0].ln_1.weight.requires_grad_(True)
             if "halve_at" in opts and step == int(opts["halve_at"]):
                 with torch.no_grad():  # on every rank, through .data: no version counter moves
                     for n, p in model.named_parameters():

@@ -128,3 +128,14 @@ def test_a_frozen_parameter_trains_as_replicas_and_its_checkpoint_loads_anywhere
         resumed = run_ok("engine", world, tmp_path / f"r{world}{sharded}.pt", shard_params=sharded, freeze=1,
                          resume=source, halve_at=3)
         assert distance(resumed, ours) <= (0.0 if world == 2 else 1e-6), (world, sharded)
+
+
+def test_a_parameter_unfrozen_part_way_trains_as_replicas(tmp_path):
+    """Unfrozen at step 3 on every rank: its master share is already there; moments and
+    gradient sums are made then."""
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, freeze=1, unfreeze_at=3)
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", freeze=1, unfreeze_at=3)
+    frozen = run_ok("engine", 2, tmp_path / "frozen.pt", shard_params=1, freeze=1)
+    assert distance(ours, replicas) == 0.0
+    key = "transformer.h.0.ln_1.weight"
+    assert not torch.equal(ours[key], frozen[key])  # it trained once unfrozen
