@@ -85,7 +85,8 @@ def engine_config(opts: dict[str, str], world: int) -> pagemem.EngineConfig:
                                 compute_dtype=torch.bfloat16 if opts.get("mixed") == "1" else model_dtype(opts), max_grad_norm=float(opts.get("clip", 0.05)),
                                 adam_threads=1, collective_timeout_s=float(opts.get("collective_timeout", 60)),
                                 shard_optimizer_states=opts.get("shard", "1") == "1",
-                                shard_parameters=opts.get("shard_params", "0") == "1")
+                                shard_parameters=opts.get("shard_params", "0") == "1",
+                                home_tier="nvme" if opts.get("homes") == "1" else "auto")
 
 
 def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str = "engine") -> None:

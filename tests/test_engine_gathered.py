@@ -139,3 +139,13 @@ def test_a_parameter_unfrozen_part_way_trains_as_replicas(tmp_path):
     assert distance(ours, replicas) == 0.0
     key = "transformer.h.0.ln_1.weight"
     assert not torch.equal(ours[key], frozen[key])  # it trained once unfrozen
+
+
+@pytest.mark.slow
+def test_sharded_parameters_with_gradient_sums_homed_on_nvme_train_as_replicas(tmp_path):
+    """``home_tier="nvme"``: no compute copy at rest anyway; the gradient sums live on nvme."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", nvme=nvme, homes=1, shard_params=1)
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", nvme=nvme, homes=1)
+    assert distance(ours, replicas) == 0.0
