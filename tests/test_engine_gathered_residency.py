@@ -12,17 +12,16 @@ import threading
 
 import torch
 from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 from torch import nn
 
 import pagemem
 from pagemem.engine.units.bank import ParamBank
-from pagemem.engine.units.guard import Guard, GuardedParameter
+from pagemem.engine.units.guard import Guard
 from pagemem.engine.units.residency import Residency
 from pagemem.engine.units.scopes import Scopes
 from pagemem.engine.units.unit import Unit, UnitState
-from pagemem.errors import OutOfMemory
+from test_engine_residency_machine import ResidencyMachine
 
 PAGE = 16 * 1024
 
@@ -67,17 +66,20 @@ class FakeGather:
         return Handle()
 
 
-class GatheredResidencyMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
+class GatheredResidencyMachine(ResidencyMachine):
+    """``ResidencyMachine``'s rules and invariants over a gathered bank, with its own for where
+    the compute copies are (the base's expects a home copy on the cpu)."""
+
+    def __init__(self) -> None:  # noqa: D107 - the base's, over a gathered bank
+        super(ResidencyMachine, self).__init__()
         torch.manual_seed(0)
         self.model = nn.Sequential(*(nn.Linear(32, 63) for _ in range(5)))  # shares that do not divide evenly
-        self.want_by_name = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.want = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         cfg = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=4 * PAGE, cpu_bytes=64 * PAGE)
         self.store = pagemem.PageStore(cfg)
         self.bank = ParamBank(self.model, self.store, torch.float32, "cpu", unit_bytes=PAGE, ranks=(0, 2),
                               gathered=True)
-        self.gather = FakeGather(self.bank, {i: self.want_by_name[n] for i, (n, _) in enumerate(self.bank.params)})
+        self.gather = FakeGather(self.bank, {i: self.want[n] for i, (n, _) in enumerate(self.bank.params)})
         self.bank.gather_unit = self.gather
         self.scopes = Scopes(self.bank.layers)
         self.guard = Guard(self.bank.params, self._fetch, threading.RLock(),
@@ -87,68 +89,11 @@ class GatheredResidencyMachine(RuleBasedStateMachine):
         self.views: list[torch.Tensor] = []
         self.held: list[int] = []
 
-    def _fetch(self, i: int) -> None:
-        self.res.ensure([self.bank.layer_of[i]])
-
-    def teardown(self) -> None:
-        self.views.clear()
-        self.res.release_all()
-        self.store.close()
-
-    units = st.integers(0, 4)
-
-    @rule(u=units, action=st.sampled_from(["stage", "bind", "ensure"]))
-    def bring(self, u, action):
-        u %= self.n
-        call = {"stage": lambda: self.res.stage(u), "bind": lambda: self.res.bind(u),
-                "ensure": lambda: self.res.ensure([u])}[action]
-        try:
-            call()
-        except OutOfMemory:
-            pass
-
-    @rule(u=units)
-    def settle_is_a_no_op(self, u):
+    @rule(u=ResidencyMachine.units)
+    def settle(self, u):
         before = self.res.state_of(u % self.n)
         self.res.settle(u % self.n)
         assert self.res.state_of(u % self.n) is before  # gathered units are never kept for good
-
-    @rule(u=units)
-    def release(self, u):
-        self.res.release(u % self.n)
-
-    @rule()
-    def make_room(self):
-        self.res.make_room([], self.res.budget_bytes)
-
-    @rule(u=units)
-    def keep_a_view(self, u):
-        u %= self.n
-        if self.res.is_bound(u):
-            p = self.bank.params[self.bank.layers[u].params[0]][1]
-            with torch._C.DisableTorchFunctionSubclass():
-                self.views.append(p.data[:1])
-
-    @rule()
-    def drop_views(self):
-        self.views.clear()
-
-    @precondition(lambda self: len(self.held) < 2)
-    @rule(u=units)
-    def hold(self, u):
-        u %= self.n
-        try:
-            self.res.ensure([u])
-        except OutOfMemory:
-            return
-        self.scopes._open_forward(len(self.held), (u,), False)
-        self.held.append(u)
-
-    @precondition(lambda self: self.held)
-    @rule()
-    def let_go(self):
-        self.held.pop()
-        self.scopes._close_forward(len(self.held))
 
     @precondition(lambda self: not self.held)
     @rule()
@@ -161,19 +106,7 @@ class GatheredResidencyMachine(RuleBasedStateMachine):
         assert not self.gather.unlanded  # a dropped staged gather was waited for
 
     @invariant()
-    def parameters_are_true_values_or_guarded_nan(self):
-        for i, (name, p) in enumerate(self.bank.params):
-            u = self.bank.layer_of[i]
-            with torch._C.DisableTorchFunctionSubclass():
-                data = p.data
-            if self.res.is_bound(u):
-                assert torch.equal(data, self.want_by_name[name]), name
-            else:
-                assert isinstance(p, GuardedParameter), name
-                assert data.isnan().all(), name
-
-    @invariant()
-    def a_unit_holds_a_compute_copy_exactly_when_its_state_says(self):
+    def each_state_holds_the_copies_it_says(self):
         for unit in self.bank.layers:
             if unit.state is UnitState.HOME:
                 assert not unit.compute
@@ -184,12 +117,6 @@ class GatheredResidencyMachine(RuleBasedStateMachine):
                 assert not unit.staged
         # only a staging unit's gather may be under way
         assert len(self.gather.unlanded) <= sum(u.state is UnitState.STAGING for u in self.bank.layers)
-
-    @invariant()
-    def held_units_stay_bound(self):
-        for u in self.held:
-            assert self.res.is_bound(u)
-        assert self.res.used_pages <= self.store.tier("gpu").capacity
 
 
 GatheredResidencyMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
