@@ -20,11 +20,16 @@ step after the first two. Anchors, from the same run:
   x the largest rank's share of the fp32 master weights (the ring all-gather after the update);
   ``sent``: what the engine counted, which adds each operation's header and the per-parameter
   flags the ranks agree on first (``tests/test_engine_ranks.py`` checks that count to the byte);
-- each world size runs twice: moments sharded (the default) and replicas
-  (``shard_optimizer_states=False``), with the optimizer-state bytes per rank and ``step()``'s
-  time per rank;
-- ``zero-3 plan``: the network bytes per rank the scheduler's plan at this world size would send
-  (all-gathers and reduce-scatters of shards), which the engine does not run yet.
+- each world size runs three times: states sharded (the default), replicas
+  (``shard_optimizer_states=False``) and states and parameters sharded (``shard_parameters=True``:
+  no compute copy at rest, each unit gathered when fetched, [Note: gathered units]), with the
+  optimizer-state bytes and the compute copy's bytes at rest per rank and ``step()``'s time per
+  rank. For the last the plan does not hold the unit gathers (it is the ``states`` plan), so its
+  simulator column says "not modelled" and its ring anchor adds, per gather the engine made in
+  the iteration, ``W - 1`` x the largest rank's share of that unit;
+- ``zero-3 plan``: the network bytes per rank the scheduler's ``params`` plan at this world size
+  would send (all-gathers and reduce-scatters of shards), which the engine does not run (its
+  gradient sums are all-reduced whole).
 
 A second table measures what one gloo all-reduce costs by size (``COST``: each size reduced
 ``--calls`` times after a warm-up), from which ``BATCH_BYTES`` (``engine/ranks/collectives.py``)
