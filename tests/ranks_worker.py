@@ -189,6 +189,8 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                 engine.save(opts["save_dir"])  # the ranks are still in step: the next save works
             elif "save_dir" in opts and mode != "save0" and step + 1 == int(opts["save_at"]):
                 engine.save(opts["save_dir"])
+        if "sd_mix" in opts:  # an expert-parallel habit: each rank reads its own block's weights
+            model.transformer.h[rank].mlp.c_fc.state_dict()
         stats = engine.stats()
         paging = engine.pager.stats()
         at_rest = sum(t.nbytes for layer in engine.bank.layers for t in layer.compute)  # between steps

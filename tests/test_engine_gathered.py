@@ -149,3 +149,13 @@ def test_sharded_parameters_with_gradient_sums_homed_on_nvme_train_as_replicas(t
     ours = run_ok("engine", 2, tmp_path / "gathered.pt", nvme=nvme, homes=1, shard_params=1)
     replicas = run_ok("engine", 2, tmp_path / "replicas.pt", nvme=nvme, homes=1)
     assert distance(ours, replicas) == 0.0
+
+
+def test_each_rank_reading_another_submodules_state_dict_fails_every_rank(tmp_path):
+    """Rank r reads block r's weights: the gathers of the whole masters name which parameters,
+    so the ranks raise ``RankFailed`` instead of joining one rank's share of one block to the
+    other's share of another (found by an attack: it returned wrong values, no error)."""
+    rcs, errs, _ = launch("engine", 2, tmp_path / "s.pt", timeout=120, shard_params=1, steps=2, sd_mix=1)
+    assert rcs[0] not in (0, None) and rcs[1] not in (0, None)
+    for err in errs:
+        assert "RankFailed" in err and "read different parameters" in err, err[-2000:]

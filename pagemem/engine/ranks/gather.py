@@ -13,6 +13,8 @@ where this rank holds them whole, as the owner's own update wrote its share."""
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from pagemem.engine.ranks.collectives import BATCH_BYTES, Collectives, Pending
@@ -148,7 +150,13 @@ class MasterGather:
         """Each of ``params``' sharded ``kinds`` whole, every rank's share gathered, one
         parameter at a time (what: the operation, in the header every rank checks first)."""
         bank, coll = self.bank, self.coll
-        coll.begin(what, [len(params)])
+        # which parameters, not only how many: ranks reading different ones (a submodule's state_dict
+        # per rank) would pair unrelated shares, or buffers of different sizes (gloo aborts on those)
+        top, low = coll.begin(what, [len(params), zlib.crc32(repr(list(params)).encode())])
+        if top != low:
+            coll.fail_out_of_step(f"{what}: the ranks read different parameters ({low[0]} to {top[0]} of them); "
+                                  "every rank must read the same ones (the whole model's state_dict(), or the same "
+                                  "submodule's, on every rank)")
         dev, out = coll.ranks.device, {}
         n = len(kinds)
         for i in params:

@@ -34,7 +34,9 @@ def join_ranks(ranks: RankGroup, model: nn.Module, config: EngineConfig) -> Coll
                   "max_grad_norm": config.max_grad_norm, "accumulation_steps": config.accumulation_steps,
                   "loss_scale": config.effective_loss_scale, "optimizer_tier": config.optimizer_tier,
                   "shard_optimizer_states": config.shard_optimizer_states,
-                  "shard_parameters": config.shard_parameters}
+                  "shard_parameters": config.shard_parameters,
+                  "page_bytes and gpu_bytes (the plans every rank follows)": (config.store.page_bytes,
+                                                                              config.store.gpu_bytes)}
         mine = [zlib.crc32(repr(v).encode()) for v in fields.values()]
         top, low = coll.begin("checking every rank's engine", mine)
         differ = [name for name, a, b in zip(fields, top, low) if a != b]
