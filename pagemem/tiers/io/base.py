@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 Done = Callable[["int | BaseException"], None]
 """Completion callback: bytes transferred, a negative errno, or the exception that stopped the
 request (the engine's own code raised, or its thread died). Runs on an engine thread."""
+
+
+class Request(NamedTuple):
+    """One positional read or write of a whole host buffer (``submit``'s arguments)."""
+
+    fd: int
+    offset: int
+    buf: memoryview
+    done: Done
 
 
 class EngineUnavailable(RuntimeError):
@@ -33,6 +42,13 @@ class IOEngine(ABC):
     @abstractmethod
     def submit(self, write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
         """Start reading ``len(buf)`` bytes at ``offset`` into ``buf`` (or writing them from it)."""
+
+    def submit_many(self, write: bool, requests: Sequence[Request]) -> None:
+        """``submit`` each request, in order; each completes on its own ``done`` as ``submit``'s.
+        An engine that can hand the kernel several requests at once overrides it (aio: one
+        ``io_submit``); this default submits them one by one."""
+        for r in requests:
+            self.submit(write, r.fd, r.offset, r.buf, r.done)
 
     @abstractmethod
     def close(self) -> None:
