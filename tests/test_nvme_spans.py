@@ -181,6 +181,7 @@ class Spans(RuleBasedStateMachine):
                 most=st.sampled_from([1, 2, 5, 64]))
     def setup(self, engine: str, most: int) -> None:
         self._dir = tempfile.TemporaryDirectory()
+        self._saved = nvme_mod.MAX_REQUEST_BYTES
         nvme_mod.MAX_REQUEST_BYTES = most * PAGE
         self.most = most
         self.tier = NvmeTier((self._dir.name,), SLOTS, PAGE, engine=engine, io_depth=3, direct=True,
@@ -193,8 +194,8 @@ class Spans(RuleBasedStateMachine):
         self.seed = 0
 
     def teardown(self) -> None:
-        nvme_mod.MAX_REQUEST_BYTES = 8 << 20
         if hasattr(self, "tier"):
+            nvme_mod.MAX_REQUEST_BYTES = self._saved
             self.tier.close()
             self.host.close()
             self._dir.cleanup()

@@ -41,9 +41,10 @@ def slots_per_file(capacity: int, files: int) -> int:
     return -(-capacity // files) if files else 0
 
 
-MAX_REQUEST_BYTES = 8 << 20
+MAX_REQUEST_BYTES = 4 << 20
 """The most one I/O request of a run carries: big enough that the submitting thread's Python is
-per run, small enough that a run's pages land in a few requests the disk serves in parallel."""
+per run for small pages, small enough that a run's pages land in several requests the disk
+serves in parallel; at the default 4 MiB page, one page per request, as before."""
 
 
 class _Gather:
