@@ -271,3 +271,46 @@ class Spans(RuleBasedStateMachine):
 TestSpans = Spans.TestCase
 TestSpans.settings = settings(max_examples=25, stateful_step_count=12, deadline=None,
                               suppress_health_check=[HealthCheck.too_slow])
+
+
+class RefusesFrom(IOEngine):
+    """Passes requests to ``inner`` until ``left`` have started; then ``submit`` raises (as a
+    closed engine does). Uses the default ``submit_many``."""
+
+    def __init__(self, inner: IOEngine, left: int) -> None:
+        self.inner, self.name, self.depth, self.left = inner, f"{inner.name}+refuses", inner.depth, left
+
+    def submit(self, write, fd, offset, buf, done) -> None:
+        if self.left <= 0:
+            raise RuntimeError("I/O engine is closed")
+        self.left -= 1
+        self.inner.submit(write, fd, offset, buf, done)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("started", [0, 1, 2])
+def test_an_engine_that_refuses_part_of_a_span_completes_it_once_with_the_error(tmp_path, engine, monkeypatch,
+                                                                              started):
+    """Requests it started complete as usual; the rest fail on their own callbacks (the default
+    ``submit_many``); where it refused the first, nothing was written and no slot is torn."""
+    monkeypatch.setattr(nvme_mod, "MAX_REQUEST_BYTES", PAGE)
+    tier = NvmeTier((str(tmp_path),), 4, PAGE, engine=engine, io_depth=4, direct=True, checksums=True)
+    host = HostArena(3 * PAGE, pin=False)
+    try:
+        tier.allocate(4)
+        tier.engine = RefusesFrom(tier.engine, started)
+        got: list = []
+        finished = threading.Event()
+        tier.start_write_span(0, 3, host.buffer(0, 3 * PAGE),
+                              lambda e: (got.append(e), finished.set()))
+        assert finished.wait(30)
+        time.sleep(0.01)
+        assert len(got) == 1 and isinstance(got[0], BaseException)
+        assert [tier.digest(s) is not None for s in range(3)] == [s < started for s in range(3)]
+        assert [tier.is_torn(s) for s in range(3)] == [started > 0 and s >= started for s in range(3)]
+    finally:
+        tier.engine = tier.engine.inner
+        tier.close()
+        host.close()

@@ -187,9 +187,9 @@ class NvmeTier(Tier):
                     gather.piece(k, self._error("write", s0, f, offset, res, n))
             return complete
 
-        self.engine.submit_many(True, [Request(f.fd, offset, src.view[(s0 - first) * pb:(s0 - first + n) * pb],
-                                               complete_for(k, s0, n, f, offset))
-                                       for k, (s0, n, f, offset) in enumerate(pieces)])
+        self._submit(True, gather, [Request(f.fd, offset, src.view[(s0 - first) * pb:(s0 - first + n) * pb],
+                                            complete_for(k, s0, n, f, offset))
+                                    for k, (s0, n, f, offset) in enumerate(pieces)])
 
     def start_read_span(self, first: int, count: int, into: HostBuffer, done: PageDone) -> None:
         """Read the adjacent slots from ``first`` into the host buffer ``into`` (``count`` pages),
@@ -236,9 +236,19 @@ class NvmeTier(Tier):
                 gather.piece(k, None)
             return complete
 
-        self.engine.submit_many(False, [Request(f.fd, offset, into.view[(s0 - first) * pb:(s0 - first + n) * pb],
-                                                complete_for(k, s0, n, f, offset))
-                                        for k, (s0, n, f, offset) in enumerate(pieces)])
+        self._submit(False, gather, [Request(f.fd, offset, into.view[(s0 - first) * pb:(s0 - first + n) * pb],
+                                             complete_for(k, s0, n, f, offset))
+                                     for k, (s0, n, f, offset) in enumerate(pieces)])
+
+    def _submit(self, write: bool, gather: "_Gather", requests: list[Request]) -> None:
+        """Hand a span's requests to the engine. Where it refuses them all (it raises only when
+        none started: ``IOEngine.submit_many``), the span completes with that error; pieces a
+        wrapper already completed keep their outcome, and nothing was written or read."""
+        try:
+            self.engine.submit_many(write, requests)
+        except Exception as exc:
+            for k in range(len(requests)):
+                gather.piece(k, exc)
 
     def _pieces(self, first: int, count: int, wanted: list[bool]) -> list[tuple[int, int, PageFile, int]]:
         """The requests for the ``wanted`` slots of ``first .. first + count - 1``: ``(first slot,

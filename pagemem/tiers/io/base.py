@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, NamedTuple, Sequence
 
+from pagemem.tiers.completion import deliver
+
 Done = Callable[["int | BaseException"], None]
 """Completion callback: bytes transferred, a negative errno, or the exception that stopped the
 request (the engine's own code raised, or its thread died). Runs on an engine thread."""
@@ -45,10 +47,20 @@ class IOEngine(ABC):
 
     def submit_many(self, write: bool, requests: Sequence[Request]) -> None:
         """``submit`` each request, in order; each completes on its own ``done`` as ``submit``'s.
-        An engine that can hand the kernel several requests at once overrides it (aio: one
-        ``io_submit``); this default submits them one by one."""
-        for r in requests:
-            self.submit(write, r.fd, r.offset, r.buf, r.done)
+        Raises only when no request was started (as ``submit`` does, e.g. on a closed engine);
+        once one has started, a request that cannot start completes on its ``done`` with the
+        error, so a caller waiting for all of them is never left waiting. An engine that can hand
+        the kernel several requests at once overrides it (aio: one ``io_submit``); this default
+        submits them one by one."""
+        for k, r in enumerate(requests):
+            try:
+                self.submit(write, r.fd, r.offset, r.buf, r.done)
+            except Exception as exc:
+                if k == 0:
+                    raise
+                for rest in requests[k:]:
+                    deliver(rest.done, exc, "a request refused by its engine")
+                return
 
     @abstractmethod
     def close(self) -> None:
