@@ -19,7 +19,8 @@ order 0 are plotted (``results/bench_lockfree_loss.png``); the staleness each ru
 (synchronous: the anchor), on nvme synchronously, on nvme lock-free, the nvme tier capped so
 that the synchronous nvme run takes at least twice the anchor's iteration, as on ANGEL-PTM's
 A100 server (SSD about 10x slower than PCIe). Goals: lock-free <= 1.15x the anchor, synchronous
-nvme >= 2x; beside each, the simulator's prediction (``sched/sim_lockfree.py``; goal: within 15%).
+nvme >= 2x; beside each, the simulator's prediction (``sched/sim_lockfree.py``; goal: within 15%),
+the lock-free rows charged the drain per update the run measured ([Note: the drain, simulated]).
 
 Usage: ``python benchmarks/bench_lockfree.py [--part convergence|throughput|both] [--steps N] [--seeds N]
 [--task branching|exact]``.
@@ -200,7 +201,8 @@ def cpu_ms(r, steps: int) -> dict:
 
 
 def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None = None,
-            max_staleness: int | None = None, anchor: tuple[dict, float] | None = None) -> dict:
+            max_staleness: int | None = None, anchor: tuple[dict, float] | None = None,
+            drain_seconds: float = 0.0) -> dict:
     """The simulator's iteration for the plan the engine followed, synchronous and lock-free, on
     the ``dev-vm`` profile with the disk at the capped bandwidth and op durations timed now
     (per op, the median of three traces of a copy of the model, on the compute's cores when
@@ -210,7 +212,8 @@ def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None =
     predicted too, and every row again with the ops' durations scaled so that the anchor's
     prediction is its measurement (``calibrated``: the engine's host work around each op on the
     compute thread, which a plain model's trace does not time; one factor, fitted on the anchor
-    alone, so the other rows stay predictions)."""
+    alone, so the other rows stay predictions). ``drain_seconds``: the lock-free rows' measured
+    compute-side seconds per published update drained ([Note: the drain, simulated])."""
     plan_, engine_trace = stats["followed"]
     if plan_ is None:
         return {}
@@ -232,14 +235,15 @@ def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None =
 
     def rows(profile: HardwareProfile) -> dict:
         sync = simulate(plan_, tr, profile)
-        free = simulate_lock_free(plan_, tr, profile, max_staleness)
-        never = simulate_lock_free(plan_, tr, profile)
+        free = simulate_lock_free(plan_, tr, profile, max_staleness, drain_seconds=drain_seconds)
+        never = simulate_lock_free(plan_, tr, profile, drain_seconds=drain_seconds)
         return {"ms_sync": 1e3 * sync.iteration_time, "ms_lock_free": 1e3 * free.iteration_time,
                 "ms_never_waits": 1e3 * never.iteration_time,
                 "ms_update_pass": 1e3 * free.update_pass_time, "staleness": free.staleness,
                 "pass_busy_ms": {k: 1e3 * v for k, v in free.pass_busy.items()}}
 
     out = rows(hw)
+    out["drain_ms_per_update"] = 1e3 * drain_seconds
     if anchor is not None and anchor[0]["followed"][0] is not None:
         a_plan, a_trace = anchor[0]["followed"]
         a_tr = with_durations(a_trace, durations)
@@ -251,6 +255,13 @@ def predict(stats: dict, make, bandwidth: int, partition: CorePartition | None =
                              "ms_anchor": 1e3 * simulate(a_plan, a_tr, calibrated_hw).iteration_time,
                              **rows(calibrated_hw)}
     return out
+
+
+def drain_per_update(r) -> float:
+    """A lock-free run's compute-side seconds per published update it drained (the engine's own
+    count, ``stats()["staleness"]``: [Note: the drain, simulated])."""
+    st = r[2]["staleness"] or {}
+    return st.get("drain_s", 0.0) / st["drained"] if st.get("drained") else 0.0
 
 
 def state_bytes(make) -> int:
@@ -359,7 +370,7 @@ def throughput(steps: int, bandwidth_factor: float, partition: CorePartition | N
             "ratio_sync_nvme": t_sync / t_anchor, "ratio_lock_free_nvme": t_free / t_anchor,
             "staleness": free[2]["staleness"],
             "predicted": predict(free[2], make, bandwidth, partition, free_cfg.effective_max_staleness,
-                                 anchor=(anchor_run[2], t_anchor)),
+                                 anchor=(anchor_run[2], t_anchor), drain_seconds=drain_per_update(free)),
             "ms_never_waits_nvme": 1e3 * t_never, "ratio_never_waits_nvme": t_never / t_anchor,
             "staleness_never_waits": never[2]["staleness"],
             "cpu": {k: cpu_ms(r, steps) for k, r in (("anchor", anchor_run), ("sync_nvme", sync), ("lock_free", free),
@@ -443,7 +454,8 @@ def main() -> None:
                     title=f"throughput, partition {t['partition']}, load average {t['load_average'][0]:.1f} "
                           f"(nvme capped at {t['bandwidth_bytes_per_s'] / 2**20:.1f} MiB/s; "
                           f"lock-free staleness mean {t['staleness']['mean']:.2f}, max {t['staleness']['max']}, "
-                          f"predicted {pr.get('staleness', 0):.2f}; simulator goal: within 15%)"))
+                          f"predicted {pr.get('staleness', 0):.2f}; drain {pr.get('drain_ms_per_update', 0):.2f} ms "
+                          f"per update, measured; simulator goal: within 15%)"))
     print("wrote", write_json(f"bench_lockfree{suffix}", payload))
 
 

@@ -1,7 +1,7 @@
 """NVMe tier bandwidth: CPU->NVMe and NVMe->CPU page moves next to fio in the same run.
 
 For each queue depth (1, 4, 8, 32) the store moves a set of cpu-tier tensors to the nvme tier
-and back (4 MiB pages, one request per page, checksums on, O_DIRECT), with the AIO engine and
+and back (4 MiB pages, one request per page: ``tiers/nvme.py``'s ``MAX_REQUEST_BYTES``; checksums on, O_DIRECT), with the AIO engine and
 with the thread-pool engine. fio runs the same traffic on the same directory: libaio, direct=1,
 the same block size, depth and bytes. A third anchor is a bare loop over pagemem's AIO engine
 (no store, no checksums) on a file in the same directory: on this project's virtual machines fio

@@ -21,7 +21,7 @@ def faulty(store) -> FaultyEngine:
 @pytest.mark.parametrize("kind,match", [
     ("enospc", r"ENOSPC \(No space left on device\)"),
     ("eio", r"EIO \(Input/output error\)"),
-    ("short", r"short write: \d+ of 4096 bytes"),
+    ("short", r"short write: \d+ of \d+ bytes"),
 ])
 @pytest.mark.parametrize("source", ["cpu", "gpu"])
 def test_failed_write_keeps_the_source_copy(store, kind, match, source):
@@ -38,14 +38,17 @@ def test_failed_write_keeps_the_source_copy(store, kind, match, source):
         h.wait(timeout=10)
     assert "source copy is unchanged" in str(err.value)
     assert isinstance(err.value, OSError)
-    # two of the three pages landed, the failed one stayed on the source tier
+    # from the gpu the pages bounce one request each: two of the three landed, the failed one
+    # stayed; from the cpu the run of three is one request ([Note: runs of pages in one
+    # request]): all three stayed
+    landed = 2 if source == "gpu" else 0
     locations = [store.location(p)[0] for p in t.pages]
-    assert sorted(locations) == sorted(["nvme", "nvme", source])
-    assert t.tier is None
+    assert sorted(locations) == sorted(["nvme"] * landed + [source] * (3 - landed))
+    assert t.tier == (None if landed else source)
     assert same_bytes(t.to_torch(), d) and same_bytes(other.to_torch(), od)
     after = store.stats()
-    assert after["nvme"].used_pages == before["nvme"].used_pages + 2
-    assert after[source].used_pages == before[source].used_pages - 2
+    assert after["nvme"].used_pages == before["nvme"].used_pages + landed
+    assert after[source].used_pages == before[source].used_pages - landed
     assert after.staging_free == after.staging_pages  # bounce pages given back
     t.move("nvme").wait(timeout=10)  # the disk recovered: the move completes
     assert t.tier == "nvme" and same_bytes(t.to_torch(), d)

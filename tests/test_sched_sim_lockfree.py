@@ -138,3 +138,36 @@ def test_the_replay_keeps_the_bound_and_never_beats_the_compute(costs, compute, 
         assert staleness <= bound + 1e-9
     if bound == 0:
         assert t >= sum(2 * read for read, _, _, _ in costs) * (1 - 1e-9)
+
+
+def test_the_drain_is_charged_per_published_update_on_the_compute_side():
+    """[Note: the drain, simulated]: one unit, nothing to read or write, its step instant: it is
+    updated once per iteration, so each iteration drains one update; four such units drain four."""
+    one = [_Unit(0, 0.0, 0.0, 0.0, 0.0, 0.015)]
+    assert _follow(one, 0.030, None, drain=0.002)[0] == pytest.approx(0.032)
+    four = [_Unit(u, 0.0, 0.0, 0.0, 0.0, 0.015) for u in (3, 2, 1, 0)]
+    assert _follow(four, 0.030, 1, drain=0.002)[0] == pytest.approx(0.038)
+    assert _follow(four, 0.030, 1)[0] == pytest.approx(0.030)  # 0: the model before
+
+
+@settings(max_examples=40, deadline=None)
+@given(costs=st.lists(st.tuples(st.floats(0.0, 0.05), st.floats(0.0, 0.01), st.floats(0.0, 1.0)),
+                      min_size=1, max_size=6),
+       compute=st.floats(0.005, 0.1), drain=st.floats(0.0, 0.01))
+def test_without_a_bound_the_drain_adds_at_most_one_update_per_unit_per_iteration(costs, compute, drain):
+    """Unbounded, a unit is updated at most once per iteration on average (its sums gain one
+    iteration per step), so the drain adds between nothing and one update per unit."""
+    units = [_Unit(len(costs) - 1 - i, read, read, step, 0.0, compute * fresh)
+             for i, (read, step, fresh) in enumerate(costs)]
+    t, _ = _follow(units, compute, None, drain=drain)
+    assert compute * (1 - 1e-9) <= t <= (compute + len(units) * drain) * (1 + 1e-6) + 1e-9
+
+
+def test_simulate_lock_free_charges_the_drain_and_refuses_a_bad_one():
+    hw, tr, p = ssd_bound()
+    free = simulate_lock_free(p, tr, hw, max_staleness=1)
+    drained = simulate_lock_free(p, tr, hw, max_staleness=1, drain_seconds=0.001)
+    assert drained.iteration_time > free.iteration_time
+    for bad in (-1.0, True, "1", float("nan")):
+        with pytest.raises(Exception, match="^drain_seconds: must be a number >= 0"):
+            simulate_lock_free(p, tr, hw, drain_seconds=bad)

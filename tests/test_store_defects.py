@@ -108,7 +108,7 @@ def test_failed_move_with_a_queued_read_leaves_the_tensor_home(make_store):
 
     reader = threading.Thread(target=read)
     reader.start()
-    faults.fail_next("write", "eio", count=2)  # both pages fail
+    faults.fail_next("write", "eio")  # both pages fail: one request ([Note: runs of pages in one request])
     gate.open()
     with pytest.raises(pagemem.TierIOError):
         h.wait(timeout=30)

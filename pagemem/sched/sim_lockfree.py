@@ -42,9 +42,17 @@ written once per iteration, or the compute waited at ``step()`` while an update 
 iterations ran. The first model (an iteration of at least ``pass / (b + 1)``) predicted 53 ms
 where that engine took 77; this replay, without the rule (``keep=False``), gives 79 for the
 same costs (BENCHMARKS.md, issue 33). Staleness is the mean lag units have when an iteration
-starts, over the replayed steady state. What this leaves out: contention that
-slows both sides beyond their own costs (memory bandwidth, a lock), and the drain of published
-values into the compute pages (a copy per updated parameter on the compute side).
+starts, over the replayed steady state.
+
+[Note: the drain, simulated] The compute side writes each published update into the buffered
+parameters before the next iteration starts (``LockFreeUpdater._write``: a copy per updated
+parameter, predicted past its lag, through the store): ``drain_seconds`` per update, on the
+compute side, is charged at the start of the iteration that finds it published. It is a
+measured per-update cost, not fitted: the engine counts it (``stats()["staleness"]``:
+``drain_s`` / ``drained``, wall seconds of the compute thread in ``_write``), as a trace times
+ops; 0 charges nothing (the model before issue 33's last session). What this still leaves out:
+contention that slows both sides beyond their own costs (memory bandwidth, the GIL the two
+threads share in the engine, a lock), and the lock-free hand-off's own bookkeeping per gradient.
 """
 
 from __future__ import annotations
@@ -83,16 +91,19 @@ def _updater_task(task) -> bool:
 
 
 def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile,
-                       max_staleness: int | None = None) -> LockFreePrediction:
+                       max_staleness: int | None = None, drain_seconds: float = 0.0) -> LockFreePrediction:
     """Predict an iteration of ``plan`` with the lock-free updater (see the Notes): the compute
     side and the updating thread's pass costed from the plan's tasks, then the engine's rules
     replayed unit by unit with ``max_staleness`` (``EngineConfig.effective_max_staleness``; the
-    steady state: the engine's first ``synchronous_steps`` are not modelled)."""
+    steady state: the engine's first ``synchronous_steps`` are not modelled). ``drain_seconds``:
+    the compute side's seconds per published update it writes ([Note: the drain, simulated])."""
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan: expected a pagemem.sched.Plan, got {type(plan).__name__}")
     if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
                                       or max_staleness < 0):
         raise ConfigError(f"max_staleness: must be None or an integer >= 0, got {max_staleness!r}")
+    if isinstance(drain_seconds, bool) or not isinstance(drain_seconds, (int, float)) or not drain_seconds >= 0:
+        raise ConfigError(f"drain_seconds: must be a number >= 0, got {drain_seconds!r}")
     mine = [t for t in plan.tasks if _updater_task(t)]
     side = simulate(dataclasses.replace(plan, tasks=[t for t in plan.tasks if not _updater_task(t)]), trace, profile)
     setting = Setting.of(plan)
@@ -121,7 +132,7 @@ def simulate_lock_free(plan: Plan, trace: Trace, profile: HardwareProfile,
     units = _units(mine, plan, trace, profile, setting, t)
     if not units or pass_time <= 0 or t <= 0:
         return LockFreePrediction(t, pass_time, busy, 0.0, side)
-    t, staleness = _follow(units, t, max_staleness)
+    t, staleness = _follow(units, t, max_staleness, drain=drain_seconds)
     return LockFreePrediction(t, pass_time, busy, staleness, side)
 
 
@@ -171,13 +182,15 @@ def _units(mine: list, plan: Plan, trace: Trace, profile: HardwareProfile, setti
 
 
 def _follow(units: list[_Unit], iteration: float, bound: int | None, steps: int = 64,
-            keep: bool = True) -> tuple[float, float]:
+            keep: bool = True, drain: float = 0.0) -> tuple[float, float]:
     """Replay the compute side (``iteration`` seconds of work per step) against the updating
     thread's rules ([Note: the updating thread's rules, simulated]) for ``steps`` steps; returns
     the mean iteration (start to start) and the mean lag at an iteration's start, both over the
     second half. ``keep=False``: every update writes its states back (the engine before [Note: a
-    fetch serves the bound's updates])."""
+    fetch serves the bound's updates]). ``drain``: seconds per published update, on the compute side
+    at the start of the iteration that finds it ([Note: the drain, simulated])."""
     n = len(units)
+    published = [0]  # updates published and not yet drained
     untaken, lag = [0] * n, [0] * n
     on_cpu = [False] * n
     served: list[int | None] = [None] * n  # updates since the states were read (the engine's _since_read)
@@ -200,7 +213,8 @@ def _follow(units: list[_Unit], iteration: float, bound: int | None, steps: int 
             starts.append(clock["now"])
             seen.append(sum(lag) / n)
             window[:] = [clock["now"], -1.0]
-            yield clock["now"] + iteration
+            drained, published[0] = published[0], 0
+            yield clock["now"] + iteration + drained * drain
             window[1] = clock["now"]
             for u in range(n):
                 untaken[u] += 1
@@ -227,6 +241,7 @@ def _follow(units: list[_Unit], iteration: float, bound: int | None, steps: int 
                 k, untaken[u] = untaken[u], 0
                 yield clock["now"] + k * units[u].step + units[u].fixed
                 lag[u] -= k  # published
+                published[0] += 1
                 if not (units[u].read or units[u].write):
                     continue
                 if keep and bound:  # [Note: a fetch serves the bound's updates]: LockFreeUpdater._keeps

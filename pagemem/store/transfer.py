@@ -5,7 +5,9 @@ Between two memory tiers a run costs one copy (one CUDA copy, or one host copy),
 layer of adjacent pages costs one call, not one per page. A host-addressable tier (cpu) is read
 or written directly by the other tier: gpu->cpu is a D2H copy, cpu->nvme an I/O write. Between
 two tiers neither of which is host memory (gpu<->nvme) each page bounces through a pinned
-staging page. Disk pages always go one page per I/O request (each carries its own checksum).
+staging page. A run between the cpu and the disk is one call too: the disk tier reads or writes
+it with a few requests, each page still checksummed alone ([Note: runs of pages in one request]
+in ``tiers/nvme.py``); gpu<->nvme pages bounce one at a time.
 
 ``fetch`` and ``put`` move single pages between a tier and a host buffer: reads of disk pages
 into staging (``to_torch``) and writes from staging (``copy_``) use them, the same calls the
@@ -55,12 +57,20 @@ class Mover:
 
     @staticmethod
     def coalesces(src: Tier, dst: Tier) -> bool:
-        """True when runs of adjacent slots between these tiers move as one copy."""
-        return src.resident and dst.resident
+        """True when runs of adjacent slots between these tiers move in one call: one copy
+        between memory tiers, one span of I/O between host memory and the disk."""
+        return (src.resident and dst.resident) or (src.host_spans and dst.host_addressable) \
+            or (dst.host_spans and src.host_addressable)
 
     def transfer(self, src: Tier, dst: Tier, run: Run, done: RunDone, after=None) -> None:
         """Copy ``run`` from ``src`` to ``dst`` asynchronously; ``done(error)`` once, after.
         ``after``: a fence the copy must wait for (the producer of a gpu source)."""
+        if run.count > 1 and src.host_spans:
+            src.start_read_span(run.src_slot, run.count, dst.host_buffer(run.dst_slot, run.count), done)
+            return
+        if run.count > 1 and dst.host_spans:
+            dst.start_write_span(run.dst_slot, run.count, src.host_buffer(run.src_slot, run.count), done)
+            return
         if run.count > 1:
             if dst.host_addressable:
                 src.read_span(run.src_slot, run.count, dst.span(run.dst_slot, run.count), done, after=after)

@@ -32,6 +32,9 @@ class Tier(ABC):
     page_bytes: int
     host_addressable: bool = False
     """True when slots are plain host memory the I/O engines can read and write."""
+    host_spans: bool = False
+    """True when a run of adjacent slots moves to or from one host buffer in one call
+    (``start_read_span`` / ``start_write_span``: the nvme tier)."""
 
     def __init__(self, name: str, capacity: int, page_bytes: int) -> None:
         self.name = name
@@ -105,8 +108,8 @@ class Tier(ABC):
         """Adjacent slots ``first_slot .. first_slot+count-1`` as one uint8 tensor (memory tiers)."""
         raise TypeError(f"tier {self.name!r} is not addressable memory")
 
-    def host_buffer(self, slot: int) -> HostBuffer:
-        """The slot as a host buffer (host-addressable tiers only)."""
+    def host_buffer(self, slot: int, count: int = 1) -> HostBuffer:
+        """The slot (``count`` adjacent slots from it) as a host buffer (host-addressable tiers only)."""
         raise TypeError(f"tier {self.name!r} is not host-addressable")
 
     @abstractmethod
@@ -118,6 +121,16 @@ class Tier(ABC):
     def start_write(self, slot: int, src: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
         """Copy the host buffer ``src`` into ``slot``; call ``done`` when finished.
         ``after``: a fence the copy must wait for (memory tiers; the nvme tier ignores it)."""
+
+    def start_read_span(self, first: int, count: int, into: HostBuffer, done: PageDone) -> None:
+        """Read ``count`` adjacent slots from ``first`` into the host buffer ``into`` in one call
+        (tiers with ``host_spans``)."""
+        raise TypeError(f"tier {self.name!r} does not move spans to host buffers")
+
+    def start_write_span(self, first: int, count: int, src: HostBuffer, done: PageDone) -> None:
+        """Write the host buffer ``src`` to ``count`` adjacent slots from ``first`` in one call
+        (tiers with ``host_spans``)."""
+        raise TypeError(f"tier {self.name!r} does not move spans to host buffers")
 
     @abstractmethod
     def describe(self) -> dict:

@@ -33,10 +33,10 @@ class MemoryTier(Tier):
         start = first_slot * self.page_bytes
         return self.arena.tensor[start:start + count * self.page_bytes]
 
-    def host_buffer(self, slot: int) -> HostBuffer:
+    def host_buffer(self, slot: int, count: int = 1) -> HostBuffer:
         if not self.host_addressable:
-            return super().host_buffer(slot)
-        return self.arena.buffer(slot * self.page_bytes, self.page_bytes)  # type: ignore[union-attr]
+            return super().host_buffer(slot, count)
+        return self.arena.buffer(slot * self.page_bytes, count * self.page_bytes)  # type: ignore[union-attr]
 
     def fence(self) -> Fence | None:
         """On CUDA, an event recorded now on the current stream of this tier's device: call it on

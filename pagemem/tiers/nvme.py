@@ -4,6 +4,7 @@ I/O engine, every page checksummed on write and verified on read."""
 from __future__ import annotations
 
 import errno
+import threading
 
 from pagemem.errors import ConfigError, CorruptPage, PageMemError, TierIOError
 from pagemem.tiers.arena import HostBuffer
@@ -12,7 +13,7 @@ from pagemem.tiers.checksum import NAME as CHECKSUM_NAME
 from pagemem.tiers.checksum import page_checksum
 from pagemem.tiers.fence import Fence
 from pagemem.tiers.freelist import SlotFreeList
-from pagemem.tiers.io.base import EngineUnavailable, make_engine
+from pagemem.tiers.io.base import Done, EngineUnavailable, Request, make_engine
 from pagemem.tiers.io.throttle import ThrottledEngine
 from pagemem.tiers.pagefile import PageFile, errname as _errname
 
@@ -40,8 +41,56 @@ def slots_per_file(capacity: int, files: int) -> int:
     return -(-capacity // files) if files else 0
 
 
+MAX_REQUEST_BYTES = 4 << 20
+"""The most one I/O request of a run carries: big enough that the submitting thread's Python is
+per run for small pages, small enough that a run's pages land in several requests the disk
+serves in parallel; at the default 4 MiB page, one page per request, as before."""
+
+
+class _Gather:
+    """Calls ``done`` once every one of ``pieces`` requests has completed: with the first error,
+    or None. A piece that completes again (a second delivery, [Note: no operation is lost]) is
+    ignored."""
+
+    __slots__ = ("_left", "_seen", "_error", "_done", "_lock")
+
+    def __init__(self, pieces: int, done: PageDone) -> None:
+        self._left, self._seen, self._error, self._done = pieces, bytearray(pieces), None, done
+        self._lock = threading.Lock()
+
+    def has(self, k: int) -> bool:
+        return bool(self._seen[k])
+
+    def piece(self, k: int, error: BaseException | None) -> None:
+        with self._lock:
+            if self._seen[k]:
+                return
+            self._seen[k] = 1
+            if error is not None and self._error is None:
+                self._error = error
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            done, self._done = self._done, None
+            done(self._error)
+
+
 class NvmeTier(Tier):
-    """Page slots striped over one file per directory in ``paths``."""
+    """Page slots striped over one file per directory in ``paths``.
+
+    [Note: runs of pages in one request]
+    A move of adjacent slots between the cpu tier and this one is one call
+    (``start_read_span`` / ``start_write_span``, ``Mover.transfer``): the slots adjacent in one
+    file go in one request of up to ``MAX_REQUEST_BYTES`` (with one file, a whole run), all the
+    run's requests in one ``submit_many`` (aio: one ``io_submit``), each page still checksummed
+    alone. Per page, the submitting thread did the Python of a request, a completion and the
+    store's bookkeeping while holding the GIL, which the compute thread needs too (issue 33: most
+    of the updating thread's GIL time). A request that fails fails its whole run: a write marks
+    its slots torn and the store keeps every page of the run at its source (still valid); a read
+    leaves every page of the run where it was.
+    """
+
+    host_spans = True
 
     HOST_BYTES_PER_SLOT = SlotFreeList.HOST_BYTES_PER_SLOT + 8 + 1
     """Host memory per slot: the free list's, a checksum reference and a torn flag."""
@@ -98,58 +147,125 @@ class NvmeTier(Tier):
         return bool(self._torn[slot])
 
     def start_write(self, slot: int, src: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
-        """Write ``src`` to ``slot``. If the write fails (error or short), the slot is marked torn
-        until a later write succeeds or it is released. ``after`` is ignored: ``src`` is host memory.
-        Any exception while writing or completing is ``done``'s error ([Note: no operation is lost])."""
-        f, offset = self.locate(slot)
-        try:
-            digest = page_checksum(src.view) if self.checksums else 0
-        except BaseException as exc:  # nothing was written: the slot is unchanged, not torn
-            done(self._raised("write", slot, f, offset, "computing its checksum", exc))
-            return
-
-        def complete(n: int | BaseException) -> None:
-            if n == self.page_bytes:
-                self._digest[slot] = digest
-                self._torn[slot] = 0
-                done(None)
-            else:
-                self._torn[slot] = 1
-                done(self._error("write", slot, f, offset, n))
-
-        self.engine.submit(True, f.fd, offset, src.view, complete)
+        """Write ``src`` to ``slot``: ``start_write_span`` of one slot. ``after`` is ignored:
+        ``src`` is host memory."""
+        self.start_write_span(slot, 1, src, done)
 
     def start_read(self, slot: int, into: HostBuffer, done: PageDone, after: Fence | None = None) -> None:
-        """Read ``slot`` into ``into``, verifying its checksum. A torn slot (last write failed)
-        reports TornSlot, a CorruptPage, without touching ``into``. ``after`` is ignored. Any
-        exception while reading or verifying is ``done``'s error ([Note: no operation is lost])."""
-        if self._torn[slot]:
-            f, offset = self.locate(slot)
-            done(TornSlot("nvme", slot, f"{f.path} at offset {offset}"))
-            return
-        expected = self._digest[slot]
-        if expected is None:  # never written: reads as zeros without touching the disk
-            into.tensor.zero_()
-            done(None)
-            return
-        f, offset = self.locate(slot)
+        """Read ``slot`` into ``into``: ``start_read_span`` of one slot. ``after`` is ignored."""
+        self.start_read_span(slot, 1, into, done)
 
-        def complete(n: int | BaseException) -> None:
-            if n != self.page_bytes:
-                done(self._error("read", slot, f, offset, n))
+    def start_write_span(self, first: int, count: int, src: HostBuffer, done: PageDone) -> None:
+        """Write the host buffer ``src`` (``count`` pages) to the adjacent slots from ``first``,
+        each page checksummed ([Note: runs of pages in one request]). A request that fails
+        (error or short) marks its slots torn until a later write succeeds or they are released;
+        ``done`` gets the first error. Any exception while writing or completing is ``done``'s
+        error ([Note: no operation is lost])."""
+        pb = self.page_bytes
+        try:
+            digests = [page_checksum(src.view[i * pb:(i + 1) * pb]) for i in range(count)] if self.checksums \
+                else [0] * count
+        except BaseException as exc:  # nothing was written: the slots are unchanged, not torn
+            f, offset = self.locate(first)
+            done(self._raised("write", first, f, offset, "computing its checksum", exc))
+            return
+        pieces = self._pieces(first, count, [True] * count)
+        gather = _Gather(len(pieces), done)
+
+        def complete_for(k: int, s0: int, n: int, f: PageFile, offset: int) -> Done:
+            def complete(res: int | BaseException) -> None:
+                if gather.has(k):
+                    return
+                if res == n * pb:
+                    for s in range(s0, s0 + n):
+                        self._digest[s] = digests[s - first]
+                        self._torn[s] = 0
+                    gather.piece(k, None)
+                else:
+                    for s in range(s0, s0 + n):
+                        self._torn[s] = 1
+                    gather.piece(k, self._error("write", s0, f, offset, res, n))
+            return complete
+
+        self._submit(True, gather, [Request(f.fd, offset, src.view[(s0 - first) * pb:(s0 - first + n) * pb],
+                                            complete_for(k, s0, n, f, offset))
+                                    for k, (s0, n, f, offset) in enumerate(pieces)])
+
+    def start_read_span(self, first: int, count: int, into: HostBuffer, done: PageDone) -> None:
+        """Read the adjacent slots from ``first`` into the host buffer ``into`` (``count`` pages),
+        verifying each page's checksum ([Note: runs of pages in one request]). A torn slot (its
+        last write failed) reports TornSlot, a CorruptPage, without touching ``into``; a slot
+        never written reads as zeros without touching the disk. ``done`` gets the first error.
+        Any exception while reading or verifying is ``done``'s error ([Note: no operation is lost])."""
+        pb = self.page_bytes
+        for s in range(first, first + count):
+            if self._torn[s]:
+                f, offset = self.locate(s)
+                done(TornSlot("nvme", s, f"{f.path} at offset {offset}"))
                 return
-            if self.checksums:
-                try:
-                    actual = page_checksum(into.view)
-                except BaseException as exc:
-                    done(self._raised("read", slot, f, offset, "verifying its checksum", exc))
-                    return
-                if actual != expected:
-                    done(CorruptPage("nvme", slot, expected, actual, f"{f.path} at offset {offset}"))
-                    return
+        expected = self._digest[first:first + count]
+        written = [e is not None for e in expected]
+        for i in range(count):
+            if not written[i]:
+                into.tensor[i * pb:(i + 1) * pb].zero_()
+        pieces = self._pieces(first, count, written)
+        if not pieces:
             done(None)
+            return
+        gather = _Gather(len(pieces), done)
 
-        self.engine.submit(False, f.fd, offset, into.view, complete)
+        def complete_for(k: int, s0: int, n: int, f: PageFile, offset: int) -> Done:
+            def complete(res: int | BaseException) -> None:
+                if gather.has(k):
+                    return
+                if res != n * pb:
+                    gather.piece(k, self._error("read", s0, f, offset, res, n))
+                    return
+                if self.checksums:
+                    for s in range(s0, s0 + n):
+                        i = s - first
+                        try:
+                            actual = page_checksum(into.view[i * pb:(i + 1) * pb])
+                        except BaseException as exc:
+                            gather.piece(k, self._raised("read", s, *self.locate(s), "verifying its checksum", exc))
+                            return
+                        if actual != expected[i]:
+                            f_s, off_s = self.locate(s)
+                            gather.piece(k, CorruptPage("nvme", s, expected[i], actual, f"{f_s.path} at offset {off_s}"))
+                            return
+                gather.piece(k, None)
+            return complete
+
+        self._submit(False, gather, [Request(f.fd, offset, into.view[(s0 - first) * pb:(s0 - first + n) * pb],
+                                             complete_for(k, s0, n, f, offset))
+                                     for k, (s0, n, f, offset) in enumerate(pieces)])
+
+    def _submit(self, write: bool, gather: "_Gather", requests: list[Request]) -> None:
+        """Hand a span's requests to the engine. Where it refuses them all (it raises only when
+        none started: ``IOEngine.submit_many``), the span completes with that error; pieces a
+        wrapper already completed keep their outcome, and nothing was written or read."""
+        try:
+            self.engine.submit_many(write, requests)
+        except Exception as exc:
+            for k in range(len(requests)):
+                gather.piece(k, exc)
+
+    def _pieces(self, first: int, count: int, wanted: list[bool]) -> list[tuple[int, int, PageFile, int]]:
+        """The requests for the ``wanted`` slots of ``first .. first + count - 1``: ``(first slot,
+        slots, file, offset)``, each a run adjacent in one file of at most ``MAX_REQUEST_BYTES``."""
+        most = max(1, MAX_REQUEST_BYTES // self.page_bytes)
+        out: list[tuple[int, int, PageFile, int]] = []
+        for s in range(first, first + count):
+            if not wanted[s - first]:
+                continue
+            f, offset = self.locate(s)
+            if out:
+                s0, n, f0, off0 = out[-1]
+                if f0 is f and s0 + n == s and off0 + n * self.page_bytes == offset and n < most:
+                    out[-1] = (s0, n + 1, f0, off0)
+                    continue
+            out.append((s, 1, f, offset))
+        return out
 
     def _raised(self, op: str, slot: int, f: PageFile, offset: int, step: str,
                 exc: BaseException) -> TierIOError:
@@ -161,15 +277,17 @@ class NvmeTier(Tier):
         err.__cause__ = exc
         return err
 
-    def _error(self, op: str, slot: int, f: PageFile, offset: int, n: int | BaseException) -> TierIOError:
-        what = f"nvme {op} of slot {slot} ({f.path} at offset {offset})"
+    def _error(self, op: str, slot: int, f: PageFile, offset: int, n: int | BaseException,
+               slots: int = 1) -> TierIOError:
+        what = f"nvme {op} of slot {slot} ({f.path} at offset {offset})" if slots == 1 else \
+            f"nvme {op} of slots {slot}-{slot + slots - 1} ({f.path} at offset {offset}, {slots} pages)"
         if isinstance(n, BaseException):  # the engine's code raised, or its thread died
-            return self._raised(op, slot, f, offset, "the I/O engine", n)
+            return self._raised(op, slot, f, offset, "the I/O engine", n)  # (names the run's first slot)
         if n < 0:
             reason = _errname(-n)
             code = -n
         else:
-            reason = f"short {op}: {n} of {self.page_bytes} bytes"
+            reason = f"short {op}: {n} of {slots * self.page_bytes} bytes"
             code = errno.EIO
         keep = "the source copy is unchanged and still readable" if op == "write" else \
             "the page stays where it was"

@@ -137,6 +137,10 @@ class LockFreeUpdater(UpdatingThread):
         """How many (unit, iteration start) pairs saw each staleness."""
         self.waited_s = 0.0
         """Seconds the compute side waited for the updating thread (bounds, reads, drains)."""
+        self.drained = 0
+        self.drain_s = 0.0
+        """Published updates written into the buffered parameters, and the compute side's
+        seconds doing it (``_write``; the simulator's per-update drain cost: ``sim_lockfree.py``)."""
         # one torch thread, as the Adam workers: two intra-op pools on the same cores thrash
         self._worker = Workers(1, name="pagemem-lockfree")
         self._running = self._worker.submit(self._run)
@@ -302,6 +306,7 @@ class LockFreeUpdater(UpdatingThread):
         the queue, in order: the next drain writes them (a write is whole values, so writing
         one again is harmless), and no unit's lag is left waiting for an update nobody holds."""
         for n, p in enumerate(ready):
+            t0 = time.perf_counter()
             try:
                 _seam("drain")
                 with self._cond:
@@ -313,6 +318,8 @@ class LockFreeUpdater(UpdatingThread):
                 raise
             with self._cond:
                 self._units[p.unit].lag -= p.iterations
+                self.drained += 1
+                self.drain_s += time.perf_counter() - t0
 
     def _lag(self) -> int:
         """The most submitted iterations a unit lacks, over units the updating thread can take
@@ -354,7 +361,8 @@ class LockFreeUpdater(UpdatingThread):
         return {"iterations": self.iterations, "updates": self.updates,
                 "mean": sum(k * c for k, c in self.staleness.items()) / seen if seen else 0.0,
                 "max": max(self.staleness, default=0), "histogram": dict(sorted(self.staleness.items())),
-                "waited_s": self.waited_s, "writebacks": self.writebacks}
+                "waited_s": self.waited_s, "writebacks": self.writebacks, "drained": self.drained,
+                "drain_s": self.drain_s}
 
     def close(self) -> None:
         """Apply what was submitted, then stop the thread (raises its error, if any)."""

@@ -13,10 +13,11 @@ import errno
 import os
 import threading
 from collections import deque
+from typing import Sequence
 
 from pagemem.errors import OperationFailed
 from pagemem.tiers.completion import deliver
-from pagemem.tiers.io.base import Done, EngineUnavailable, IOEngine
+from pagemem.tiers.io.base import Done, EngineUnavailable, IOEngine, Request
 
 
 def _load_libaio():
@@ -78,24 +79,35 @@ class AioEngine(IOEngine):
         self._reaper.start()
 
     def submit(self, write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
+        self.submit_many(write, [Request(fd, offset, buf, done)])
+
+    def submit_many(self, write: bool, requests: Sequence[Request]) -> None:
+        """One ``io_submit`` for every request the depth admits now (the rest wait in the
+        backlog, submitted as completions free the depth), not one system call per request."""
         lib = self._libaio
         mode = lib.AIOBLOCK_MODE_WRITE if write else lib.AIOBLOCK_MODE_READ
-        block = lib.AIOBlock(mode, fd, [buf], offset)
+        blocks = [(lib.AIOBlock(mode, r.fd, [r.buf], r.offset), r.done) for r in requests]
         with self._cv:
             if self._closed:
                 raise RuntimeError("I/O engine is closed")
             broken = self.broken
             if broken is None:
-                self._callbacks[block] = done
-                if self._inflight >= self.depth:
-                    self._backlog.append(block)
-                    return
-                self._inflight += 1
-                self._cv.notify()
-        if broken is not None:  # the reaper died: nothing would ever complete this request
-            _run_callback(done, broken)
+                now = []
+                for block, done in blocks:
+                    self._callbacks[block] = done
+                    if self._inflight < self.depth:
+                        self._inflight += 1
+                        now.append(block)
+                    else:
+                        self._backlog.append(block)
+                if now:
+                    self._cv.notify()
+        if broken is not None:  # the reaper died: nothing would ever complete these requests
+            for _, done in blocks:
+                _run_callback(done, broken)
             return
-        self._io_submit([block])
+        if now:
+            self._io_submit(now)
 
     def _io_submit(self, blocks: list) -> None:
         """Hand ``blocks`` (already counted in flight) to the kernel; fail what it refuses."""

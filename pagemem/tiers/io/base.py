@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
+
+from pagemem.tiers.completion import deliver
 
 Done = Callable[["int | BaseException"], None]
 """Completion callback: bytes transferred, a negative errno, or the exception that stopped the
 request (the engine's own code raised, or its thread died). Runs on an engine thread."""
+
+
+class Request(NamedTuple):
+    """One positional read or write of a whole host buffer (``submit``'s arguments)."""
+
+    fd: int
+    offset: int
+    buf: memoryview
+    done: Done
 
 
 class EngineUnavailable(RuntimeError):
@@ -33,6 +44,23 @@ class IOEngine(ABC):
     @abstractmethod
     def submit(self, write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
         """Start reading ``len(buf)`` bytes at ``offset`` into ``buf`` (or writing them from it)."""
+
+    def submit_many(self, write: bool, requests: Sequence[Request]) -> None:
+        """``submit`` each request, in order; each completes on its own ``done`` as ``submit``'s.
+        Raises only when no request was started (as ``submit`` does, e.g. on a closed engine);
+        once one has started, a request that cannot start completes on its ``done`` with the
+        error, so a caller waiting for all of them is never left waiting. An engine that can hand
+        the kernel several requests at once overrides it (aio: one ``io_submit``); this default
+        submits them one by one."""
+        for k, r in enumerate(requests):
+            try:
+                self.submit(write, r.fd, r.offset, r.buf, r.done)
+            except Exception as exc:
+                if k == 0:
+                    raise
+                for rest in requests[k:]:
+                    deliver(rest.done, exc, "a request refused by its engine")
+                return
 
     @abstractmethod
     def close(self) -> None:

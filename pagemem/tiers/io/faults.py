@@ -12,9 +12,9 @@ from __future__ import annotations
 import errno
 import threading
 from collections import deque
-from typing import Literal
+from typing import Literal, Sequence
 
-from pagemem.tiers.io.base import Done, IOEngine
+from pagemem.tiers.io.base import Done, IOEngine, Request
 
 FaultKind = Literal["enospc", "eio", "short"]
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO}
@@ -43,25 +43,34 @@ class FaultyEngine(IOEngine):
             self._faults.extend([(op, kind)] * count)
 
     def submit(self, write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
+        self.submit_many(write, [Request(fd, offset, buf, done)])
+
+    def submit_many(self, write: bool, requests: Sequence[Request]) -> None:
+        """A queued fault takes the next request of its kind (a run of pages is one request: the
+        whole run fails); the others go on to ``inner`` together."""
         op = "write" if write else "read"
-        kind = None
-        with self._lock:
-            for i, (fop, fkind) in enumerate(self._faults):
-                if fop == op:
-                    kind = fkind
-                    del self._faults[i]
-                    self.injected += 1
-                    break
-        if kind is None:
-            self.inner.submit(write, fd, offset, buf, done)
-        elif kind == "short":
-            half = (len(buf) // 2) // 4096 * 4096
-            if half:
-                self.inner.submit(write, fd, offset, buf[:half], done)
+        passed: list[Request] = []
+        for r in requests:
+            kind = None
+            with self._lock:
+                for i, (fop, fkind) in enumerate(self._faults):
+                    if fop == op:
+                        kind = fkind
+                        del self._faults[i]
+                        self.injected += 1
+                        break
+            if kind is None:
+                passed.append(r)
+            elif kind == "short":
+                half = (len(r.buf) // 2) // 4096 * 4096
+                if half:
+                    passed.append(r._replace(buf=r.buf[:half]))
+                else:
+                    r.done(0)
             else:
-                done(0)
-        else:
-            done(-_ERRNO[kind])
+                r.done(-_ERRNO[kind])
+        if passed:
+            self.inner.submit_many(write, passed)
 
     def close(self) -> None:
         self.inner.close()

@@ -13,10 +13,10 @@ import heapq
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from pagemem.tiers.completion import deliver
-from pagemem.tiers.io.base import Done, IOEngine
+from pagemem.tiers.io.base import Done, IOEngine, Request
 
 
 class ThrottledEngine(IOEngine):
@@ -36,16 +36,25 @@ class ThrottledEngine(IOEngine):
         self._thread.start()
 
     def submit(self, write: bool, fd: int, offset: int, buf: memoryview, done: Done) -> None:
-        with self._cond:
-            start = max(time.monotonic(), self._free_at)
-            self._free_at = due = start + len(buf) / self.bytes_per_s
+        self.submit_many(write, [Request(fd, offset, buf, done)])
 
+    def submit_many(self, write: bool, requests: Sequence[Request]) -> None:
+        """Each request due after the ones before it, at the bandwidth; all handed on at once."""
+        with self._cond:
+            dues = []
+            for r in requests:
+                start = max(time.monotonic(), self._free_at)
+                self._free_at = due = start + len(r.buf) / self.bytes_per_s
+                dues.append(due)
+        self.inner.submit_many(write, [r._replace(done=self._landed(due, r.done)) for r, due in zip(requests, dues)])
+
+    def _landed(self, due: float, done: Done) -> Done:
+        """A completion held until ``due``."""
         def landed(result: Any) -> None:
             with self._cond:
                 heapq.heappush(self._due, (due, next(self._order), done, result))
                 self._cond.notify()
-
-        self.inner.submit(write, fd, offset, buf, landed)
+        return landed
 
     def _run(self) -> None:
         while True:
