@@ -40,6 +40,7 @@ def test_sharded_parameters_train_as_replicas_and_as_ddp(tmp_path, world):
         assert distance(ours, ddp) <= max(4 * distance(ddp, plain()), 1e-6)
 
 
+@pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_writes_between_steps_and_a_checkpoint_resumed_with_one_and_two_ranks(tmp_path):
     """``p.data.mul_`` between steps on every rank (each fetch a gather, each rank keeping the
     elements it owns); a checkpoint saved with sharded parameters resumes with 2 ranks sharded,
@@ -57,6 +58,7 @@ def test_writes_between_steps_and_a_checkpoint_resumed_with_one_and_two_ranks(tm
         assert distance(resumed, whole) <= (0.0 if world == 2 else 1e-6), (world, sharded)
 
 
+@pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_a_bf16_model_with_sharded_parameters_trains_as_replicas(tmp_path):
     """Each rank sends the bf16 bits of its share (its master cast), which are the bits every
     replica's compute copy holds."""
@@ -66,6 +68,7 @@ def test_a_bf16_model_with_sharded_parameters_trains_as_replicas(tmp_path):
     assert distance(ours, {k: v * 0 for k, v in ours.items()}) > 1e-3
 
 
+@pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_a_rank_killed_in_forward_makes_the_other_fail_naming_it(tmp_path):
     """The survivor waits in the next unit's gather: ``RankFailed`` naming the dead rank, within
     the liveness bound, not the collective timeout."""
@@ -102,6 +105,7 @@ def test_a_module_run_on_some_ranks_only_fails_every_rank_loudly(tmp_path):
     assert all("RankFailed" in e and "same modules in the same order" in e for e in errs), errs
 
 
+@pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_mixed_precision_with_sharded_parameters_trains_as_replicas(tmp_path):
     """A fp32 model computing in bf16: the fp32 master is sharded too (the replicated engine
     keeps it whole, since its reads between steps are local), each rank's share of the bf16
@@ -114,6 +118,7 @@ def test_mixed_precision_with_sharded_parameters_trains_as_replicas(tmp_path):
     assert module.keys() == theirs.keys() and all(torch.equal(module[k], theirs[k]) for k in theirs)
 
 
+@pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_a_frozen_parameter_trains_as_replicas_and_its_checkpoint_loads_anywhere(tmp_path):
     """A frozen parameter keeps a master share for its compute copy (no moments, no gradient
     sums); a checkpoint saved with sharded parameters loads in a replicated engine and in one
@@ -130,6 +135,7 @@ def test_a_frozen_parameter_trains_as_replicas_and_its_checkpoint_loads_anywhere
         assert distance(resumed, ours) <= (0.0 if world == 2 else 1e-6), (world, sharded)
 
 
+@pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_a_parameter_unfrozen_part_way_trains_as_replicas(tmp_path):
     """Unfrozen at step 3 on every rank: its master share is already there; moments and
     gradient sums are made then."""
@@ -151,6 +157,7 @@ def test_sharded_parameters_with_gradient_sums_homed_on_nvme_train_as_replicas(t
     assert distance(ours, replicas) == 0.0
 
 
+@pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_each_rank_reading_another_submodules_state_dict_fails_every_rank(tmp_path):
     """Rank r reads block r's weights: the gathers of the whole masters name which parameters,
     so the ranks raise ``RankFailed`` instead of joining one rank's share of one block to the
