@@ -8,18 +8,12 @@ nothing pins them the gpu holds exactly the copies of the units that have one.""
 
 from __future__ import annotations
 
-import threading
 
 import torch
 from hypothesis import settings
 from hypothesis.stateful import invariant, precondition, rule
-from torch import nn
 
-import pagemem
 from pagemem.engine.units.bank import ParamBank
-from pagemem.engine.units.guard import Guard
-from pagemem.engine.units.residency import Residency
-from pagemem.engine.units.scopes import Scopes
 from pagemem.engine.units.unit import Unit, UnitState
 from test_engine_residency_machine import ResidencyMachine
 
@@ -70,24 +64,13 @@ class GatheredResidencyMachine(ResidencyMachine):
     """``ResidencyMachine``'s rules and invariants over a gathered bank, with its own for where
     the compute copies are (the base's expects a home copy on the cpu)."""
 
-    def __init__(self) -> None:  # noqa: D107 - the base's, over a gathered bank
-        super(ResidencyMachine, self).__init__()
-        torch.manual_seed(0)
-        self.model = nn.Sequential(*(nn.Linear(32, 63) for _ in range(5)))  # shares that do not divide evenly
-        self.want = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        cfg = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=4 * PAGE, cpu_bytes=64 * PAGE)
-        self.store = pagemem.PageStore(cfg)
-        self.bank = ParamBank(self.model, self.store, torch.float32, "cpu", unit_bytes=PAGE, ranks=(0, 2),
-                              gathered=True)
-        self.gather = FakeGather(self.bank, {i: self.want[n] for i, (n, _) in enumerate(self.bank.params)})
-        self.bank.gather_unit = self.gather
-        self.scopes = Scopes(self.bank.layers)
-        self.guard = Guard(self.bank.params, self._fetch, threading.RLock(),
-                           resident=lambda i: self.bank.layers[self.bank.layer_of[i]].bound)
-        self.res = Residency(self.bank, self.guard)
-        self.n = len(self.bank.layers)
-        self.views: list[torch.Tensor] = []
-        self.held: list[int] = []
+    width = 63  # shares that do not divide evenly
+
+    def make_bank(self) -> ParamBank:
+        bank = ParamBank(self.model, self.store, torch.float32, "cpu", unit_bytes=PAGE, ranks=(0, 2), gathered=True)
+        self.gather = FakeGather(bank, {i: self.want[n] for i, (n, _) in enumerate(bank.params)})
+        bank.gather_unit = self.gather
+        return bank
 
     @rule(u=ResidencyMachine.units)
     def settle(self, u):

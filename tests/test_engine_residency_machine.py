@@ -31,11 +31,11 @@ class ResidencyMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = nn.Sequential(*(nn.Linear(32, 64) for _ in range(5)))
+        self.model = nn.Sequential(*(nn.Linear(32, self.width) for _ in range(5)))
         self.want = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         cfg = pagemem.StoreConfig(gpu_backend="host", page_bytes=PAGE, gpu_bytes=4 * PAGE, cpu_bytes=64 * PAGE)
         self.store = pagemem.PageStore(cfg)
-        self.bank = ParamBank(self.model, self.store, torch.float32, "cpu", unit_bytes=PAGE)
+        self.bank = self.make_bank()
         self.scopes = Scopes(self.bank.layers)
         self.guard = Guard(self.bank.params, self._fetch, threading.RLock(),
                            resident=lambda i: self.bank.layers[self.bank.layer_of[i]].bound)
@@ -43,6 +43,11 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.n = len(self.bank.layers)
         self.views: list[torch.Tensor] = []
         self.held: list[int] = []
+
+    width = 64
+
+    def make_bank(self) -> ParamBank:
+        return ParamBank(self.model, self.store, torch.float32, "cpu", unit_bytes=PAGE)
 
     def _fetch(self, i: int) -> None:
         self.res.ensure([self.bank.layer_of[i]])
