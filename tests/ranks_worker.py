@@ -76,13 +76,19 @@ def gpu_budget(world: int) -> int:
     return -(-(least_gpu_bytes(tr, page_bytes=PAGE) + params // 6) // PAGE) * PAGE
 
 
+def clip_of(opts: dict[str, str]) -> float | None:
+    """``clip``: the max norm (default 0.05), or ``none`` (no clipping)."""
+    clip = opts.get("clip", "0.05")
+    return None if clip == "none" else float(clip)
+
+
 def engine_config(opts: dict[str, str], world: int) -> pagemem.EngineConfig:
     nvme = opts.get("nvme")
     store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=int(opts.get("gpu_bytes", gpu_budget(world))),
                                 cpu_bytes=64 << 20, nvme_bytes=(256 << 20) if nvme else 0, nvme_path=nvme,
                                 page_bytes=PAGE)
     return pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier="nvme" if nvme else "cpu",
-                                compute_dtype=torch.bfloat16 if opts.get("mixed") == "1" else model_dtype(opts), max_grad_norm=float(opts.get("clip", 0.05)),
+                                compute_dtype=torch.bfloat16 if opts.get("mixed") == "1" else model_dtype(opts), max_grad_norm=clip_of(opts),
                                 adam_threads=1, collective_timeout_s=float(opts.get("collective_timeout", 60)),
                                 shard_optimizer_states=opts.get("shard", "1") == "1",
                                 shard_parameters=opts.get("shard_params", "0") == "1",
@@ -194,6 +200,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
         stats = engine.stats()
         paging = engine.pager.stats()
         at_rest = sum(t.nbytes for layer in engine.bank.layers for t in layer.compute)  # between steps
+        grad_at_rest = engine.bank.state_bytes()["grad"]
         if "state_dict_too" in opts:  # every rank reads the weights through the module too
             module_weights = {k: v.clone() for k, v in model.state_dict().items()}
         plan = engine.pager.last_plan
@@ -205,7 +212,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             assert os.path.exists(paths[-1])  # rank 0 wrote them; every rank is told where
     if rank == 0:
         torch.save({"weights": weights, "stats": stats["ranks"], "made_sent": made_sent, "optim": optim,
-                    "plan_network": plan_network, "compute_at_rest": at_rest,
+                    "plan_network": plan_network, "compute_at_rest": at_rest, "grad_at_rest": grad_at_rest,
                     "module_weights": module_weights if "state_dict_too" in opts else None,
                     "gpu_bytes": engine.config.store.gpu_bytes,
                     "moved": stats["moved_bytes"], "paging": paging}, out)
@@ -424,7 +431,8 @@ def run_ddp(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     for step in range(int(opts.get("steps", 8))):
         x = batch_of(step, rank, world)
         ddp(input_ids=x, labels=x).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), float(opts.get("clip", 0.05)))
+        if clip_of(opts) is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_of(opts))
         opt.step()
         opt.zero_grad()
     if rank == 0:

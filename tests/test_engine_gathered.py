@@ -15,15 +15,26 @@ from test_engine_ranks import WORKER, distance, launch, plain, run_ok, weights
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sharded_parameters_train_as_replicas_and_as_ddp(tmp_path, world):
+    """Without clipping, bit for bit as the replicated engine and DDP at 2 ranks (each element's
+    average is ``a/2 + b/2`` whether all-reduced or reduce-scattered); with clipping, the global
+    norm is summed from each rank's share ([Note: sharded gradient sums]), another reduction
+    order, so within DDP's own distance from one process on the combined batch."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     ours = run_ok("engine", world, tmp_path / "gathered.pt", nvme=nvme, shard_params=1, weights_dir=tmp_path / "hf",
-                  state_dict_too=1)
+                  state_dict_too=1, clip="none")
     stats = torch.load(tmp_path / "gathered.pt")
-    replicas = run_ok("engine", world, tmp_path / "replicas.pt", nvme=nvme)
-    assert distance(ours, replicas) == 0.0  # the same arithmetic: only where the compute copy lives differs
-    # no compute copy at rest (the replicated engine keeps the whole one on every rank)
+    replicas = run_ok("engine", world, tmp_path / "replicas.pt", nvme=nvme, clip="none")
+    ddp = run_ok("ddp", world, tmp_path / "ddp.pt", clip="none")
+    # 3 ranks: gloo's reduce-scatter sums in another order than its all-reduce: within DDP's own
+    # distance from one process (an element whose gradient is near zero moves by up to 2 lr in Adam)
+    exact = 0.0 if world == 2 else max(4 * distance(ddp, plain(clip=None)), 1e-6)
+    assert distance(ours, replicas) <= exact
+    # no compute copy at rest (the replicated engine keeps the whole one on every rank), and a
+    # share of the gradient sums: each unit reduce-scattered as its backward finished
     assert stats["compute_at_rest"] == 0 and torch.load(tmp_path / "replicas.pt")["compute_at_rest"] > 0
+    assert stats["grad_at_rest"] < torch.load(tmp_path / "replicas.pt")["grad_at_rest"] / (world - 0.5)
+    assert stats["stats"]["grad_scatters_early"] > 0
     module = stats["module_weights"]  # model.state_dict() on every rank: the same values
     assert all(torch.equal(module[k], ours[k].to(module[k].dtype)) for k in ours)
     from safetensors.torch import load_file
@@ -33,11 +44,10 @@ def test_sharded_parameters_train_as_replicas_and_as_ddp(tmp_path, world):
     assert stats["stats"]["gathered_units"] > 0
     # the plan's moves start the gathers ahead of their units' compute, which finds them landed
     assert stats["paging"]["prefetches"] > 0 and stats["paging"]["misses"] < stats["stats"]["gathered_units"]
-    ddp = run_ok("ddp", world, tmp_path / "ddp.pt")
-    if world == 2:
-        assert distance(ours, ddp) == 0.0
-    else:
-        assert distance(ours, ddp) <= max(4 * distance(ddp, plain()), 1e-6)
+    assert distance(ours, ddp) <= exact
+    clipped = run_ok("engine", world, tmp_path / "clipped.pt", nvme=nvme, shard_params=1)
+    ddp_clipped = run_ok("ddp", world, tmp_path / "ddp_clipped.pt")
+    assert 0 < distance(clipped, ddp_clipped) <= max(4 * distance(ddp_clipped, plain()), 1e-6)
 
 
 @pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
@@ -47,23 +57,25 @@ def test_writes_between_steps_and_a_checkpoint_resumed_with_one_and_two_ranks(tm
     2 ranks replicated and 1 process, each equal to the uninterrupted run."""
     nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
     nvme.mkdir()
-    whole = run_ok("engine", 2, tmp_path / "whole.pt", nvme=nvme, shard_params=1, halve_at=3)
-    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", nvme=nvme, halve_at=3)
+    whole = run_ok("engine", 2, tmp_path / "whole.pt", nvme=nvme, shard_params=1, halve_at=3, clip="none")
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", nvme=nvme, halve_at=3, clip="none")
     assert distance(whole, replicas) == 0.0
-    saved = run_ok("engine", 2, tmp_path / "saved.pt", nvme=nvme, shard_params=1, halve_at=3, save_dir=ckpt, save_at=5)
+    saved = run_ok("engine", 2, tmp_path / "saved.pt", nvme=nvme, shard_params=1, halve_at=3, save_dir=ckpt, save_at=5, clip="none")
     assert distance(saved, whole) == 0.0
+    one = max(4 * distance(run_ok("ddp", 2, tmp_path / "ddp.pt", clip="none"), plain(clip=None)), 1e-6)
     for world, sharded in ((2, 1), (2, 0), (1, 0)):
         resumed = run_ok("engine", world, tmp_path / f"resumed{world}{sharded}.pt", nvme=nvme, shard_params=sharded,
-                         resume=ckpt)
-        assert distance(resumed, whole) <= (0.0 if world == 2 else 1e-6), (world, sharded)
+                         resume=ckpt, clip="none")
+        # one process: its mean over the combined batch is another reduction order than 2 ranks'
+        assert distance(resumed, whole) <= (0.0 if world == 2 else one), (world, sharded)
 
 
 @pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_a_bf16_model_with_sharded_parameters_trains_as_replicas(tmp_path):
     """Each rank sends the bf16 bits of its share (its master cast), which are the bits every
     replica's compute copy holds."""
-    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, precision="bf16")
-    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", precision="bf16")
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, precision="bf16", clip="none")
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", precision="bf16", clip="none")
     assert distance(ours, replicas) == 0.0
     assert distance(ours, {k: v * 0 for k, v in ours.items()}) > 1e-3
 
@@ -88,12 +100,16 @@ def test_a_parameter_read_on_one_rank_alone_fails_every_rank_instead_of_hanging(
 
 
 @pytest.mark.parametrize("loop", ["habit", pytest.param("accum", marks=pytest.mark.slow)])
-def test_loop_habits_with_sharded_parameters_equal_ddp_bit_for_bit(tmp_path, loop):
-    """``loss.backward()``, clipping by hand over ``model.parameters()`` (``p.grad`` is whole on
-    every rank), ``optimizer.step()``/``zero_grad()``; accumulation over two micro-batches."""
+def test_loop_habits_with_sharded_parameters_equal_ddp(tmp_path, loop):
+    """``loss.backward()``, clipping by hand over ``model.parameters()`` (each ``p.grad``'s norm
+    a collective over the shares), ``optimizer.step()``/``zero_grad()``; accumulation over two
+    micro-batches (each reduce-scattered, as FSDP2 does, where DDP's ``no_sync`` sums first).
+    Both change a reduction order ([Note: sharded gradient sums]): within DDP's own distance from
+    one process on the combined batch."""
     ours = run_ok("loop", 2, tmp_path / "ours.pt", loop=loop, shard_params=1)
     ddp = run_ok("loop-ddp", 2, tmp_path / "ddp.pt", loop=loop)
-    assert distance(ours, ddp) == 0.0
+    assert distance(ours, ddp) <= max(4 * distance(ddp, plain()), 1e-6)
+    assert distance(ours, {k: v * 0 for k, v in ours.items()}) > 1e-3
 
 
 def test_a_module_run_on_some_ranks_only_fails_every_rank_loudly(tmp_path):
@@ -110,8 +126,8 @@ def test_mixed_precision_with_sharded_parameters_trains_as_replicas(tmp_path):
     """A fp32 model computing in bf16: the fp32 master is sharded too (the replicated engine
     keeps it whole, since its reads between steps are local), each rank's share of the bf16
     compute copy its master share cast; ``engine.state_dict()`` gathers the fp32 masters."""
-    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, mixed=1, state_dict_too=1)
-    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", mixed=1, state_dict_too=1)
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, mixed=1, state_dict_too=1, clip="none")
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", mixed=1, state_dict_too=1, clip="none")
     assert distance(ours, replicas) == 0.0
     assert all(v.dtype == torch.float32 for v in ours.values())
     module, theirs = (torch.load(tmp_path / f"{n}.pt")["module_weights"] for n in ("gathered", "replicas"))
@@ -125,23 +141,24 @@ def test_a_frozen_parameter_trains_as_replicas_and_its_checkpoint_loads_anywhere
     process, and one saved by a replicated engine loads with sharded parameters."""
     ckpt, other = tmp_path / "ckpt", tmp_path / "other"
     # halved through p.data at step 3 on every rank, the frozen one included: its checkpointed value is not its first
-    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, freeze=1, save_dir=ckpt, save_at=4, halve_at=3)
-    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", freeze=1, save_dir=other, save_at=4, halve_at=3)
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, freeze=1, save_dir=ckpt, save_at=4, halve_at=3, clip="none")
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", freeze=1, save_dir=other, save_at=4, halve_at=3, clip="none")
     assert distance(ours, replicas) == 0.0
     assert torch.load(tmp_path / "gathered.pt")["compute_at_rest"] == 0
+    one = max(4 * distance(run_ok("ddp", 2, tmp_path / "ddp.pt", clip="none"), plain(clip=None)), 1e-6)
     for world, sharded, source in ((2, 0, ckpt), (1, 0, ckpt), (2, 1, other)):
         resumed = run_ok("engine", world, tmp_path / f"r{world}{sharded}.pt", shard_params=sharded, freeze=1,
-                         resume=source, halve_at=3)
-        assert distance(resumed, ours) <= (0.0 if world == 2 else 1e-6), (world, sharded)
+                         resume=source, halve_at=3, clip="none")
+        assert distance(resumed, ours) <= (0.0 if world == 2 else one), (world, sharded)
 
 
 @pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_a_parameter_unfrozen_part_way_trains_as_replicas(tmp_path):
     """Unfrozen at step 3 on every rank: its master share is already there; moments and
     gradient sums are made then."""
-    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, freeze=1, unfreeze_at=3)
-    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", freeze=1, unfreeze_at=3)
-    frozen = run_ok("engine", 2, tmp_path / "frozen.pt", shard_params=1, freeze=1)
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, freeze=1, unfreeze_at=3, clip="none")
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", freeze=1, unfreeze_at=3, clip="none")
+    frozen = run_ok("engine", 2, tmp_path / "frozen.pt", shard_params=1, freeze=1, clip="none")
     assert distance(ours, replicas) == 0.0
     key = "transformer.h.0.ln_1.weight"
     assert not torch.equal(ours[key], frozen[key])  # it trained once unfrozen
@@ -152,8 +169,8 @@ def test_sharded_parameters_with_gradient_sums_homed_on_nvme_train_as_replicas(t
     """``home_tier="nvme"``: no compute copy at rest anyway; the gradient sums live on nvme."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    ours = run_ok("engine", 2, tmp_path / "gathered.pt", nvme=nvme, homes=1, shard_params=1)
-    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", nvme=nvme, homes=1)
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", nvme=nvme, homes=1, shard_params=1, clip="none")
+    replicas = run_ok("engine", 2, tmp_path / "replicas.pt", nvme=nvme, homes=1, clip="none")
     assert distance(ours, replicas) == 0.0
 
 

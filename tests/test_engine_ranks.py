@@ -78,8 +78,9 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path)["weights"]
 
 
-def plain(steps: int = 8) -> dict[str, torch.Tensor]:
-    """One plain PyTorch process on each step's combined batch (fused AdamW, clipping)."""
+def plain(steps: int = 8, clip: float | None = 0.05) -> dict[str, torch.Tensor]:
+    """One plain PyTorch process on each step's combined batch (fused AdamW, clipping by
+    ``clip``; None: none)."""
     sys.path.insert(0, str(WORKER.parent))
     from ranks_worker import HP, batch_of, make_model
 
@@ -88,7 +89,8 @@ def plain(steps: int = 8) -> dict[str, torch.Tensor]:
     for step in range(steps):
         x = batch_of(step, 0, 1)
         model(input_ids=x, labels=x).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pagemem.engine.updates.update import Updater
     from pagemem.engine.gradients.grad_ledger import GradLedger
     from pagemem.engine.ranks import Collectives
+    from pagemem.engine.ranks.grad_scatter import GradScatter
 
 
 class BackwardMixin:
@@ -53,6 +54,7 @@ class BackwardMixin:
     owner_pid: int
     collectives: "Collectives | None"
     ledger: "GradLedger"
+    grad_scatter: "GradScatter"
 
     if TYPE_CHECKING:  # Engine's
         def _usable(self, what: str) -> None: ...
@@ -111,6 +113,8 @@ class BackwardMixin:
         except BaseException:  # refused: nothing began, and the handles taken down go back up
             self.gradients.show()
             raise
+        if self.bank.gathered:  # [Note: sharded gradient sums]
+            self.grad_scatter.begin_backward()
         self.guard.enter()  # exited once, by the move out of the backward (_end_backward, _abort_backward)
         self.phase.begin_backward(implicit)
         self.backwards += 1
@@ -137,6 +141,8 @@ class BackwardMixin:
         try:
             try:
                 self.bank.grads_landed()  # no copy still lands in pages once this returns
+                if self.bank.gathered:  # nothing in flight writes shares once this returns
+                    self.grad_scatter.abort()
             finally:
                 undone, _ = self.gradients.abort_backward()
         except BaseException as err:  # the pages are neither the old values nor the new: nothing is certain
@@ -172,7 +178,9 @@ class BackwardMixin:
             self.gradients.end_backward()
             self.pager.end_backward()
             self.updater.end_backward()
-            if self.collectives is not None and self.phase.micro + 1 >= self.config.accumulation_steps:
+            if self.bank.gathered:  # [Note: sharded gradient sums]: every backward, per unit
+                self.grad_scatter.end_backward((self.global_step, self.backwards))
+            elif self.collectives is not None and self.phase.micro + 1 >= self.config.accumulation_steps:
                 # [Note: data parallel over the process group]: the step's last backward
                 average_gradients(self.bank, self.ledger, self.updater.zero_grad, self.collectives,
                                   (self.global_step, self.backwards))

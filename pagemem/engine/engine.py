@@ -55,6 +55,7 @@ from pagemem.engine.ranks import Collectives, RankGroup
 from pagemem.engine.ranks.gather import MasterGather
 from pagemem.engine.ranks.join import join_ranks
 from pagemem.engine.ranks.replicas import agree_on_module_values, agree_on_values, sync_buffers
+from pagemem.engine.ranks.grad_scatter import GradScatter
 from pagemem.engine.ranks.unit_gather import UnitGather
 from pagemem.engine.phase import EnginePhase, PhaseMachine
 from pagemem.engine.units.readback import give_weights_back, hook_state_dicts
@@ -205,6 +206,10 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                 self.unit_gather = UnitGather(self.bank, self.collectives, self.updater.gather_masters)
                 self.bank.gather_unit = self.unit_gather
                 self.bank.whole_master = self.unit_gather.whole_master
+                self.grad_scatter = GradScatter(self.bank, self.collectives, self.ledger, self.updater.gather_masters,
+                                                self.updater.keep_for_undo)
+                self.bank.grad_sink = self.grad_scatter.accumulate  # [Note: sharded gradient sums]
+                self.updater.sums.spread = self.grad_scatter
         self.phase = PhaseMachine()
         """Where the engine stands between backward and the update, with the backwards since the
         last update ([Note: engine phases], ``phase.py``)."""

@@ -253,4 +253,6 @@ class ResultsMixin:
                 "gathered_bytes": gather.gathered_bytes if gather is not None else 0,
                 "gathered_units": self.unit_gather.gathers if self.bank.gathered else 0,
                 "unit_gathers": list(self.unit_gather.unit_gathers) if self.bank.gathered else [],
-                "unit_gather_bytes": self.unit_gather.received_bytes if self.bank.gathered else 0}
+                "unit_gather_bytes": self.unit_gather.received_bytes if self.bank.gathered else 0,
+                **(self.grad_scatter.stats() if self.bank.gathered else
+                   {"grad_scatters": 0, "grad_scatters_early": 0, "grad_scatter_bytes": 0})}

@@ -68,6 +68,7 @@ class SyncDestination:
         self.discard = updater.discard
         self.assign = updater.set_grad
         self.grad_norm = updater.grad_norm
+        self.grad_norms = updater.grad_norms
         self.scale_grad = updater.scale_grad
         self.zero_grad = updater.zero_grad
         self.read_grad = updater.take_sum
@@ -120,7 +121,7 @@ class Gradients:
         self.ledger = ledger
         self.destination = destination
         self.handles = GradHandles(bank.params, destination.grad_norm, destination.scale_grad, destination.zero_grad,
-                                   destination.read_grad, destination.assign)
+                                   destination.read_grad, destination.assign, getattr(destination, "grad_norms", None))
         self.handoff = GradHandoff(bank.layers, bank.layer_of)
         """Units whose gradients are final, as backward hands them off."""
         self.handoff.subscribe(destination.unit_final)
@@ -220,7 +221,7 @@ class Gradients:
         return total
 
     def _total_norm(self, pending: list[int]) -> torch.Tensor:
-        norms = [self.updater.grad_norm(i) for i in pending]
+        norms = self.updater.grad_norms(pending)
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
         self.last_norm = float(total)
         return total

@@ -67,10 +67,12 @@ class GradHandles:
 
     def __init__(self, params: Sequence[tuple[str, nn.Parameter]], norm: Callable[[int], torch.Tensor],
                  scale: Callable[[int, float, bool], None], zero: Callable[[int], None],
-                 read: Callable[[int], torch.Tensor], write: Callable[[int, torch.Tensor], None]) -> None:
+                 read: Callable[[int], torch.Tensor], write: Callable[[int, torch.Tensor], None],
+                 norms: Callable[[list[int]], list[torch.Tensor]] | None = None) -> None:
         """``norm(i)``: the 2-norm of parameter ``i``'s gradient sum (a 0-dim fp32 tensor);
         ``scale(i, c, divide)``: multiply it by ``c`` (divide: by ``c``) in place; ``zero(i)``:
-        make it zero; ``read(i)``: a copy of it (fp32, flat); ``write(i, g)``: make ``g`` the sum."""
+        make it zero; ``read(i)``: a copy of it (fp32, flat); ``write(i, g)``: make ``g`` the sum;
+        ``norms(indices)``: ``norm`` of each at once (``torch._foreach_norm``; default: one by one)."""
         self.params = [p for _, p in params]
         self._param_ids = {id(p) for p in self.params}
         self.names = [n for n, _ in params]
@@ -79,6 +81,7 @@ class GradHandles:
         self.cls = type("GradHandle", (GradHandle,), {"_owner": self})
         self._norm, self._scale, self._zero = norm, scale, zero
         self._read, self._write = read, write
+        self._norms = norms if norms is not None else (lambda idx: [norm(i) for i in idx])
         self.materialised = 0
         """Gradients materialised for an op the handles do not do over pages (see the Note)."""
         self._up: dict[int, torch.Tensor] = {}
@@ -139,7 +142,7 @@ class GradHandles:
         if func in _NORMS and _two_norm(args, kwargs) and _all_handles(args[:1]):
             return self._norm(self._index(args[0]))
         if func is torch._foreach_norm and _two_norm(args, kwargs) and _all_handles(args[0]):
-            return [self._norm(self._index(g)) for g in args[0]]
+            return self._norms([self._index(g) for g in args[0]])
         if func in (_T.mul_, _T.div_) and not kwargs and _is_scalar(args[1]):
             self._scale(self._index(args[0]), float(args[1]), func is _T.div_)
             return args[0]

@@ -55,7 +55,8 @@ GIVE_UP_ON_SIGNAL_S = 5.0
 OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter values", "rank 0's buffers",
               "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint",
               "clipping gradients", "reading the optimizer state", "loading the optimizer state", "updating",
-              "reading the weights", "gathering a unit")
+              "reading the weights", "gathering a unit", "reducing a unit's gradients", "reducing gradients",
+              "reading gradient norms", "reading the gradients")
 """The engine's operations (``begin``): a header names one by its index here."""
 _GATHER_HINT = ("; with shard_parameters=True each unit's fetch is a collective too: every rank must run the same "
                 "modules in the same order (no module skipped by one rank's batch) and read parameters between "
@@ -237,6 +238,16 @@ class Collectives:
         group = self.ranks.group
         return self._issue(what, lambda: dist.all_gather(out, t, group=group, async_op=True),
                            bus_bytes("all_gather", t.numel() * t.element_size(), self.ranks.world_size))
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, what: str) -> Pending:
+        """Start summing every rank's ``t`` (``world_size`` chunks of ``out``'s size, in rank
+        order) and leaving this rank's chunk of the sum in ``out``."""
+        import torch.distributed as dist
+
+        group = self.ranks.group
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        return self._issue(what, lambda: scatter(out, t, group=group, async_op=True),
+                           bus_bytes("reduce_scatter", out.numel() * out.element_size(), self.ranks.world_size))
 
     def reduce_now(self, t: torch.Tensor, what: str, op: str = "sum") -> torch.Tensor:
         """``all_reduce`` and wait; returns ``t``."""

@@ -130,6 +130,10 @@ class ParamBank(StatesMoved, ShardedStates):
         self.gather_unit: UnitGatherer | None = None
         """A gathered bank's filler of a unit's compute copy (``ranks/unit_gather.py``), set by
         the engine."""
+        self.grad_sink: Callable[[int, torch.Tensor], None] | None = None
+        """A gathered bank's taker of each gradient autograd hands off (its unit's local buffer,
+        reduce-scattered into the shares: [Note: sharded gradient sums] in
+        ``ranks/grad_scatter.py``), set by the engine."""
         self._stale_copies: list[list[PagedTensor]] = []
         """Gathered compute copies replaced while still pinned (``drop_compute`` frees them later)."""
         """A gathered bank's reader of one parameter's whole fp32 master (a collective every rank
@@ -330,7 +334,8 @@ class ParamBank(StatesMoved, ShardedStates):
         layer, k = self.where(i)
         t = getattr(layer, kind)[k]
         if t is None:
-            if kind in MOMENTS and self.is_trainable(i) or kind == "master" and self.master_sharded(i):
+            if (kind in MOMENTS or kind == "grad" and self.gathered) and self.is_trainable(i) or (
+                    kind == "master" and self.master_sharded(i)):
                 return torch.zeros(0)
             raise InvalidRequest(f"parameter {self.params[i][0]!r} has no {kind} (it is frozen)")
         return t.to_torch().cpu().reshape(self.state_shape(i, kind))
@@ -430,6 +435,9 @@ class ParamBank(StatesMoved, ShardedStates):
     def accumulate_grad(self, i: int, grad: torch.Tensor, first: bool) -> None:
         """Add parameter ``i``'s gradient into its fp32 gradient pages (``first``: the first
         gradient of this step, which replaces what the pages held)."""
+        if self.grad_sink is not None:
+            self.grad_sink(i, grad)
+            return
         x = self.lasting_view("grad", i)
         if x is None:
             self.copies.landed([i])
@@ -448,6 +456,18 @@ class ParamBank(StatesMoved, ShardedStates):
                 _accumulate(x, grad, first)
         else:  # [Note: gradient copies]: off the compute stream where it crosses to the host
             self.copies.put(i, x.view(grad.shape), grad, first)
+
+    def set_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient sum becomes ``grad`` (assigned to ``p.grad`` by hand): this
+        rank's elements of it where the sums are sharded ([Note: sharded gradient sums])."""
+        if not self.is_sharded(i, "grad"):
+            self.accumulate_grad(i, grad, first=True)
+            return
+        if self.owned_numel(i):
+            value = self._mine(i, "grad", grad.detach().to("cpu", torch.float32))
+            with self.grad_pieces(i) as pieces, torch.no_grad():
+                for start, view in pieces:
+                    view.copy_(value[start:start + view.numel()])
 
     def grads_landed(self, params: Iterable[int] | None = None) -> None:
         """Wait until the gradients handed to ``accumulate_grad`` for ``params`` (None: all) are
@@ -479,7 +499,12 @@ class ParamBank(StatesMoved, ShardedStates):
     def grad_pieces(self, i: int, write: bool = True) -> Iterator[list[tuple[int, torch.Tensor]]]:
         """Parameter ``i``'s fp32 gradient sum as flat ``(first element, view)`` pieces: views of
         its page memory, or, for sums on nvme with no cpu copy, one host copy read from disk and
-        written back when the block ends (``write``)."""
+        written back when the block ends (``write``). Where this rank holds a share of the sums
+        only ([Note: sharded gradient sums]), the share's: numbered from its first element, none
+        for an empty share."""
+        if self.is_sharded(i, "grad") and not self.owned_numel(i):
+            yield []
+            return
         x = self.lasting_view("grad", i)
         if x is not None:
             yield [(0, x)]

@@ -37,7 +37,7 @@ from pagemem.engine.units.records import (compute_dtype_of, compute_is_master, o
                                           streamed_pages)
 from pagemem.errors import OutOfMemory
 from pagemem.store.layout import pack
-from pagemem.engine.units.shards import master_shardable, moment_pages, state_pages
+from pagemem.engine.units.shards import LOCAL_BUFFERS, local_buffer_pages, master_shardable, moment_pages, state_pages
 from pagemem.units import format_bytes
 
 HOME_TIERS = ("auto", "cpu", "nvme")
@@ -86,6 +86,11 @@ def host_need(model: nn.Module, config: EngineConfig, unit_cap: int, ranks: tupl
         master_shardable(dtypes, [p.dtype for _, p in params], is_master, gathered))  # [Note: sharded master weights]
     states = masters + 2 * moments
     grads = pack([fp32[i] for i in order], pb).pages
+    if gathered:  # [Note: sharded gradient sums]: shares, and the local buffers of the units in flight
+        grads = state_pages([idx for _, idx in units], [p.numel() for _, p in params],
+                            [p.requires_grad for _, p in params], pb, ranks, [True] * len(params))
+        grads += sum(sorted((local_buffer_pages(idx, [p.numel() for _, p in params], pb, ranks)
+                             for _, idx in units), reverse=True)[:LOCAL_BUFFERS])
     best, name = 0, ""
     for i in trained:  # its states and gradient sums
         pages = streamed_pages(params[i][1].numel(), kinds + 1, pb)

@@ -114,6 +114,22 @@ def state_pages(units: list[list[int]], numels: list[int], trained: list[bool], 
     return pack(sizes, page_bytes).pages if sizes else 0
 
 
+LOCAL_BUFFERS = 3
+"""Units whose local gradient buffers a gathered bank counts at once ([Note: sharded gradient
+sums] in ``ranks/grad_scatter.py``): two reduce-scatters in flight and the unit accumulating
+(the largest three: a tied embedding's lives through the backward)."""
+
+
+def local_buffer_pages(unit: list[int], numels: list[int], page_bytes: int, ranks: tuple[int, int]) -> int:
+    """Pages one unit's local gradient buffer takes: ``world_size`` chunks, each the largest
+    rank's share of the unit's elements (``ranks/grad_scatter.py``)."""
+    world = ranks[1]
+    idx = [sorted(unit)]
+    most = max(sum(shard_states(idx, numels, [True] * len(numels), page_bytes, r, world).owned(i) for i in unit)
+               for r in range(world))
+    return -(-(world * most * FP32) // page_bytes)
+
+
 def master_shardable(compute_dtypes: list, own_dtypes: list, compute_is_master: bool,
                      gathered: bool = False) -> list[bool]:
     """Per parameter: whether its master weights may be sharded ([Note: sharded master

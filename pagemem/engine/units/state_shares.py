@@ -24,6 +24,7 @@ class ShardedStates:
     """Which elements of each state this rank holds: ``ParamBank``'s methods for its shares."""
 
     shards: StateShards | None
+    gathered: bool
     _master_sharded: tuple[bool, ...]
     _every_share: list[StateShards] | None
     _stale_copies: list[list]
@@ -41,7 +42,8 @@ class ShardedStates:
 
     def is_sharded(self, i: int, kind: str) -> bool:
         """Whether parameter ``i``'s ``kind`` state holds this rank's share only (flat, ``owned``)."""
-        return (kind in MOMENTS and self.shards is not None) or (kind == "master" and self._master_sharded[i])
+        return ((kind in MOMENTS and self.shards is not None) or (kind == "master" and self._master_sharded[i])
+                or (kind == "grad" and self.gathered and self.shards is not None))  # [Note: sharded gradient sums]
 
     def master_whole_here(self, i: int) -> bool:
         """Whether ``host_value(i, torch.float32)`` is parameter ``i``'s fp32 master weights: the

@@ -178,6 +178,8 @@ class BackwardUndo:
             return
         self.bank.grads_landed([i])  # a gradient assigned by hand may still be landing in it
         with self._grad_pieces(i) as pieces:
+            if not pieces:  # none of a sharded sum's elements is this rank's ([Note: sharded gradient sums])
+                return
             cuda = pieces[0][1].device.type == "cuda"
             kept = _aside(pieces, self._arena)
         self._add(self._sums, i, kept, kept.nbytes, cuda)

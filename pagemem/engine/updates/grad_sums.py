@@ -6,7 +6,7 @@ are store I/O that a Ctrl-C must not cut short). What ``p.grad`` handles and cli
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -20,15 +20,32 @@ from pagemem.store import PageStore
 _UPDATING, _APPLIED, _SUMMED = GradState.UPDATING, GradState.APPLIED, GradState.SUMMED
 
 
+class GradSpread(Protocol):
+    """Reads of gradient sums spread over the ranks ([Note: sharded gradient sums] in
+    ``ranks/grad_scatter.py``): each a collective every rank makes."""
+
+    def norms(self, params: list[int]) -> list[torch.Tensor]: ...
+
+    def whole(self, i: int) -> torch.Tensor: ...
+
+    def all_finite(self, params: list[int]) -> bool: ...
+
+
 class GradSums:
     def __init__(self, bank: ParamBank, store: PageStore, ledger: GradLedger) -> None:
         self.bank = bank
         self.store = store
         self.ledger = ledger
+        self.spread: GradSpread | None = None
+        """Where each rank holds a share of the sums only: how they are read whole (set by the
+        engine)."""
 
     @shielded
     def take(self, i: int) -> torch.Tensor:
         """A flat copy of parameter ``i``'s gradient sum (the lock-free updater takes it)."""
+        if self.spread is not None:
+            self._grad_view(i, lambda views: None)  # readable?
+            return self.spread.whole(i)
         return self._grad_view(i, lambda views: torch.cat(views) if len(views) > 1 else views[0].clone())
 
     def _grad_view(self, i: int, fn: Callable[[list[torch.Tensor]], Any], applied_ok: bool = False) -> Any:
@@ -40,13 +57,26 @@ class GradSums:
             raise InvalidRequest(f"parameter {self.bank.params[i][0]!r}: its gradient was applied during backward "
                                  "(overlap_update); pass overlap_update=False to read or clip gradients")
         self.bank.grads_landed([i])
+        if self.bank.is_sharded(i, "grad") and not self.bank.owned_numel(i):
+            return fn([])  # none of its elements is this rank's
         with self.bank.grad_pieces(i) as pieces:
             return fn([v for _, v in pieces])
 
     @shielded
     def norm(self, i: int) -> torch.Tensor:
         """The 2-norm of parameter ``i``'s gradient sum, as ``torch.linalg.vector_norm`` of it."""
+        if self.spread is not None:
+            return self.norms([i])[0]
         return self._grad_view(i, norm_of_pieces)
+
+    @shielded
+    def norms(self, params: list[int]) -> list[torch.Tensor]:
+        """``norm`` of each of ``params`` (with the sums spread over ranks: one collective)."""
+        if self.spread is None:
+            return [self.norm(i) for i in params]
+        for i in params:
+            self._grad_view(i, lambda views: None)  # readable?
+        return self.spread.norms(params)
 
     @shielded
     def scale(self, i: int, coef: float, divide: bool = False) -> None:
@@ -69,7 +99,7 @@ class GradSums:
                                  "gradient")
         if tuple(grad.shape) != tuple(self.bank.params[i][1].shape):
             raise InvalidRequest(f"parameter {name!r}: p.grad was assigned a tensor of shape {tuple(grad.shape)}")
-        self.bank.accumulate_grad(i, grad, first=True)
+        self.bank.set_grad(i, grad)
         self.ledger.move(i, _SUMMED)
 
     @shielded

@@ -117,6 +117,14 @@ class UpdatesInBackward:
             self._early[i] = self.adam.submit(self._update_one, i, self._hyper_now(i))
             self.ledger.move(i, _UPDATING)
 
+    def keep_for_undo(self, i: int) -> None:
+        """Parameter ``i``'s gradient sum is about to be written in this backward by something
+        other than its own hand-off (another rank's gradients: [Note: sharded gradient sums]):
+        kept first, for an undo ([Note: a failed backward is undone])."""
+        before = self.ledger.state(i)
+        if self.undo.touch(i, before) and before in HOLDS:
+            self.undo.keep_sum(i)
+
     def unit_final(self, u: int) -> None:
         """Unit ``u`` has all its gradients of this backward (the hand-off): summed."""
         self.ledger.move_all(_ACCUMULATING, _SUMMED, unit=u)

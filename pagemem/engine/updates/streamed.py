@@ -97,6 +97,14 @@ class StreamedUpdate:
         need_scale, need_clip = u.scale is not None, self.config.max_grad_norm is not None
         if not (need_scale or need_clip):
             return True
+        spread = self.sums.spread
+        if spread is not None:  # [Note: sharded gradient sums]: this rank's shares, reduced over the ranks
+            if need_scale and not spread.all_finite(params):
+                self._skip()
+                return False
+            if need_clip:
+                u.coef = self._clip_coefficient(self.sums.norms(params), u.scale)
+            return True
         self.bank.grads_landed(params)
         parts, norms = [], []
         for i in params:

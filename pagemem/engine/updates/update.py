@@ -184,6 +184,9 @@ class Updater(UpdatesInBackward, StreamedUpdate):
     def grad_norm(self, i: int) -> torch.Tensor:
         return self.sums.norm(i)
 
+    def grad_norms(self, params: list[int]) -> list[torch.Tensor]:
+        return self.sums.norms(params)
+
     def scale_grad(self, i: int, coef: float, divide: bool = False) -> None:
         self.sums.scale(i, coef, divide)
 
