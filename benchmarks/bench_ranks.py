@@ -24,12 +24,14 @@ step after the first two. Anchors, from the same run:
   (``shard_optimizer_states=False``) and states and parameters sharded (``shard_parameters=True``:
   no compute copy at rest, each unit gathered when fetched, [Note: gathered units]), with the
   optimizer-state bytes and the compute copy's bytes at rest per rank and ``step()``'s time per
-  rank. For the last the plan does not hold the unit gathers (it is the ``states`` plan), so its
-  simulator column says "not modelled" and its ring anchor adds, per gather the engine made in
-  the iteration, ``W - 1`` x the largest rank's share of that unit;
+  rank. For the last the plan does not hold the unit gathers nor the reduce-scatters (it is the
+  ``states`` plan), so its simulator column says "not modelled" and its ring anchor is, per
+  gather the engine made in the iteration, ``W - 1`` x the largest rank's share of that unit,
+  and per unit, ``W - 1`` x that share of fp32 gradient (its reduce-scatter, [Note: sharded
+  gradient sums]) instead of the all-reduce and the all-gather after the update;
 - ``zero-3 plan``: the network bytes per rank the scheduler's ``params`` plan at this world size
-  would send (all-gathers and reduce-scatters of shards), which the engine does not run (its
-  gradient sums are all-reduced whole).
+  would send (all-gathers and reduce-scatters of page shards), which the engine does not run as
+  such (``shard_parameters`` gathers and reduce-scatters each unit's element shares instead).
 
 A second table measures what one gloo all-reduce costs by size (``COST``: each size reduced
 ``--calls`` times after a warm-up), from which ``BATCH_BYTES`` (``engine/ranks/collectives.py``)
@@ -85,6 +87,7 @@ with pagemem.Engine(model, config) as engine:
         gathers.append(engine.stats()["ranks"]["unit_gathers"])
     stats = engine.stats()
     at_rest = sum(t.nbytes for layer in engine.bank.layers for t in layer.compute)  # compute copy between steps
+    grad_at_rest = engine.bank.state_bytes()["grad"]
     # each unit's gather sends the largest rank's share of it (fp32 here) from every rank
     unit_gather = []
     if world > 1 and shard:
@@ -103,7 +106,7 @@ if world > 1 and trace is not None:
 print(json.dumps({"rank": rank, "seconds": seconds, "sent": sent, "sim_seconds": sim, "params": params,
                   "n_params": n_params, "wait_seconds": stats["ranks"]["collective_wait_seconds"],
                   "collectives": stats["ranks"]["collectives"], "zero3_network_bytes": zero3,
-                  "plan_network_bytes": plan_network, "compute_at_rest": at_rest, "gathers": gathers,
+                  "plan_network_bytes": plan_network, "compute_at_rest": at_rest, "grad_at_rest": grad_at_rest, "gathers": gathers,
                   "unit_gather_bytes": unit_gather,
                   "optimizer_state_bytes": stats["optimizer_state_bytes"], "moment_shares": stats["ranks"]["moment_shares"],
                   "step_seconds": stats["seconds"]["step"] / steps}))
@@ -176,7 +179,8 @@ def main() -> None:
             # all-gather of the largest share of master weights ([Note: sharded moments])
             share = max(r0["moment_shares"]) if shard else 0
             ring = 2 * (world - 1) * 4 * r0["params"] // world
-            if shard == 2:  # every unit gathered once per iteration (step() evicts them): its largest share from each rank
+            if shard == 2:  # per unit: its gathers and one reduce-scatter, each of the largest share from each rank
+                ring = (world - 1) * sum(r0["unit_gather_bytes"])  # fp32 model: the gradient share is the gather's size
                 counts = [[0] * len(r0["unit_gather_bytes"])] + r0["gathers"]  # each unit's gathers so far, by step
                 per_step = [[a - b for a, b in zip(now, then)] for then, now in zip(counts, counts[1:])][2:]
                 ring += statistics.median((world - 1) * sum(g * n for g, n in zip(step, r0["unit_gather_bytes"]))
@@ -190,6 +194,7 @@ def main() -> None:
             row = {"world_size": world, "sharded": ("replicas", "states", "params")[shard], "ranks": ranks,
                    "unit_gathers_per_iteration": row_gathers if shard == 2 else 0,
                    "compute_copy_bytes_at_rest": r0["compute_at_rest"], "per_rank_tokens_per_s": mean_tps,
+                   "grad_sum_bytes_at_rest": r0["grad_at_rest"],
                    "sim_tokens_per_s": sim_tps, "sim_iteration_s": sim_s,
                    "ring_bytes_per_iteration": ring, "sent_bytes_per_iteration": r0["sent_per_iteration"],
                    "plan_network_bytes": r0["plan_network_bytes"],
@@ -203,7 +208,7 @@ def main() -> None:
                          f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else
                          ("not modelled" if shard == 2 else "on demand"),
                          f"{mean_tps * world:.0f}", f"{row['optimizer_state_bytes_per_rank'] / mib:.2f}",
-                         f"{r0['compute_at_rest'] / mib:.2f}",
+                         f"{r0['compute_at_rest'] / mib:.2f}", f"{r0['grad_at_rest'] / mib:.2f}",
                          f"{row['step_seconds_per_rank'] * 1e3:.0f}",
                          f"{row['sent_bytes_per_iteration'] / mib:.2f}",
                          f"{r0['plan_network_bytes'] / mib:.2f}" if r0["plan_network_bytes"] is not None else "-",
@@ -211,7 +216,7 @@ def main() -> None:
                          f"{z3 / mib:.2f}" if isinstance(z3, int) else "-",
                          f"{statistics.mean(r['wait_seconds'] for r in ranks) / args.steps * 1e3:.1f}"])
     print(table(["ranks", "sharded", "tokens/s per rank", "sim tokens/s (measured/sim)", "tokens/s all ranks",
-                 "optimizer states MiB/rank", "compute copy at rest MiB/rank", "step() ms", "sent MiB/iter", "plan MiB/iter", "ring MiB/iter",
+                 "optimizer states MiB/rank", "compute copy at rest MiB/rank", "gradient sums MiB/rank", "step() ms", "sent MiB/iter", "plan MiB/iter", "ring MiB/iter",
                  "zero-3 plan MiB/iter",
                  "collective wait ms/iter"], rows,
                 title=f"GPT h{HIDDEN} x{LAYERS} layers, vocab {VOCAB}, {BATCH}x{SEQ} tokens per rank per step, gloo "

@@ -33,8 +33,11 @@ def test_sharded_parameters_train_as_replicas_and_as_ddp(tmp_path, world):
     # no compute copy at rest (the replicated engine keeps the whole one on every rank), and a
     # share of the gradient sums: each unit reduce-scattered as its backward finished
     assert stats["compute_at_rest"] == 0 and torch.load(tmp_path / "replicas.pt")["compute_at_rest"] > 0
-    assert stats["grad_at_rest"] < torch.load(tmp_path / "replicas.pt")["grad_at_rest"] / (world - 0.5)
+    whole_sums = torch.load(tmp_path / "replicas.pt")["grad_at_rest"]
+    assert stats["grad_at_rest"] < whole_sums / (world - 0.5)
+    # ... and at its peak, the shares and the local buffers of the units in flight: less than whole sums
     assert stats["stats"]["grad_scatters_early"] > 0
+    assert 0 < stats["stats"]["grad_local_peak_bytes"] and stats["grad_at_rest"] + stats["stats"]["grad_local_peak_bytes"] < whole_sums
     module = stats["module_weights"]  # model.state_dict() on every rank: the same values
     assert all(torch.equal(module[k], ours[k].to(module[k].dtype)) for k in ours)
     from safetensors.torch import load_file

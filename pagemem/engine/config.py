@@ -52,9 +52,11 @@ class EngineConfig:
     sharded master weights] in ``units/shards.py``); False keeps a replica on every rank.
     ``shard_parameters``: with several ranks, each also keeps only its share of the compute copy
     at rest: a unit's whole copy exists on the gpu only while the unit is resident, gathered from
-    every rank's share when it is fetched (ZeRO stage 3 for the parameters: [Note: gathered units]
-    in ``ranks/unit_gather.py``); every read of a parameter outside forward and backward is then
-    a collective every rank makes. ``adam_threads``: CPU Adam
+    every rank's share when it is fetched (ZeRO stage 3: [Note: gathered units] in
+    ``ranks/unit_gather.py``), and its share of the gradient sums, each unit's gradients
+    reduce-scattered once its backward is done ([Note: sharded gradient sums] in
+    ``ranks/grad_scatter.py``); every read of a parameter outside forward and backward, and of a
+    gradient whole, is then a collective every rank makes. ``adam_threads``: CPU Adam
     workers (default: the usable cores). ``overlap_update``: update a parameter during backward
     as soon as its gradient is final, where that changes nothing (see ``Engine``); None (default)
     means on when the gpu tier is CUDA, for units whose states are off the gpu (backward runs

@@ -255,4 +255,4 @@ class ResultsMixin:
                 "unit_gathers": list(self.unit_gather.unit_gathers) if self.bank.gathered else [],
                 "unit_gather_bytes": self.unit_gather.received_bytes if self.bank.gathered else 0,
                 **(self.grad_scatter.stats() if self.bank.gathered else
-                   {"grad_scatters": 0, "grad_scatters_early": 0, "grad_scatter_bytes": 0})}
+                   {"grad_scatters": 0, "grad_scatters_early": 0, "grad_scatter_bytes": 0, "grad_local_peak_bytes": 0})}

@@ -3,9 +3,10 @@
 [Note: data parallel over the process group]
 An engine made while a ``torch.distributed`` group is initialised (or given
 ``process_group=``) is data parallel over it; the group is the one source of rank and world
-size, and every budget is per rank. Every rank holds the whole gradient sums and, unless
-``shard_parameters`` gathers them per unit ([Note: gathered units] in ``unit_gather.py``), the
-whole compute copy (each rank shards its optimizer states: [Note: sharded moments], [Note: sharded
+size, and every budget is per rank. Every rank holds the whole gradient sums and the whole
+compute copy, unless ``shard_parameters`` gathers the compute copy per unit and reduce-scatters
+the sums instead of this ([Note: gathered units] in ``unit_gather.py``, [Note: sharded gradient
+sums] in ``grad_scatter.py``) (each rank shards its optimizer states: [Note: sharded moments], [Note: sharded
 master weights], and plans its iterations as such, ``sharding="states"``; the ZeRO-3 plan's
 reduce-scatters are not run yet) and runs forward and backward on its own batch. At the end of the backward that completes
 an accumulation step (``accumulation_steps``; every backward by habit with the default 1, as

@@ -107,6 +107,10 @@ class GradScatter:
         """Of those, units reduce-scattered while their backward still ran."""
         self.scattered_bytes = 0
         """Bytes of averaged gradient written into this rank's shares."""
+        self.local_bytes = 0
+        """Bytes of the local buffers held now."""
+        self.local_peak_bytes = 0
+        """The most bytes of local buffers held at once so far."""
 
     # ------------------------------------------------------------------ a backward
 
@@ -178,10 +182,13 @@ class GradScatter:
             raise
         local = _Local(t, lease)
         local.flat.zero_()
+        self.local_bytes += t.nbytes
+        self.local_peak_bytes = max(self.local_peak_bytes, self.local_bytes)
         return local
 
     def _free(self, u: int) -> None:
         local = self._local.pop(u)
+        self.local_bytes -= local.tensor.nbytes
         try:
             local.lease.release()
         finally:
@@ -272,4 +279,4 @@ class GradScatter:
 
     def stats(self) -> dict[str, int]:
         return {"grad_scatters": self.scatters, "grad_scatters_early": self.early,
-                "grad_scatter_bytes": self.scattered_bytes}
+                "grad_scatter_bytes": self.scattered_bytes, "grad_local_peak_bytes": self.local_peak_bytes}
