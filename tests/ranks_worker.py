@@ -17,7 +17,8 @@ that step), ``resume`` (load the latest checkpoint under it first, and train fro
 for one rank),
 ``gpu_bytes``, ``clip``, ``weights_dir`` (``save_weights`` there at the end, on every rank),
 ``precision=bf16`` (a bf16 model computing in bf16), ``shard=0`` (``shard_optimizer_states=False``),
-``halve_at`` (before that step's forward, every rank halves some parameters through ``p.data``).
+``halve_at`` (before that step's forward, every rank halves some parameters through ``p.data``),
+``ragged=1`` (each rank's sequences of a length of its own, ``ragged``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ def batch_of(step: int, rank: int, world: int) -> torch.Tensor:
     x = torch.randint(0, V, (PER_STEP, SEQ), generator=g)
     per = PER_STEP // world
     return x[rank * per:(rank + 1) * per]
+
+
+def ragged(x: torch.Tensor, step: int, rank: int, opts: dict[str, str]) -> torch.Tensor:
+    """``ragged=1``: each rank's sequences cut to a length of its own (as padding each batch to
+    its own longest does), the same on every rank at steps 3 and 7."""
+    if opts.get("ragged") != "1" or step % 4 == 3:
+        return x
+    return x[:, :SEQ - 4 * ((step + rank) % 3)]
 
 
 PAGE = 64 << 10
@@ -142,7 +151,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                             p.data.mul_(0.5)
             if "read_on" in opts and rank == int(opts["read_on"]) and step == int(opts.get("at", 2)):
                 print(f"rank {rank} reads {float(model.transformer.h[2].mlp.c_fc.weight.sum()):.3f}", file=sys.stderr)
-            x = batch_of(step, rank, world)
+            x = ragged(batch_of(step, rank, world), step, rank, opts)
             loss = engine(input_ids=x, labels=x).loss
             if mode == "fail1" and rank == victim and step == int(opts.get("at", 2)):
                 try:  # a backward that fails on one rank alone, caught: "as if its batch had been skipped"
@@ -429,7 +438,7 @@ def run_ddp(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
     for step in range(int(opts.get("steps", 8))):
-        x = batch_of(step, rank, world)
+        x = ragged(batch_of(step, rank, world), step, rank, opts)
         ddp(input_ids=x, labels=x).loss.backward()
         if clip_of(opts) is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_of(opts))

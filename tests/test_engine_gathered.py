@@ -53,6 +53,17 @@ def test_sharded_parameters_train_as_replicas_and_as_ddp(tmp_path, world):
     assert 0 < distance(clipped, ddp_clipped) <= max(4 * distance(ddp_clipped, plain()), 1e-6)
 
 
+def test_ranks_with_batches_of_their_own_shapes_train_as_ddp(tmp_path):
+    """Each rank pads its batch to its own length ([Note: ranks page alike]): iterations whose
+    inputs differ across ranks are paged on demand by module scope on every rank, those alike
+    (steps 3 and 7) traced and then planned; bit for bit as DDP on the same batches."""
+    ours = run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, ragged=1, clip="none")
+    paging = torch.load(tmp_path / "gathered.pt")["paging"]["iterations"]
+    assert paging["unalike"] == 6 and paging["traced"] == 1 and paging["planned"] == 1, paging
+    ddp = run_ok("ddp", 2, tmp_path / "ddp.pt", ragged=1, clip="none")
+    assert distance(ours, ddp) == 0.0
+
+
 @pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_writes_between_steps_and_a_checkpoint_resumed_with_one_and_two_ranks(tmp_path):
     """``p.data.mul_`` between steps on every rank (each fetch a gather, each rank keeping the

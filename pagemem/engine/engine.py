@@ -243,6 +243,14 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
             self.guard.before_read = lambda i: before_read(unit_of[i])
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard,
                            self.updater.wait_for_updates, self.ranks.world_size)
+        if self.bank.gathered:  # [Note: ranks page alike]
+            coll = self.collectives
+            assert coll is not None
+
+            def agree(values: list[int]) -> bool:
+                top, low = coll.begin("choosing how an iteration is paged", values)
+                return top == low
+            self.pager.agree = agree
         self.clock.install()
         self._state_dict_hooks = hook_state_dicts(model, self.bank, self.guard, self._before_reading_weights,
                                                   self.calls)

@@ -43,6 +43,7 @@ caching allocator's peak per op less the arena (which torch allocated); that pat
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -148,6 +149,9 @@ class Pager:
         self._warned: set[str] = set()
         self.refusals: dict[tuple, OutOfMemory] = {}
         """Input signatures refused: their traced iteration found the gpu budget too small."""
+        self.agree: Callable[[list[int]], bool] | None = None
+        """With gathered units, whether every rank gives the same values (a collective every rank
+        makes, set by the engine): [Note: ranks page alike]."""
         clock.subscribe(self._on_op)
 
     def forget_plans(self) -> None:
@@ -167,6 +171,10 @@ class Pager:
         self._sig = sig
         if not torch.is_grad_enabled() or not self.use_plans:
             self._start_demand(reserve=0)
+            return
+        if self.agree is not None and not self._alike(sig):
+            self.iterations["unalike"] += 1
+            self._start_demand(reserve=self.residency.budget_bytes)  # only what scopes hold: alike on every rank
             return
         if sig in self.refusals:  # the gpu budget is too small for these inputs
             raise self.refusals[sig].with_traceback(None)
@@ -196,6 +204,26 @@ class Pager:
             self._recording = Recording(self.model, self.clock, layers=self.bank.units,
                                         param_nbytes=self.bank.param_nbytes, options=self.trace_options,
                                         cuda_device=cuda, device_model_bytes=self._gpu.capacity * self._page_bytes)
+
+    def _alike(self, sig: tuple) -> bool:
+        """[Note: ranks page alike] With gathered units ([Note: gathered units] in
+        ``ranks/unit_gather.py``) every fetch is a collective, so every rank must fetch the same
+        units in the same order: the ranks must page each iteration alike. A rank's choice (its
+        record of these inputs, its plan) follows its own inputs, whose shapes may differ from
+        another rank's (each rank padding its batch to its own longest sequence), so before
+        each training iteration the ranks compare the digest of their inputs' signature and the
+        way each would page it. Alike (the same signature seen as often on every rank, hence the
+        same record, trace and plan): paged as one process pages it. Not alike: every rank pages
+        this iteration on demand keeping only what open module scopes hold (each unit fetched
+        at its module's use and given back when no scope holds it), which depends on the modules
+        run, not on activation sizes, so every rank fetches alike; nothing is traced or
+        recorded, so the records stay alike too. Costs one small collective per iteration, and
+        unalike iterations give up the plan's prefetches (``iterations["unalike"]`` counts
+        them)."""
+        rec = self.records.get(sig)
+        way = 3 if sig in self.refusals else 0 if rec is None else {"trace": 0, "plan": 1, "demand": 2}[rec.next]
+        assert self.agree is not None
+        return self.agree([zlib.crc32(repr(sig).encode()), way])
 
     def _start_demand(self, reserve: int) -> None:
         self.mode = "demand"

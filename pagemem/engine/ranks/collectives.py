@@ -56,7 +56,7 @@ OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter 
               "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint",
               "clipping gradients", "reading the optimizer state", "loading the optimizer state", "updating",
               "reading the weights", "gathering a unit", "reducing a unit's gradients", "reducing gradients",
-              "reading gradient norms", "reading the gradients")
+              "reading gradient norms", "reading the gradients", "choosing how an iteration is paged")
 """The engine's operations (``begin``): a header names one by its index here."""
 _GATHER_HINT = ("; with shard_parameters=True each unit's fetch is a collective too: every rank must run the same "
                 "modules in the same order (no module skipped by one rank's batch) and read parameters between "

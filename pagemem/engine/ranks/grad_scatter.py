@@ -34,6 +34,7 @@ fails on every rank alike; the shares it wrote were kept first (``before_write``
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from typing import Callable
 
@@ -250,7 +251,7 @@ class GradScatter:
 
     def norms(self, params: list[int]) -> list[torch.Tensor]:
         """Each parameter's gradient 2-norm over every rank's share (one collective)."""
-        top, low = self.coll.begin("reading gradient norms", [len(params)])
+        top, low = self.coll.begin("reading gradient norms", [len(params), zlib.crc32(repr(list(params)).encode())])
         if top != low:
             self.coll.fail_out_of_step(f"reading gradient norms: the ranks read {low[0]} to {top[0]} gradients; every "
                                        "rank must clip or read norms alike")
