@@ -1,6 +1,6 @@
 """The layout of sharded optimizer states ([Note: sharded states]): every rank's ranges partition
-each parameter, cuts fall on multiples of 64 elements, and the ranks' shares are even to a page
-per unit."""
+each parameter, cuts fall on multiples of 64 elements, and the ranks' shares are even to 64
+elements per unit and parameter."""
 
 from __future__ import annotations
 
@@ -44,18 +44,20 @@ def test_the_ranks_partition_every_parameter(model, world):
 
 @settings(max_examples=200, deadline=None)
 @given(models(), st.integers(1, 9))
-def test_shares_are_even_to_a_page_per_unit(model, world):
+def test_shares_are_even_to_64_elements_per_unit_and_parameter(model, world):
+    """Each unit's bytes are cut at 256-byte boundaries (64 elements) into runs as even as they
+    allow; a run also holds the alignment gaps between parameters (under 64 elements each)."""
     units, numels, trainable = model
     shards = [shard_states(units, numels, trainable, PAGE, r, world) for r in range(world)]
     total = sum(n for n, t in zip(numels, trainable) if t)
     per_rank = [s.owned_elements for s in shards]
     assert sum(per_rank) == total
-    slack = len(units) * PAGE // 4
-    assert max(per_rank) - min(per_rank) <= slack + 64 * len(numels)
+    for unit in units:
+        mine = [sum(s.owned(i) for i in unit) for s in shards]
+        assert max(mine) - min(mine) <= 64 + 64 * len(unit)
 
 
 def test_small_units_spread_over_the_ranks():
-    units = [[i] for i in range(8)]  # eight one-page units over four ranks: two each
-    owned = [sum(1 for i in range(8) if shard_states(units, [100] * 8, [True] * 8, PAGE, r, 4).owned(i))
-             for r in range(4)]
-    assert owned == [2, 2, 2, 2]
+    units = [[i] for i in range(8)]  # eight 100-element units over four ranks: the same elements each
+    owned = [shard_states(units, [100] * 8, [True] * 8, PAGE, r, 4).owned_elements for r in range(4)]
+    assert owned == [200] * 4

@@ -4,9 +4,8 @@ sharded moments] in ``units/shards.py``).
 Every rank knows every rank's share (``shard_states`` is a function of the model and the page
 size), so the ranks need exchange nothing but the values: each rank's shares of the updated
 parameters, unit by unit, are one sequence (``placed``), zero-padded at the end to the largest
-rank's (the shares are even to a page per unit and rotate over the ranks from unit to unit, so
-there is little padding; padding each unit's share instead would send whole units of zeros where
-a unit is smaller than a page per rank); the ``k``-th batch holds elements ``[k E, (k + 1) E)`` of
+rank's (the shares are even to 64 elements per unit and parameter, and their remainders rotate
+over the ranks from unit to unit, so there is little padding); the ``k``-th batch holds elements ``[k E, (k + 1) E)`` of
 every rank's sequence (``E``: ``BATCH_BYTES`` of fp32), two batches in flight. What arrives from
 the other ranks is written into every copy of the compute copy, cast, and into the master weights
 where this rank holds them whole, as the owner's own update wrote its share."""

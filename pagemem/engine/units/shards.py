@@ -12,15 +12,17 @@ of the bits, not a sum of zero-padded shares, which would turn a ``-0.0`` into `
 
 The shares: a unit's parameters are laid out as the store lays out its fp32 states
 (``store.layout.pack``: back to back, each start aligned to 256 bytes, frozen parameters
-included, so that unfreezing one later finds its share already decided); the unit's pages are
-cut into ``world_size`` runs of whole pages, run ``(rank - unit) mod world_size`` being this
-rank's, so units that fill less than a page per rank spread over the ranks instead of all
-falling to the first. A parameter's share is where its bytes meet the rank's run: one range
-``[a, b)`` per parameter per rank (``a == b``: none), the ranges of every rank partitioning
-``[0, n)``. A cut falls on a page boundary, which lies a multiple of 256 bytes from a parameter's
-start: a multiple of 64 elements, where the fused AdamW kernel gives the bits one call over the
-whole tensor gives (``updates/state_pieces.py``), so the sharded update is bit for bit the
-replicated one.
+included, so that unfreezing one later finds its share already decided); the unit's bytes are
+cut into ``world_size`` runs as even as 256-byte boundaries allow (``SHARE_ALIGN``), run
+``(rank - unit) mod world_size`` being this rank's, so the remainders spread over the ranks
+instead of all falling to the first. A parameter's share is where its bytes meet the rank's run:
+one range ``[a, b)`` per parameter per rank (``a == b``: none), the ranges of every rank
+partitioning ``[0, n)``. A cut lies a multiple of 256 bytes from a parameter's start: a multiple
+of 64 elements, where the fused AdamW kernel gives the bits one call over the whole tensor gives
+(``updates/state_pieces.py``), so the sharded update is bit for bit the replicated one. Even
+shares matter to what the ranks send: the gathers and reduce-scatters pad every rank's part to
+the largest rank's ([Note: sharded gradient sums] in ``ranks/grad_scatter.py``), so runs of whole
+pages, on units smaller than a page per rank, made every rank but one send zeros.
 
 [Note: sharded master weights]
 The fp32 master weights are sharded the same way (the same ranges: ``ParamBank.is_sharded``)
@@ -47,6 +49,9 @@ from dataclasses import dataclass
 from pagemem.store.layout import pack
 
 FP32 = 4
+SHARE_ALIGN = 256
+"""Bytes every cut between two ranks' shares is a multiple of, from the unit's start (each
+parameter starts on such a boundary: ``store.layout.TENSOR_ALIGN``), so 64 fp32 elements."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +85,10 @@ def shard_states(units: list[list[int]], numels: list[int], trainable: list[bool
             continue
         layout = pack([FP32 * numels[i] for i in members], page_bytes)
         run = (rank - u) % world_size
-        lo = run * layout.pages // world_size * page_bytes
-        hi = (run + 1) * layout.pages // world_size * page_bytes
+
+        def cut(k: int) -> int:  # where run k starts (run world_size: the end)
+            return layout.end if k == world_size else k * layout.end // world_size // SHARE_ALIGN * SHARE_ALIGN
+        lo, hi = cut(run), cut(run + 1)
         for i, start, size in zip(members, layout.starts, layout.sizes):
             a = min(max(lo - start, 0), size)
             b = min(max(hi - start, 0), size)
