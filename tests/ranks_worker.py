@@ -94,7 +94,8 @@ def clip_of(opts: dict[str, str]) -> float | None:
 def engine_config(opts: dict[str, str], world: int) -> pagemem.EngineConfig:
     nvme = opts.get("nvme")
     store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=int(opts.get("gpu_bytes", gpu_budget(world))),
-                                cpu_bytes=64 << 20, nvme_bytes=(256 << 20) if nvme else 0, nvme_path=nvme,
+                                cpu_bytes=int(opts.get("cpu_bytes", 64 << 20)), nvme_bytes=(256 << 20) if nvme else 0,
+                                nvme_path=nvme,
                                 page_bytes=PAGE)
     return pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), optimizer_tier="nvme" if nvme else "cpu",
                                 compute_dtype=torch.bfloat16 if opts.get("mixed") == "1" else model_dtype(opts), max_grad_norm=clip_of(opts),

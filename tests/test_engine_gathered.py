@@ -64,6 +64,15 @@ def test_ranks_with_batches_of_their_own_shapes_train_as_ddp(tmp_path):
     assert distance(ours, ddp) == 0.0
 
 
+def test_a_cpu_budget_that_holds_no_compute_copy_is_planned(tmp_path):
+    """``cpu_bytes`` of 28 MiB holds this model's sharded states and gradient sums (27.7 MiB)
+    but not a whole compute copy beside them: the iterations still follow a plan (the plan's
+    phantom compute copy at home is budgeted on top), not pages on demand."""
+    run_ok("engine", 2, tmp_path / "gathered.pt", shard_params=1, clip="none", cpu_bytes=28 << 20)
+    iterations = torch.load(tmp_path / "gathered.pt")["paging"]["iterations"]
+    assert iterations.get("planned") == 7 and "demand" not in iterations, iterations
+
+
 @pytest.mark.slow  # make test's 10 minutes: the 2-rank training, a loop habit and two refusals stay fast
 def test_writes_between_steps_and_a_checkpoint_resumed_with_one_and_two_ranks(tmp_path):
     """``p.data.mul_`` between steps on every rank (each fetch a gather, each rank keeping the

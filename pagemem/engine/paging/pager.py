@@ -275,6 +275,9 @@ class Pager:
         pb = s.page_bytes
         gpu = self.residency.budget_bytes - self.static_gpu_pages * pb
         budgets = {"gpu": gpu, "cpu": s.tier("cpu").capacity * pb, "nvme": s.tier("nvme").capacity * pb}
+        if self.bank.gathered:  # the "states" plan keeps a whole compute copy at home, which a gathered
+            # bank does not ([Note: gathered units]): its home tier's budget is given those pages on top
+            budgets[self.bank.home_tier] += sum(self.bank.compute_pages(li) for li in range(len(self.bank.layers))) * pb
         try:  # the non-model peak reserved at every op (see the Note)
             # the pages are counted once, by the engine, from its units (see executor.unit_layout)
             W = self.world_size
