@@ -64,6 +64,18 @@ def test_ranks_with_batches_of_their_own_shapes_train_as_ddp(tmp_path):
     assert distance(ours, ddp) == 0.0
 
 
+@pytest.mark.slow  # make test's 10 minutes
+def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """An inf in one rank's loss is in that rank's gradients only, which each rank holds a share
+    of after the reduce-scatter: the ranks agree on the overflow (``all_finite``), skip the step
+    together and back the loss scale off alike."""
+    run_ok("loop", 2, tmp_path / "o.pt", loop="fp16", shard_params=1)
+    runs = [torch.load(tmp_path / f"o.pt.r{r}") for r in range(2)]
+    assert [r["skipped"] for r in runs] == [1, 1]
+    assert runs[0]["loss_scale"] == runs[1]["loss_scale"] < 65536.0
+    assert distance(runs[0]["weights"], runs[1]["weights"]) == 0.0
+
+
 def test_a_cpu_budget_that_holds_no_compute_copy_is_planned(tmp_path):
     """``cpu_bytes`` of 28 MiB holds this model's sharded states and gradient sums (27.7 MiB)
     but not a whole compute copy beside them: the iterations still follow a plan (the plan's
