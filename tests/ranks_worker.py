@@ -244,29 +244,66 @@ class Branchy(torch.nn.Module):
         return (self.a(h) + (self.b(h) if use_b else 0)).square().mean()
 
 
+class GatedBlock(torch.nn.Module):
+    """A linear layer and an ``extra`` parameter its forward adds only when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+        self.extra = torch.nn.Parameter(torch.full((256,), 0.1))
+
+    def forward(self, h: torch.Tensor, use: bool) -> torch.Tensor:
+        y = torch.tanh(self.lin(h))
+        return y + self.extra if use else y
+
+
+class Gated(torch.nn.Module):
+    """A trunk, a block every rank runs whose ``extra`` parameter a rank's batch may not reach
+    (data-dependent control flow inside a module), and two more layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(16, 256)
+        self.block = GatedBlock()
+        self.mid = torch.nn.Linear(256, 256)
+        self.head = torch.nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        use = bool(x[0, 0] > 0)  # from the data: every rank's inputs have one signature
+        h = self.block(torch.tanh(self.trunk(x)), use)
+        return self.head(torch.tanh(self.mid(h))).square().mean()
+
+
 def branchy_batch(step: int, rank: int) -> tuple[torch.Tensor, bool]:
     g = torch.Generator().manual_seed(50 + 10 * step + rank)
     return torch.randn(4, 16, generator=g), rank == 0 or step % 3 == 0
 
 
 def run_unused(rank: int, world: int, out: str, opts: dict[str, str], ddp: bool) -> None:
-    """``Branchy`` for 6 steps, head ``b`` unused on rank 1 except every third step."""
-    model = Branchy()
+    """``Branchy`` for 6 steps, head ``b`` unused on rank 1 except every third step (``inner=1``:
+    ``Gated``, its block's ``extra`` unreached likewise)."""
+    model = Gated() if opts.get("inner") == "1" else Branchy()
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
     else:
-        store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=1 << 20, cpu_bytes=16 << 20, page_bytes=PAGE)
+        store = pagemem.StoreConfig(gpu_backend="host", gpu_bytes=int(opts.get("gpu_bytes", 1 << 20)),
+                                    cpu_bytes=16 << 20, page_bytes=PAGE)
         engine = pagemem.Engine(model, pagemem.EngineConfig(store=store, optimizer=pagemem.AdamW(**HP), adam_threads=1,
                                                             shard_parameters=opts.get("shard_params") == "1"))
     for step in range(6):
         x, use_b = branchy_batch(step, rank)
+        args = (x, use_b)
+        if isinstance(model, Gated):  # whether the block's extra is reached, told by the data alone
+            x[0, 0] = 1.0 if use_b else -1.0
+            args = (x,)
         if ddp:
-            net(x, use_b).backward()
+            net(*args).backward()
             opt.step()
             opt.zero_grad()
         else:
-            engine.backward(engine(x, use_b))
+            engine.backward(engine(*args))
             engine.step()
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()} if ddp else engine.state_dict()
     if not ddp:

@@ -152,6 +152,17 @@ def test_loop_habits_with_sharded_parameters_equal_ddp(tmp_path, loop):
     assert distance(ours, {k: v * 0 for k, v in ours.items()}) > 1e-3
 
 
+def test_a_parameter_reached_on_some_ranks_only_trains_as_ddp(tmp_path):
+    """A block every rank runs, whose ``extra`` parameter only some ranks' batches reach (told
+    by the data: the inputs' signatures are alike): the block's unit is ready on some ranks only,
+    so no rank sends it before the others agree, and it goes at the end of backward, ``extra``
+    taking the average of the ranks that reached it ([Note: sharded gradient sums]). Bit for bit
+    as DDP with ``find_unused_parameters``."""
+    ours = run_ok("unused", 2, tmp_path / "ours.pt", shard_params=1, inner=1)
+    ddp = run_ok("unused-ddp", 2, tmp_path / "ddp.pt", inner=1)
+    assert distance(ours, ddp) == 0.0
+
+
 def test_a_module_run_on_some_ranks_only_fails_every_rank_loudly(tmp_path):
     """A head one rank's batch skips (as a mixture of experts routes) is a gather the other rank
     does not make: every rank raises ``RankFailed`` within the liveness bound, none hangs (the

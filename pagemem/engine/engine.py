@@ -210,6 +210,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
                                                 self.updater.keep_for_undo)
                 self.bank.grad_sink = self.grad_scatter.accumulate  # [Note: sharded gradient sums]
                 self.updater.sums.spread = self.grad_scatter
+                self.unit_gather.ready = self.grad_scatter.ready_flags  # units sent as gathers agree on them
+                self.unit_gather.agreed = self.grad_scatter.issue_agreed
         self.phase = PhaseMachine()
         """Where the engine stands between backward and the update, with the backwards since the
         last update ([Note: engine phases], ``phase.py``)."""
@@ -243,6 +245,8 @@ class Engine(CallChecks, BackwardMixin, ResultsMixin):
             self.guard.before_read = lambda i: before_read(unit_of[i])
         self.pager = Pager(model, self.bank, self.clock, config.optimizer_tier, config.executor, self.guard,
                            self.updater.wait_for_updates, self.ranks.world_size)
+        if self.bank.gathered:  # [Note: sharded gradient sums]: ranks agree on ready units at module ends
+            self.clock.subscribe(self.grad_scatter.on_op)
         if self.bank.gathered:  # [Note: ranks page alike]
             coll = self.collectives
             assert coll is not None

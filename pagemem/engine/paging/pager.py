@@ -96,6 +96,8 @@ class SignatureRecord:
     """The gpu arena its planned iterations need."""
     divergences: int = 0
     """Planned iterations that left the plan."""
+    digest: int = 0
+    """A digest of the plan's tasks and the reserve, which ranks compare ([Note: ranks page alike])."""
 
 
 class Pager:
@@ -211,9 +213,10 @@ class Pager:
         units in the same order: the ranks must page each iteration alike. A rank's choice (its
         record of these inputs, its plan) follows its own inputs, whose shapes may differ from
         another rank's (each rank padding its batch to its own longest sequence), so before
-        each training iteration the ranks compare the digest of their inputs' signature and the
-        way each would page it. Alike (the same signature seen as often on every rank, hence the
-        same record, trace and plan): paged as one process pages it. Not alike: every rank pages
+        each training iteration the ranks compare the digest of their inputs' signature, the way
+        each would page it and a digest of the plan (and reserve) it would follow. Alike (the same
+        plan on every rank): paged as one process pages it; data-dependent control flow can give
+        ranks with alike inputs unalike traces, hence plans, which the digest finds. Not alike: every rank pages
         this iteration on demand keeping only what open module scopes hold (each unit fetched
         at its module's use and given back when no scope holds it), which depends on the modules
         run, not on activation sizes, so every rank fetches alike; nothing is traced or
@@ -223,7 +226,7 @@ class Pager:
         rec = self.records.get(sig)
         way = 3 if sig in self.refusals else 0 if rec is None else {"trace": 0, "plan": 1, "demand": 2}[rec.next]
         assert self.agree is not None
-        return self.agree([zlib.crc32(repr(sig).encode()), way])
+        return self.agree([zlib.crc32(repr(sig).encode()), way, rec.digest if rec is not None else 0])
 
     def _start_demand(self, reserve: int) -> None:
         self.mode = "demand"
@@ -251,6 +254,9 @@ class Pager:
             rec.reserve = max((op.non_model_bytes for op in trace.ops), default=0)
             rec.schedule, rec.arena_pages = self._plan(trace)
             rec.next = "plan" if rec.schedule is not None else "demand"
+            if self.agree is not None:  # data-dependent control flow gives ranks with alike inputs unalike plans
+                tasks = [str(t) for t in self.last_plan.tasks] if rec.schedule is not None and self.last_plan else []
+                rec.digest = zlib.crc32(repr((rec.reserve, tasks)).encode())
             while len(self.records) > MAX_PLANS:
                 self.records.popitem(last=False)
         elif self.mode == "plan" and self._executor is not None:

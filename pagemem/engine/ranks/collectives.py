@@ -56,7 +56,8 @@ OPERATIONS = ("checking every rank's engine", "comparing every rank's parameter 
               "averaging gradients", "saving a checkpoint", "saving weights", "loading a checkpoint",
               "clipping gradients", "reading the optimizer state", "loading the optimizer state", "updating",
               "reading the weights", "gathering a unit", "reducing a unit's gradients", "reducing gradients",
-              "reading gradient norms", "reading the gradients", "choosing how an iteration is paged")
+              "reading gradient norms", "reading the gradients", "choosing how an iteration is paged",
+              "agreeing on ready gradients")
 """The engine's operations (``begin``): a header names one by its index here."""
 _GATHER_HINT = ("; with shard_parameters=True each unit's fetch is a collective too: every rank must run the same "
                 "modules in the same order (no module skipped by one rank's batch) and read parameters between "
@@ -194,7 +195,8 @@ class Collectives:
                              f"operations: this rank at {op!r} (its operation {self.operations}), others at "
                              f"{' or '.join(repr(x) for x in names) or repr(op)} (operations {low[0]} to {top[0]}); "
                              "every rank must call the engine alike (save(), save_weights(), backward and forward "
-                             "under autograd on every rank)" + (_GATHER_HINT if "gathering a unit" in (op, *names) else ""))
+                             "under autograd on every rank; a backward that raised on some ranks only puts them out "
+                             "of step: see those ranks' errors)" + (_GATHER_HINT if "gathering a unit" in (op, *names) else ""))
             self.failed = err
             raise err
         return self._max_min(values, op) if values else ([], [])

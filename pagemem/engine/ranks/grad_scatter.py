@@ -9,15 +9,21 @@ the unit's first gradient, through the store, so the budget counts it), laid out
 reduce-scatter sends it: one chunk per rank, each rank's owned elements of the unit's parameters
 back to back in parameter order, zero-padded to the largest rank's (``gather.placed``'s order, as
 the unit gather sends the compute copy). Once every hooked parameter of the unit handed its
-gradient off (its backward is done with it) the buffer is scaled by 1 / world size, as DDP's
-reducer scales, and reduce-scattered on the collectives' thread while backward goes on (two in
-flight at most); when it lands this rank's chunk is written into its shares (added where they
-already hold a sum of this step: accumulation) and the buffer is freed. So the peak is the
-shares plus the units whose gradients are in flight, not the whole model's sums. A unit not
-complete when backward ends (a parameter it did not reach) is reduce-scattered then, after one
-header on which every rank says which units it still holds: a unit some rank never touched
-sends zeros there, so a parameter unused on one rank's batch gets the others' average, as DDP's
-``find_unused_parameters`` gives it.
+gradient off (its backward is done with it) the unit is *ready*. The ranks must reduce-scatter
+the same units in the same order, and a unit is ready on one rank before another (a parameter
+a rank's batch does not reach is never handed off there), so readiness is agreed where the ranks
+already meet: the header of every unit gather (backward fetches units evicted since forward)
+carries each rank's ready flags, and so does one small header at the end of each
+parameter-owning module's backward (``on_op``); the units ready on every rank are
+reduce-scattered right after, in unit order, on the collectives' thread while backward goes on (two in
+flight at most). The buffer is scaled by 1 / world size first, as DDP's reducer scales; when it
+lands this rank's chunk is written into its shares (added where they already hold a sum of this
+step: accumulation) and the buffer is freed. So the peak is the shares plus the buffers of the
+units not yet sent (about a module's worth behind backward), not the whole model's sums. At
+the end of backward one header says which units each rank still holds, and each held anywhere is
+reduce-scattered (with a header of its own saying which parameters have a gradient on any rank):
+a unit some rank never touched sends zeros there, so a parameter unused on one rank's batch gets
+the others' average, as DDP's ``find_unused_parameters`` gives it.
 
 Every backward reduce-scatters (accumulation included, as FSDP2 does by default): the shares
 hold the running sum of averaged micro-batch gradients, so with ``accumulation_steps`` > 1 the
@@ -27,8 +33,7 @@ collective: ``p.grad`` materialised gathers the shares (``whole``), a 2-norm (``
 ``max_grad_norm``, the handles') is the square root of the ranks' summed squares of their
 shares (``norms``: one all-reduce for all parameters, not torch's reduction order, so clipping
 matches DDP to about 1e-7 of the coefficient, not bit for bit), and an fp16 overflow anywhere
-is one on every rank (``all_finite``). A unit's reduce-scatter has a header with its index and
-which of its parameters have a gradient here: ranks at different units raise ``RankFailed``.
+is one on every rank (``all_finite``).
 A backward that fails part-way is undone ([Note: a failed backward is undone]) only where it
 fails on every rank alike; the shares it wrote were kept first (``before_write``)."""
 
@@ -46,6 +51,7 @@ from pagemem.engine.ranks.gather import MasterGather
 from pagemem.engine.units.bank import ParamBank
 from pagemem.errors import InvalidRequest
 from pagemem.store import Lease, PagedTensor
+from pagemem.tracer import Op
 
 _IN_FLIGHT = 2
 """Reduce-scatters issued and not yet landed, at most (the double buffer of ``average.py``)."""
@@ -56,7 +62,7 @@ Run = tuple[int, int, int, int]
 class _Local:
     """One unit's local gradient buffer of this backward: ``W`` chunks of ``chunk`` elements."""
 
-    __slots__ = ("tensor", "lease", "flat", "handed", "pending", "issued")
+    __slots__ = ("tensor", "lease", "flat", "handed", "pending", "issued", "ready")
 
     def __init__(self, tensor: PagedTensor, lease: Lease) -> None:
         self.tensor = tensor
@@ -66,6 +72,8 @@ class _Local:
         """Parameters that handed a gradient off into it."""
         self.pending: Pending | None = None
         self.issued = False
+        self.ready = False
+        """Every hooked parameter of the unit handed its gradient off in this backward."""
 
 
 class GradScatter:
@@ -102,6 +110,7 @@ class GradScatter:
         self._expected: list[int] = [0] * len(bank.layers)
         self._flight: deque[int] = deque()
         self._held: set[int] = set()
+        self._in_backward = False
         self.scatters = 0
         """Units reduce-scattered so far."""
         self.early = 0
@@ -119,6 +128,14 @@ class GradScatter:
         """A backward starts: which parameters each unit expects, which shares hold a sum."""
         self._expected = [sum(1 for i in layer.params if self.bank.records[i].hooked) for layer in self.bank.layers]
         self._held = set(self.ledger.holding(GradState.SUMMED))
+        self._in_backward = True
+
+    def on_op(self, op_id: int, edge: str, op: Op) -> None:
+        """The op clock: at the end of each parameter-owning module's backward (an op every rank
+        reaches alike), the ranks agree on the units ready everywhere and send them."""
+        if self._in_backward and edge == "start" and op.event == "backward_post" and op.params:
+            _, low = self.coll.begin("agreeing on ready gradients", self.ready_flags())
+            self.issue_agreed(low)
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
         """Parameter ``i``'s gradient of this backward (autograd's, from the hand-off)."""
@@ -141,13 +158,29 @@ class GradScatter:
                         dst.copy_(src) if first else dst.add_(src)
         local.handed.add(i)
         if len(local.handed) == self._expected[u]:
-            self.early += 1
-            self._issue(u)
+            local.ready = True  # reduce-scattered once every rank says so (``issue_agreed``)
+
+    def ready_flags(self) -> list[int]:
+        """Per unit: 1 where its gradients of this backward are all here and not yet sent (what
+        this rank's next unit gather's header carries)."""
+        return [int(u in self._local and self._local[u].ready and not self._local[u].issued)
+                for u in range(len(self.bank.layers))]
+
+    def issue_agreed(self, everywhere: list[int]) -> None:
+        """Reduce-scatter, in unit order, the units whose gradients every rank has ready
+        (``everywhere``: the flags' minimum over the ranks, from a unit gather's header): the
+        same units at the same point on every rank, with no header of their own (each rank
+        holds every hooked parameter's gradient of them)."""
+        for u, ready in enumerate(everywhere):
+            if ready:
+                self.early += 1
+                self._issue(u, agreed=True)
 
     def end_backward(self, steps: tuple[int, int]) -> None:
         """The backward's autograd run is over: every rank says which units it still holds, each
         held anywhere is reduce-scattered (in unit order), and everything lands. ``steps``: this
         rank's updates and backwards so far (ranks at different steps raise ``RankFailed``)."""
+        self._in_backward = False
         n = len(self.bank.layers)
         left = [int(u in self._local and not self._local[u].issued) for u in range(n)]
         top, low = self.coll.begin("reducing gradients", list(steps) + left)
@@ -164,6 +197,7 @@ class GradScatter:
 
     def abort(self) -> None:
         """The backward failed: what is in flight lands nowhere and every buffer is freed."""
+        self._in_backward = False
         try:
             self.coll.settle([self._local[u].pending for u in self._flight if u in self._local])
         finally:
@@ -195,18 +229,20 @@ class GradScatter:
         finally:
             local.tensor.free()
 
-    def _issue(self, u: int) -> None:
-        """Start unit ``u``'s reduce-scatter (its header first; landing the oldest in flight
-        first when two already are)."""
+    def _issue(self, u: int, agreed: bool = False) -> None:
+        """Start unit ``u``'s reduce-scatter (unless ``agreed``, its header first, which says
+        which parameters have a gradient on any rank; landing the oldest in flight first when two
+        already are)."""
         local = self._local[u]
-        members = self.bank.layers[u].params
-        mine = [int(i in local.handed) for i in members]
-        top, low = self.coll.begin("reducing a unit's gradients", [u] + mine)
-        if top[0] != low[0]:
-            self.coll.fail_out_of_step(f"the ranks reduce different units' gradients (unit {low[0]} to unit {top[0]}; "
-                                       f"this rank unit {u}, {self.bank.layers[u].name!r}): every rank must run the "
-                                       "same modules, and reach the same parameters in backward")
-        local.handed = {i for i, anywhere in zip(members, top[1:]) if anywhere}
+        if not agreed:
+            members = self.bank.layers[u].params
+            mine = [int(i in local.handed) for i in members]
+            top, low = self.coll.begin("reducing a unit's gradients", [u] + mine)
+            if top[0] != low[0]:
+                self.coll.fail_out_of_step(f"the ranks reduce different units' gradients (unit {low[0]} to unit "
+                                           f"{top[0]}; this rank unit {u}, {self.bank.layers[u].name!r}): every rank "
+                                           "must run the same modules")
+            local.handed = {i for i, anywhere in zip(members, top[1:]) if anywhere}
         local.issued = True
         while len(self._flight) >= _IN_FLIGHT:
             self._land(self._flight.popleft())

@@ -35,8 +35,8 @@ def join_ranks(ranks: RankGroup, model: nn.Module, config: EngineConfig) -> Coll
                   "loss_scale": config.effective_loss_scale, "optimizer_tier": config.optimizer_tier,
                   "shard_optimizer_states": config.shard_optimizer_states,
                   "shard_parameters": config.shard_parameters,
-                  "page_bytes and gpu_bytes (the plans every rank follows)": (config.store.page_bytes,
-                                                                              config.store.gpu_bytes)}
+                  "page_bytes": config.store.page_bytes,
+                  "gpu_bytes (the plans every rank follows)": config.store.gpu_bytes}
         mine = [zlib.crc32(repr(v).encode()) for v in fields.values()]
         top, low = coll.begin("checking every rank's engine", mine)
         differ = [name for name, a, b in zip(fields, top, low) if a != b]

@@ -83,6 +83,12 @@ class UnitGather:
         """How many times each unit was gathered."""
         self.received_bytes = 0
         """Bytes of other ranks' shares written into this rank's gathered copies."""
+        self.ready: Callable[[], list[int]] | None = None
+        """Flags this rank's header carries (per unit: its gradients are ready to reduce-scatter,
+        ``GradScatter.ready_flags``), set by the engine."""
+        self.agreed: Callable[[list[int]], None] | None = None
+        """Called with the flags' minimum over the ranks once the gather is issued (what every
+        rank has ready: ``GradScatter.issue_agreed``), set by the engine."""
 
     def _share_bytes(self, layer: Unit, rank: int) -> list[tuple[int, int, int, int]]:
         """``rank``'s share of the unit: ``(parameter, first element, end element, byte offset)``
@@ -105,8 +111,9 @@ class UnitGather:
         ``move_to_gpu`` of the unit, waited for at its compute)."""
         bank, coll = self.bank, self.coll
         world, me = coll.ranks.world_size, coll.ranks.rank
-        top, low = coll.begin("gathering a unit", [layer.index])
-        if top != low:
+        ready = self.ready() if self.ready is not None else []
+        top, low = coll.begin("gathering a unit", [layer.index] + ready)
+        if top[0] != low[0]:
             coll.fail_out_of_step(f"the ranks fetch different units (unit {low[0]} to unit {top[0]}; this rank unit "
                                   f"{layer.index}, {layer.name!r}); "
                                   "every rank must run the same modules in the same order, and read parameters "
@@ -118,6 +125,8 @@ class UnitGather:
         self.gathers += 1
         self.unit_gathers[layer.index] += 1
         if not longest:
+            if self.agreed is not None:
+                self.agreed(low[1:])
             return StagedGather(None)
         mine = torch.zeros(longest, dtype=torch.uint8)
         for i, a, b, at in runs[me]:
@@ -126,6 +135,8 @@ class UnitGather:
         dev = coll.ranks.device
         outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
         pending = coll.all_gather(outs, mine.to(dev), "gathering a unit")
+        if self.agreed is not None:  # after the gather on the collectives' thread, on every rank alike
+            self.agreed(low[1:])
 
         def land() -> None:
             coll.wait(pending)
