@@ -217,18 +217,20 @@ class UpdatingThread:
                 for i, pieces in chunks:
                     g = grads[i] if k == 1 else grads[i] / k
                     pieces = with_grad(pieces, g)
-                    before = _master(pieces).clone() if drift is not None else None
+                    if drift is not None:  # the master before: the drift is taken for the unit at once, below
+                        drift[i].copy_(_master(pieces).view(shapes[i]))
                     for _ in range(k):  # [Note: one step per iteration]
                         fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.bank.group_of(i)],
                                     None)
                         self.bank.count_step(i)
-                    value = values[i]
-                    value.copy_(_master(pieces).view(value.shape))  # cast where the compute dtype is not fp32
-                    if drift is not None:
-                        torch.sub(value, before.view(value.shape), out=drift[i]).div_(k)
+                    values[i].copy_(_master(pieces).view(shapes[i]))  # cast where the compute dtype is not fp32
             finally:
                 for lease in leases:
                     lease.release()
+        if drift is not None:  # (new - before) / k, each element as per parameter; / 1 changes no bit
+            torch.sub(values.flat, drift.flat, out=drift.flat)
+            if k != 1:
+                drift.flat.div_(k)
         # the write-back: the store orders the next read of these pages behind it. Submitted before
         # the update is published, so that a caller who waited for the publication (a checkpoint
         # reading the states) finds the move queued, not racing its lease on the pages
