@@ -194,11 +194,9 @@ class DataPath:
         over the bytes ``span`` of ``t`` (all of them when None)."""
         whole = isinstance(data, torch.Tensor)  # lending.PieceBytes is sliced within a page only
         with self.queue.lock:
-            if len(parts) > 1 and any(not tier.resident for t, _s, _b in parts for p in t.page_refs for tier in p.copies()):
-                disk = True  # a disk page is written whole (copy-on-write): parts sharing one, one after the other
-            else:
-                disk = False
-        if disk:
+            on_disk = len(parts) > 1 and any(not tier.resident for t, _s, _b in parts
+                                             for page in t.page_refs for tier in page.copies())
+        if on_disk:  # a disk page is written whole (copy-on-write): parts sharing one go one after the other
             for part in parts:
                 self._write_now([part], data)
             return
