@@ -422,6 +422,7 @@ def store_calls(store: PageStore, tmp_path) -> dict:
         "viewable": lambda: store.viewable(t),
         "write": lambda: store.write(t, torch.ones(1024)),
         "write_many": lambda: store.write_many([(t, torch.ones(1024))]),
+        "write_packed": lambda: store.write_packed([t], torch.ones(1024)),
         "PagedTensor.to_torch": u.to_torch,
         "PagedTensor.copy_": lambda: u.copy_(torch.ones(1024)),
         "PagedTensor.move": lambda: u.move("cpu"),

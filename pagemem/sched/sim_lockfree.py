@@ -45,8 +45,9 @@ same costs (BENCHMARKS.md, issue 33). Staleness is the mean lag units have when 
 starts, over the replayed steady state.
 
 [Note: the drain, simulated] The compute side writes each published update into the buffered
-parameters before the next iteration starts (``LockFreeUpdater._write``: a copy per updated
-parameter, predicted past its lag, through the store): ``drain_seconds`` per update, on the
+parameters before the next iteration starts (``LockFreeUpdater._write``: the unit's values
+predicted past its lag and written through the store, a packed write: [Note: an update
+published packed] in ``lockfree_thread.py``): ``drain_seconds`` per update, on the
 compute side, is charged at the start of the iteration that finds it published. It is a
 measured per-update cost, not fitted: the engine counts it (``stats()["staleness"]``:
 ``drain_s`` / ``drained``, wall seconds of the compute thread in ``_write``), as a trace times

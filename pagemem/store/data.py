@@ -151,32 +151,76 @@ class DataPath:
 
         def body() -> None:
             for t, data, span in writes:
-                self._write_now(t, data, span)
+                self._write_now([(t, span, 0)], data)
 
         self.queue.exclusive(pages, body, check)
+
+    def write_packed(self, tensors: list[PagedTensor], src: torch.Tensor) -> None:
+        """[Note: a packed write] ``src``'s elements, in order, into ``tensors`` (each its
+        ``numel``, its dtype ``src``'s), every copy, under one wait for the operations queued on
+        their pages, as ``write_many``. One source for all: where the tensors' bytes are
+        adjacent in a memory tier's slots (a unit's parameters, allocated as a group, are), one
+        copy per run of adjacent bytes instead of one per page and tensor; the per-page rules
+        (disk copy-on-write, followers, mended tears) are ``write_many``'s."""
+        for t in tensors:
+            self.check(t)
+        if not isinstance(src, torch.Tensor) or src.layout != torch.strided or src.is_quantized:
+            raise InvalidRequest(f"write_packed: the source must be a dense strided tensor, got {type(src).__name__}")
+        wrong = [t for t in tensors if t.dtype != src.dtype]
+        if wrong or sum(t.nbytes for t in tensors) != src.numel() * src.element_size():
+            raise InvalidRequest(f"write_packed: {src.numel()} {src.dtype} elements for tensors of "
+                                 f"{sorted({str(t.dtype) for t in tensors})} holding "
+                                 f"{sum(t.nbytes for t in tensors)} bytes")
+        data = src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+        parts, base = [], 0
+        for t in tensors:
+            parts.append((t, None, base))
+            base += t.nbytes
+        pages = list(dict.fromkeys(p for t in tensors for p in t.page_refs))
+
+        def check() -> None:
+            for t in tensors:
+                self.check(t)
+
+        self.queue.exclusive(pages, lambda: self._write_now(parts, data), check)
 
     def write_bytes(self, t: PagedTensor, data, span: tuple[int, int] | None = None) -> None:
         """Write ``data`` (sliced by byte positions: a uint8 tensor, or ``lending.PieceBytes``) over the
         bytes ``span`` of ``t`` (all of them when None) in every copy."""
-        self._exclusive(t, lambda: self._write_now(t, data, span))
+        self._exclusive(t, lambda: self._write_now([(t, span, 0)], data))
 
-    def _write_now(self, t: PagedTensor, data, span: tuple[int, int] | None) -> None:
-        """``write_bytes``'s work, with ``t``'s pages held."""
+    def _write_now(self, parts: list[tuple[PagedTensor, tuple[int, int] | None, int]], data) -> None:
+        """The writes' work, their pages held: each ``(t, span, base)`` writes ``data[base:]``
+        over the bytes ``span`` of ``t`` (all of them when None)."""
+        whole = isinstance(data, torch.Tensor)  # lending.PieceBytes is sliced within a page only
         with self.queue.lock:
-            self.check(t)
-            segments = _clipped(t, span)
+            on_disk = len(parts) > 1 and any(not tier.resident for t, _s, _b in parts
+                                             for page in t.page_refs for tier in page.copies())
+        if on_disk:  # a disk page is written whole (copy-on-write): parts sharing one go one after the other
+            for part in parts:
+                self._write_now([part], data)
+            return
+        with self.queue.lock:
+            segments, followers = [], []
+            for t, span, base in parts:
+                self.check(t)
+                clipped = _clipped(t, span)
+                segments += [(page, lo, hi, base + pos) for page, lo, hi, pos in clipped]
+                first, last = span if span is not None else (0, t.nbytes)
+                spans = [(0, last - first)] if whole else [(pos, pos + hi - lo) for _p, lo, hi, pos in clipped]
+                followers += [(merged, tier, first, base, spans) for merged, tier in self._followers.get(id(t), {}).values()]
             disk, memory = [], []
             for page, lo, hi, pos in segments:
                 for tier, slot in page.copies().items():
                     (memory if tier.resident else disk).append((page, tier, slot, lo, hi, pos))
-            followers = list(self._followers.get(id(t), {}).values())
         commit = self._write_disk(disk, data) if disk else None
-        for _page, tier, slot, lo, hi, pos in memory:
-            tier.buffer(slot)[lo:hi].copy_(data[pos:pos + hi - lo])
-        first = span[0] if span is not None else 0
-        for merged, _tier in followers:  # [Note: read-only merged copies follow writes]
-            for _page, lo, hi, pos in segments:
-                merged[first + pos:first + pos + hi - lo].copy_(data[pos:pos + hi - lo])
+        pb = self.page_bytes
+        for tier, a, b, pos in _memory_runs(memory, pb, whole):
+            first = a // pb
+            tier.span(first, -(-b // pb) - first)[a - first * pb:b - first * pb].copy_(data[pos:pos + b - a])
+        for merged, _tier, first, base, spans in followers:  # [Note: read-only merged copies follow writes]
+            for x, y in spans:
+                merged[first + x:first + y].copy_(data[base + x:base + y])
         self._sync_cuda([m[1] for m in memory] + [f[1] for f in followers])
         with self.queue.lock:
             if commit:
@@ -289,6 +333,23 @@ class DataPath:
         gpu = self.tiers.gpu
         if self.tiers.cuda and any(t is gpu for t in tiers):
             torch.cuda.current_stream(gpu.device).synchronize()
+
+
+def _memory_runs(memory: list, page_bytes: int, merge: bool = True) -> list[tuple[Tier, int, int, int]]:
+    """``(tier, first byte, end byte, position in the data)`` for the memory copies' segments,
+    with ``merge`` adjacent ones (in the tier and in the data) merged: one copy each ([Note: a
+    packed write])."""
+    runs: list[list] = []
+    last: dict[Tier, list] = {}
+    for _page, tier, slot, lo, hi, pos in memory:
+        a = slot * page_bytes + lo
+        run = last.get(tier)
+        if merge and run is not None and run[2] == a and run[3] + run[2] - run[1] == pos:
+            run[2] = a + hi - lo
+            continue
+        last[tier] = run = [tier, a, a + hi - lo, pos]
+        runs.append(run)
+    return [tuple(r) for r in runs]  # type: ignore[misc]
 
 
 def _clipped(t: PagedTensor, span: tuple[int, int] | None) -> list[tuple[Page, int, int, int]]:

@@ -407,6 +407,13 @@ class PageStore:
         self._owned("write_many")
         self._data.write_many(list(items))
 
+    def write_packed(self, tensors: "Iterable[PagedTensor]", src: torch.Tensor) -> None:
+        """``src``'s elements, in order, into ``tensors`` (their dtype, their total size), every
+        copy, as ``write_many`` does: one copy per run of adjacent bytes in each memory tier
+        ([Note: a packed write] in ``data.py``)."""
+        self._owned("write_packed")
+        self._data.write_packed(tensors_of(tensors, "write_packed"), src)
+
     def view(self, t: PagedTensor, tier: str | None = None) -> torch.Tensor:
         """A zero-copy view pinning ``t``'s pages for its lifetime (``PagedTensor.view``)."""
         self._owned("view")

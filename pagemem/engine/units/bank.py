@@ -24,7 +24,7 @@ Which units are on the gpu, and the parameters' ``.data`` meanwhile, is ``reside
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -419,10 +419,17 @@ class ParamBank(StatesMoved, ShardedStates):
         if items:
             self.store.write_many(items)
 
-    def refresh_unit(self, values: dict[int, torch.Tensor]) -> None:
-        """Write new values (``refresh_compute``'s, already in the compute dtype) into the compute
-        copies of one unit's parameters, in one store operation."""
+    def refresh_unit(self, values: Mapping[int, torch.Tensor], flat: torch.Tensor | None = None) -> None:
+        """Write new values into the compute copies of one unit's parameters, cast to their
+        compute dtype, in one store operation. ``flat``: the values' elements in one tensor, in
+        the order of ``values`` (they are views of it): one packed write, a copy per run of
+        adjacent pages instead of one per page and parameter ([Note: a packed write])."""
         if self.compute_is_master or self.gathered or not values:
+            return
+        dtypes = {self.compute_dtype_of(i) for i in values}
+        if flat is not None and len(dtypes) == 1:
+            tensors = [layer.compute[k] for layer, k in map(self.where, values)]
+            self.store.write_packed(tensors, flat.to(dtypes.pop()))
             return
         items = []
         for i, value in values.items():

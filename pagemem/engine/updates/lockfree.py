@@ -77,7 +77,7 @@ from pagemem.engine.updates.adam_threads import Workers
 from pagemem.engine.updates.backward_undo import HOLDS, BackwardUndo
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.gradients.grad_ledger import FRESH, GradLedger, GradState
-from pagemem.engine.updates.lockfree_thread import Published, UpdatingThread
+from pagemem.engine.updates.lockfree_thread import Packed, Published, UpdatingThread
 from pagemem.engine.updates.staleness import staleness_bound
 from pagemem.errors import InvalidRequest, StepFailed, TierIOError, warn
 from pagemem.store import PageStore
@@ -311,7 +311,8 @@ class LockFreeUpdater(UpdatingThread):
                 _seam("drain")
                 with self._cond:
                     ahead = self._units[p.unit].lag - p.iterations  # submitted iterations this update lacks
-                self.bank.refresh_unit(_predicted(p, ahead))
+                values = _predicted(p, ahead)
+                self.bank.refresh_unit(values, getattr(values, "flat", None))
             except BaseException:
                 with self._cond:
                     self._published.extendleft(reversed(ready[n:]))
@@ -381,17 +382,13 @@ class LockFreeUpdater(UpdatingThread):
             self._worker.close()
         self.check()
 
-def _predicted(p: Published, ahead: int) -> dict[int, torch.Tensor]:
+def _predicted(p: Published, ahead: int) -> Packed:
     """The values to buffer for update ``p`` when ``ahead`` submitted iterations are not in it
-    ([Note: predicting past the staleness]): the update itself, or extrapolated by its drift."""
+    ([Note: predicting past the staleness]): the update itself, or extrapolated by its drift,
+    in one torch call for the unit ([Note: an update published packed])."""
     if p.drift is None or ahead <= 0:
         return p.values
-    # one torch call for the unit, not one per parameter: each call on the compute thread gives
-    # the GIL up and waits to take it back from the updating thread (a py-spy profile found the
-    # compute thread waiting there, ~3.7 ms per iteration; timed under load, no difference beyond
-    # the noise); the same kernel per tensor, so the same values, bit for bit
-    keys = list(p.values)
-    return dict(zip(keys, torch._foreach_add([p.values[i] for i in keys], [p.drift[i] for i in keys], alpha=ahead)))
+    return p.values.like(torch.add(p.values.flat, p.drift.flat, alpha=ahead))
 
 
 def _seam(where: str) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
@@ -44,14 +44,53 @@ if TYPE_CHECKING:
     from pagemem.store import PageStore
 
 
+class Packed(Mapping[int, torch.Tensor]):
+    """[Note: an update published packed] Each parameter's tensor, a view of one flat tensor
+    (``flat``: the parameters' elements one after the other, in order). The updating thread
+    publishes an update so, that the compute side's drain is a few torch calls per unit instead
+    of several per parameter and page: the prediction one add (``lockfree._predicted``), the
+    cast one, the write one copy per run of adjacent pages ([Note: a packed write] in
+    ``store/data.py``). Each torch call on the compute thread gives the GIL up and waits to take
+    it back, while the updating thread's Python runs (issue 33)."""
+
+    def __init__(self, shapes: dict[int, torch.Size], flat: torch.Tensor) -> None:
+        self.shapes, self.flat = shapes, flat
+        self._at: dict[int, int] = {}
+        n = 0
+        for i, shape in shapes.items():
+            self._at[i] = n
+            n += shape.numel()
+        if n != flat.numel():
+            raise ValueError(f"Packed: {n} elements for a flat tensor of {flat.numel()}")
+
+    @classmethod
+    def empty(cls, shapes: dict[int, torch.Size], dtype: torch.dtype) -> "Packed":
+        return cls(shapes, torch.empty(sum(s.numel() for s in shapes.values()), dtype=dtype))
+
+    def like(self, flat: torch.Tensor) -> "Packed":
+        """The same parameters, their elements in ``flat``."""
+        return Packed(self.shapes, flat)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        a = self._at[i]
+        return self.flat[a:a + self.shapes[i].numel()].view(self.shapes[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 @dataclasses.dataclass
 class Published:
     unit: int
     iterations: int
     """How many submitted iterations of this unit's gradients the update applied."""
-    values: dict[int, torch.Tensor]
-    """Each parameter's new value: in the compute dtype, or its fp32 master where ``drift`` is set."""
-    drift: dict[int, torch.Tensor] | None
+    values: Packed
+    """Each parameter's new value: in the compute dtype (where the unit's are all one), or its
+    fp32 master where ``drift`` is set."""
+    drift: Packed | None
     """With ``staleness_correction="predict"``: each parameter's change per iteration in this update (fp32)."""
 
 
@@ -168,28 +207,30 @@ class UpdatingThread:
         if fetched is not None:  # the nvme copies go stale with the update: dropped first
             self.store.release(layer.states(), "nvme").wait()
         self._seam("update")
-        values: dict[int, torch.Tensor] = {}
-        drift: dict[int, torch.Tensor] | None = {} if self.predict else None
+        shapes = {i: self.bank.params[i][1].shape for i in taken}  # [Note: an update published packed]
+        dtypes = {self.bank.compute_dtype_of(i) for i in taken}
+        values = Packed.empty(shapes, dtypes.pop() if len(dtypes) == 1 and not self.predict else torch.float32)
+        drift = Packed.empty(shapes, torch.float32) if self.predict else None
         with self._locks[u]:
             chunks, leases = self._chunks(taken, False)  # the sums were taken (they may live on nvme)
             try:
                 for i, pieces in chunks:
                     g = grads[i] if k == 1 else grads[i] / k
                     pieces = with_grad(pieces, g)
-                    before = _master(pieces).clone() if drift is not None else None
+                    if drift is not None:  # the master before: the drift is taken for the unit at once, below
+                        drift[i].copy_(_master(pieces).view(shapes[i]))
                     for _ in range(k):  # [Note: one step per iteration]
                         fused_steps([c for _, c in pieces], self.bank.records[i].steps + 1, hps[self.bank.group_of(i)],
                                     None)
                         self.bank.count_step(i)
-                    shape = self.bank.params[i][1].shape
-                    if drift is None:
-                        values[i] = _master(pieces).to(self.bank.compute_dtype_of(i), copy=True).reshape(shape)
-                    else:
-                        values[i] = _master(pieces).clone().reshape(shape)
-                        drift[i] = values[i].sub(before.reshape(shape)).div_(k)
+                    values[i].copy_(_master(pieces).view(shapes[i]))  # cast where the compute dtype is not fp32
             finally:
                 for lease in leases:
                     lease.release()
+        if drift is not None:  # (new - before) / k, each element as per parameter; / 1 changes no bit
+            torch.sub(values.flat, drift.flat, out=drift.flat)
+            if k != 1:
+                drift.flat.div_(k)
         # the write-back: the store orders the next read of these pages behind it. Submitted before
         # the update is published, so that a caller who waited for the publication (a checkpoint
         # reading the states) finds the move queued, not racing its lease on the pages
