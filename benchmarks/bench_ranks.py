@@ -24,8 +24,8 @@ step after the first two. Anchors, from the same run:
   (``shard_optimizer_states=False``) and states and parameters sharded (``shard_parameters=True``:
   no compute copy at rest, each unit gathered when fetched, [Note: gathered units]), with the
   optimizer-state bytes and the compute copy's bytes at rest per rank and ``step()``'s time per
-  rank. For the last the plan does not hold the unit gathers nor the reduce-scatters (it is the
-  ``states`` plan), so its simulator column says "not modelled" and its ring anchor is, per
+  rank. For the last the plan is a ``units`` one (each layer's move carries its all-gather, its
+  gradient sums are reduce-scattered: the table's ``U`` rows), and its ring anchor is, per
   gather the engine made in the iteration, ``W - 1`` x the largest rank's share of that unit,
   and per unit, ``W - 1`` x that share of fp32 gradient (its reduce-scatter, [Note: sharded
   gradient sums]) instead of the all-reduce and the all-gather after the update;
@@ -188,8 +188,8 @@ def main() -> None:
                 row_gathers = statistics.median(sum(step) for step in per_step)
             elif shard:
                 ring += (world - 1) * 4 * share
-            sim_s = r0["sim_seconds"]  # the plan's collectives are in it (the "states" rows)
-            sim_tps = tokens / sim_s if sim_s and shard != 2 else None  # its plan does not hold the unit gathers
+            sim_s = r0["sim_seconds"]  # the plan's collectives are in it (the "states" and "units" rows)
+            sim_tps = tokens / sim_s if sim_s else None
             mean_tps = statistics.mean(r["tokens_per_s"] for r in ranks)
             row = {"world_size": world, "sharded": ("replicas", "states", "params")[shard], "ranks": ranks,
                    "unit_gathers_per_iteration": row_gathers if shard == 2 else 0,
@@ -205,8 +205,7 @@ def main() -> None:
             mib = 1 << 20
             z3 = row["zero3_plan_network_bytes"]
             rows.append([world, ("replicas", "states", "states+params")[shard], f"{mean_tps:.0f}",
-                         f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else
-                         ("not modelled" if shard == 2 else "on demand"),
+                         f"{sim_tps:.0f} ({mean_tps / sim_tps:.2f}x)" if sim_tps else "on demand",
                          f"{mean_tps * world:.0f}", f"{row['optimizer_state_bytes_per_rank'] / mib:.2f}",
                          f"{r0['compute_at_rest'] / mib:.2f}", f"{r0['grad_at_rest'] / mib:.2f}",
                          f"{row['step_seconds_per_rank'] * 1e3:.0f}",

@@ -122,6 +122,8 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
         engine = pagemem.Engine(model, engine_config(opts, world))
     assert (engine.rank, engine.world_size) == (rank, world)
     made_sent = engine.stats()["ranks"]["sent_bytes"]
+    sent_steps: list[int] = []
+    """Bytes sent so far but for the operations' headers, after each step."""
     with engine:
         for step in range(first, steps):
             if mode == "killgather" and rank == victim and step == int(opts.get("at", 2)):
@@ -179,6 +181,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
                     except pagemem.RankFailed as after:
                         print(f"after RankFailed in the update, model.state_dict() raised: {after}", file=sys.stderr)
                 raise
+            sent_steps.append(engine.stats()["ranks"]["sent_bytes"] - engine.stats()["ranks"]["header_bytes"])
             if mode == "save0" and rank == 0 and step == int(opts.get("at", 2)):
                 try:  # a DDP habit: rank 0 alone saves
                     engine.save(opts["save_dir"])
@@ -221,7 +224,7 @@ def run_engine(rank: int, world: int, out: str, opts: dict[str, str], mode: str 
             paths = engine.save_weights(opts["weights_dir"])
             assert os.path.exists(paths[-1])  # rank 0 wrote them; every rank is told where
     if rank == 0:
-        torch.save({"weights": weights, "stats": stats["ranks"], "made_sent": made_sent, "optim": optim,
+        torch.save({"weights": weights, "stats": stats["ranks"], "made_sent": made_sent, "sent_steps": sent_steps, "optim": optim,
                     "plan_network": plan_network, "compute_at_rest": at_rest, "grad_at_rest": grad_at_rest,
                     "module_weights": module_weights if "state_dict_too" in opts else None,
                     "gpu_bytes": engine.config.store.gpu_bytes,

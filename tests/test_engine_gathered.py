@@ -43,6 +43,10 @@ def test_sharded_parameters_train_as_replicas_and_as_ddp(tmp_path, world):
     saved = load_file(tmp_path / "hf" / "model.safetensors")
     assert all(torch.equal(saved[k], ours[k]) for k in saved) and len(saved) >= len(ours) - 1
     assert stats["stats"]["gathered_units"] > 0
+    # a planned iteration sends what its plan (``sharding="units"``: each move's gather, each
+    # unit's reduce-scatter) says, to the byte, the headers apart
+    last = stats["sent_steps"][-1] - stats["sent_steps"][-2]
+    assert last == stats["plan_network"] > 0
     # the plan's moves start the gathers ahead of their units' compute, which finds them landed
     assert stats["paging"]["prefetches"] > 0 and stats["paging"]["misses"] < stats["stats"]["gathered_units"]
     assert distance(ours, ddp) <= exact

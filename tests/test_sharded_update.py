@@ -145,7 +145,9 @@ def test_a_ranks_share_of_a_large_layer_is_half_its_moments_and_master():
     state = whole.states // 3
     assert all(h.states % 3 == 0 for h in halves)
     shares = [h.states // 3 for h in halves]  # each rank's pages of one state
-    assert sum(shares) == state and max(shares) - min(shares) <= 1  # the pages split evenly
+    # the bytes split evenly (cut at 256-byte boundaries): each rank's share ends in a page of its
+    # own, so the ranks' pages add up to the whole's plus at most one per rank but the first
+    assert state <= sum(shares) <= state + 1 and max(shares) - min(shares) <= 1
     mixed = dataclasses.replace(cfg, compute_dtype=torch.bfloat16)
     halves = [host_need(model, mixed, unit_cap(store_cfg), (r, 2)) for r in range(2)]
     assert [h.states - state for h in halves] == [2 * s for s in shares]  # the master whole, the moments shared

@@ -248,7 +248,7 @@ class ResultsMixin:
                   [sum(p.numel() for _, p in self.bank.params)])
         counts = (self.collectives.stats() if self.collectives is not None else
                   {"rank": 0, "world_size": 1, "backend": self.ranks.backend, "collectives": 0, "sent_bytes": 0,
-                   "collective_wait_seconds": 0.0})
+                   "header_bytes": 0, "collective_wait_seconds": 0.0})
         return {**counts, "moment_shares": shares, "sharded": gather is not None,
                 "gathered_bytes": gather.gathered_bytes if gather is not None else 0,
                 "gathered_units": self.unit_gather.gathers if self.bank.gathered else 0,

@@ -49,6 +49,7 @@ def emit(d: Decisions) -> list[Task]:
     n, cached, host = d.n, d.cached, d.host
     sharded = d.layout.shards_params  # ZeRO-3: all-gathers before compute, reduce-scatters after
     averaged = d.layout.shards_states  # ZeRO-1: an all-reduce before the update, an all-gather after
+    combined = averaged or d.layout.gathers_units  # units: a reduce-scatter before the update, nothing after
     starts: list[list[Task]] = [[] for _ in range(n + 1)]
     ends: list[list[Task]] = [[] for _ in range(n + 1)]
 
@@ -102,7 +103,7 @@ def emit(d: Decisions) -> list[Task]:
                 put(Task("reduce_scatter", Target("grad", L, j), r))
             put(Task("release", Target("fullgrad", L), r, "gpu"))
         if L in cached:
-            if averaged:
+            if combined:
                 put(Task("all_reduce", Target("grad", L), r, "gpu"))
             put(Task("update", Target("layer", L), r, "gpu"))
             if averaged:
@@ -117,7 +118,7 @@ def emit(d: Decisions) -> list[Task]:
             put(Task("move_to_cpu", Target("grad", L), r, "cpu"))
         if d.optimizer_tier == "nvme":
             put(Task("move_to_cpu", Target("optim", L), host.fetch[L], "cpu"))
-        if averaged:
+        if combined:
             put(Task("all_reduce", Target("grad", L), r, "cpu"))
         put(Task("update", Target("layer", L), r, "cpu"))
         if averaged:

@@ -62,8 +62,8 @@ class Setting:
         return self.layout.world_size
 
     def home(self, name: str, layer: int) -> str | None:
-        if name == "param":
-            return "gpu" if layer in self.cached_layers else self.home_tier
+        if name == "param":  # a gathered layer (``units``) has no compute copy at rest
+            return "gpu" if layer in self.cached_layers else None if self.layout.gathers_units else self.home_tier
         if name == "optim":
             return "gpu" if layer in self.cached_layers else self.optimizer_tier
         return None
@@ -120,7 +120,7 @@ class Setting:
         """The home copies, which exist before the iteration and after it."""
         for lay in self.layout.layers:
             tier = self.home("param", lay.index)
-            for j in range(lay.param_pages):
+            for j in range(lay.param_pages if tier is not None else 0):
                 yield Key("param", tier, lay.index, j)
             yield Key("optim", self.home("optim", lay.index), lay.index, None)
 
@@ -133,6 +133,12 @@ class Setting:
                 ok = not self.layout.shards_params
             elif c == "R>1":  # several ranks, the optimizer states sharded only (ZeRO-1)
                 ok = self.layout.shards_states
+            elif c == "U":  # several ranks, each layer gathered when it moves (``units``)
+                ok = self.layout.gathers_units
+            elif c == "C":  # a compute copy at rest (not ``units``)
+                ok = not self.layout.gathers_units
+            elif c == "D":  # several ranks whose gradient sums are combined whole (``states``, ``units``)
+                ok = self.layout.shards_states or self.layout.gathers_units
             elif c == "grads":
                 ok = task is not None and task.produces_grads
             elif c.startswith("T="):
@@ -351,6 +357,13 @@ def _amounts(task: Task, setting: Setting, terms) -> tuple[tuple[str, int], ...]
         elif unit == "master":  # this rank's fp32 share of the updated weights, padded as gathered
             amount = MASTER_BYTES_PER_ELEMENT * (layer.gather_elements if layer.gather_elements is not None
                                                  else layer.shard_elements)
+        elif unit == "grad_share":  # this rank's part of the layer's fp32 gradient sums' reduce-scatter
+            amount = GRAD_SUM_BYTES_PER_ELEMENT * (layer.gather_elements if layer.gather_elements is not None
+                                                   else layer.shard_elements)
+        elif unit == "unit":  # this rank's part of the layer's all-gather, on its first page's move
+            whole = (layer.unit_gather_bytes if layer.unit_gather_bytes is not None
+                     else -(-layer.param_bytes // setting.world_size))
+            amount = whole if not task.target.page else 0
         else:
             count = 1 if task.target.page is not None or unit == "optim" else layer.param_pages
             amount = count * setting.pages(unit, L) * setting.layout.page_bytes

@@ -46,7 +46,12 @@ class LayerLayout:
     gather_elements: int | None = None
     """Where only the states are sharded: the elements each rank contributes to the all-gather of
     the updated weights after the layer's update (its share, padded to the largest rank's; None:
-    ``shard_elements``)."""
+    ``shard_elements``); where units are gathered (``units``): to the reduce-scatter of the
+    layer's fp32 gradient sums, as many."""
+    unit_gather_bytes: int | None = None
+    """Where units are gathered (``units``): the bytes each rank contributes to the layer's
+    all-gather when it is fetched (its share of the compute copy, padded to the largest rank's;
+    None: ``param_bytes / W``, rounded up)."""
 
     @property
     def pages_when_cached(self) -> int:
@@ -59,11 +64,14 @@ class LayerLayout:
         return self.param_pages + self.optim_pages if self.stream_pages is None else self.stream_pages
 
 
-SHARDINGS: tuple[str, ...] = ("params", "states")
+SHARDINGS: tuple[str, ...] = ("params", "states", "units")
 """What the ranks shard (``Layout.sharding``): ``params``, every model state (ZeRO-3: compute
-copies, gradients, optimizer states; the task table's ``W>1`` rows), or ``states``, the optimizer
+copies, gradients, optimizer states; the task table's ``W>1`` rows), ``states``, the optimizer
 states only (ZeRO-1: every rank holds the whole compute copy and gradient sums, averages the
-sums with an ``all_reduce``, updates its share and all-gathers it; the ``R>1`` rows)."""
+sums with an ``all_reduce``, updates its share and all-gathers it; the ``R>1`` rows), or
+``units``, ZeRO-3 as an engine with ``shard_parameters`` runs it (the ``U`` rows): no compute
+copy at rest, a layer's whole copy all-gathered from every rank's share when it moves to the gpu,
+its gradient sums reduce-scattered into shares, no all-gather after the update."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,11 @@ class Layout:
         return self.world_size > 1 and self.sharding == "params"
 
     @property
+    def gathers_units(self) -> bool:
+        """Several ranks, no compute copy at rest: each layer gathered when it moves (``units``)."""
+        return self.world_size > 1 and self.sharding == "units"
+
+    @property
     def shards_states(self) -> bool:
         """Several ranks, each holding the whole parameters and a share of the optimizer states."""
         return self.world_size > 1 and self.sharding == "states"
@@ -97,13 +110,16 @@ class Layout:
             if rec.kind == "optimizer_state" and rec.layer is not None:
                 optim[rec.layer] = optim.get(rec.layer, 0) + rec.nbytes
         layers = []
-        whole_params = sharding == "states"
+        whole_params = sharding in ("states", "units")
         for layer in trace.layers:
             elements = sum(_numel(trace.tensors[i].shape) for i in layer.tensor_ids)
             shard = layer.nbytes if whole_params else -(-layer.nbytes // world_size)
+            pages = _pages(shard, page_bytes)  # units: the whole gathered copy's, on the gpu
+            if sharding == "units" and world_size > 1:
+                shard = 0  # no compute copy of the layer's own at rest: nothing to refresh after the update
             ob = -(-optim.get(layer.index, 0) // world_size)
             layers.append(LayerLayout(layer.index, layer.name, layer.nbytes, -(-elements // world_size),
-                                      shard, _pages(shard, page_bytes), ob, _pages(ob, page_bytes),
+                                      shard, pages, ob, _pages(ob, page_bytes),
                                       elements=elements if whole_params else None))
         return cls(page_bytes, world_size, tuple(layers), sharding)
 

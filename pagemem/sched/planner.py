@@ -123,6 +123,9 @@ def _checked(trace, budgets, world_size, optimizer_tier, page_bytes, timeline, l
     if timeline not in TIMELINES:
         raise ConfigError(f"timeline: must be one of {sorted(TIMELINES)}, got {timeline!r}")
     check_choice("sharding", sharding, SHARDINGS)
+    if sharding == "units" and home_tier != "cpu":
+        raise ConfigError(f"home_tier: must be 'cpu' with sharding 'units' (no compute copy at rest to home), "
+                          f"got {home_tier!r}")
     if layout is not None:
         if isinstance(layout, Layout) and layout.sharding != sharding:
             raise ConfigError(f"layout: made for sharding {layout.sharding!r}, planning for {sharding!r}")
@@ -182,7 +185,9 @@ class _Planner:
         self._mandatory_gpu()
         self._phase1()
         gathers = self._phase2() if self.layout.shards_params else {}
-        self.cached = set(self._cache(cached_state_pages) if cache_optimizer else [])
+        # a gathered layer (``units``) is gathered again after every update: none stays on the gpu
+        cache = cache_optimizer and not self.layout.gathers_units
+        self.cached = set(self._cache(cached_state_pages) if cache else [])
         by_window: dict[int, list[tuple[int, int, int]]] = {}
         for run in self.runs:
             by_window.setdefault(run.w, []).append((run.lo, run.hi, run.m))

@@ -59,7 +59,8 @@ its ``source``); ``grads:`` marks what only a ``produces_grads`` compute takes; 
 ============== ======== ===== ====== ================ ================== ================ ================
 operation      target   tier  when   takes at issue   reads              writes           gives back
 ============== ======== ===== ====== ================ ================== ================ ================
-move_to_gpu    param.j  gpu          param@gpu.j      param@F.j
+move_to_gpu    param.j  gpu          param@gpu.j      param@F.j (C),
+                                                      optim@home (U)
 move_to_cpu    param.j  cpu   H=nvme param@cpu.j      param@home.j
 all_gather     param.j  -     W>1    gathered@gpu.j   param@gpu.j
 compute        layer    gpu          grads: fullgrad  param@gpu.*,
@@ -82,8 +83,8 @@ release        grad     gpu,                                                    
                         cpu,
                         nvme
 release        optim    copy                                                              optim@T
-all_reduce     grad     gpu,  R>1                     grad@T.*           grad@T.*
-                        cpu
+all_reduce     grad     gpu,  R>1,                    grad@T.*           grad@T.*
+                        cpu   U
 all_gather     optim    gpu,  R>1                     optim@T            param@home.*
                         cpu
 ============== ======== ===== ====== ================ ================== ================ ================
@@ -94,6 +95,18 @@ over the ranks where the update reads them (after their offload, or their fetch 
 update steps this rank's share of the elements (``shard_elements``); ``all_gather optim`` then
 sends that share of the updated weights to every rank, which writes what it receives into its
 compute copy (``param@home``), before the states go back home.
+
+**Units gathered** (``U``: several ranks, ``Layout.sharding="units"``, what an engine with
+``shard_parameters`` runs; ``C``: not so, a compute copy at rest): the ``R>1`` rows' layout (whole
+parameters and gradient sums per layer, each rank's share of the optimizer states) without a
+compute copy at rest: ``param`` has no home (``Setting.home`` is None but for a layer cached on
+the gpu), so ``move_to_gpu param.j`` reads the optimizer states at home (the rank's master
+share) instead of a home copy and its first page carries the layer's all-gather (every rank's
+share of the compute copy, padded to the largest: ``LayerLayout.unit_gather_bytes``), the update
+refreshes no compute copy, ``all_reduce grad`` reduce-scatters the sums into this rank's share
+(``gather_elements`` fp32 elements per rank) and no ``all_gather optim`` follows. Only with
+``home_tier="cpu"``, and no layer is cached on the gpu (its copy would be stale after the
+update: the engine evicts every gathered unit at the step).
 
 **Homes on nvme** (issue 31; the plan's ``home_tier``, ``Setting.home_tier``). With
 ``home_tier="nvme"`` a layer's compute copy and gradients rest on ``nvme`` and the ``cpu`` tier
@@ -127,8 +140,9 @@ transfer of some pages, an Adam step over the shard's elements, bytes of memory 
 ============== ======== ========================= =============================================
 operation      target   stream                    cost
 ============== ======== ========================= =============================================
-move_to_gpu    param.j  h2d; F=nvme: nvme and io  h2d: 1 page; F=nvme: first nvme_read: 1 page,
-                                                  and nvme_host on io
+move_to_gpu    param.j  h2d; F=nvme: nvme and io  U: first all_gather: the layer's share on page 0
+                                                  (``unit``); h2d: 1 page; F=nvme: first
+                                                  nvme_read: 1 page, and nvme_host on io
 move_to_cpu    param.j  nvme and io               nvme_read: 1 page; nvme_host on io
 all_gather     param.j  network                   all_gather: 1 page per rank, over W ranks (the
                                                   collective's time: ``pagemem.sched.network``)
@@ -151,8 +165,9 @@ release        param    none; beside it, compute  T=gpu: window: one, the execut
                         (the executor's thread)   the window it ends (stage, bind, release), on the
                                                   thread that runs the model
 release        other    none (takes no time)      -
-all_reduce     grad     network                   all_reduce: the layer's fp32 gradient sums, every
-                                                  element (``elements``)
+all_reduce     grad     network                   R>1: all_reduce: the layer's fp32 gradient sums,
+                                                  every element (``elements``); U: reduce_scatter:
+                                                  this rank's share (``grad_share``)
 all_gather     optim    network                   all_gather: this rank's fp32 share of the updated
                                                   weights, padded to the largest rank's
                                                   (``gather_elements``)
@@ -273,7 +288,7 @@ class Hold:
 
     ``tier`` is a tier, ``"T"`` (the task's tier), ``"home"`` or ``"F"`` (the tier the task copies
     from: its ``source``, else ``cpu``); ``when`` lists conditions that must all hold: ``"W>1"``,
-    ``"W=1"``, ``"grads"`` (a compute with ``produces_grads``), ``"T=<tier>"`` (the task's tier),
+    ``"W=1"``, ``"R>1"``, ``"U"``, ``"C"``, ``"D"`` (``R>1`` or ``U``), ``"grads"`` (a compute with ``produces_grads``), ``"T=<tier>"`` (the task's tier),
     ``"H=<tier>"`` (the layer's parameters' home tier), ``"F=<tier>"`` (the tier it copies from)."""
 
     name: str
@@ -371,9 +386,11 @@ _PARAM = Hold("param", "gpu")
 _GATHERED = Hold("gathered", "gpu", when="W>1")
 _NVME = "H=nvme"
 EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
-    Effect("move_to_gpu", "param", ("gpu",), takes=(_PARAM,), reads=(Hold("param", "F"),), paged=True,
+    Effect("move_to_gpu", "param", ("gpu",), takes=(_PARAM,),
+           reads=(Hold("param", "F", when="C"), Hold("optim", "home", paged=False, when="U")), paged=True,
            sources=("nvme",), stream="h2d", stream_from=(("nvme", "nvme"),),
-           cost=(Term("nvme_read", "param", "F=nvme"), ("h2d", "param")), host=Term("nvme_host", "param", "F=nvme")),
+           cost=(Term("all_gather", "unit", "U"), Term("nvme_read", "param", "F=nvme"), ("h2d", "param")),
+           host=Term("nvme_host", "param", "F=nvme")),
     Effect("move_to_cpu", "param", ("cpu",), takes=(Hold("param", "cpu"),), reads=(Hold("param", "home"),),
            when=_NVME, paged=True, stream="nvme", cost=(("nvme_read", "param"),), host=("nvme_host", "param")),
     Effect("all_gather", "param", (None,), takes=(_GATHERED,), reads=(_PARAM,), when="W>1", paged=True,
@@ -401,7 +418,8 @@ EFFECTS: dict[tuple[str, str], Effect] = {e.key: e for e in (
            cost=(("adam", "shard"), ("memory", "refresh"), Term("nvme_write", "param", _NVME)),
            host=Term("nvme_host", "param", _NVME)),
     Effect("all_reduce", "grad", ("gpu", "cpu"), reads=(Hold("grad", "T"),), writes=(Hold("grad", "T"),),
-           when="R>1", after_grads=True, stream="network", cost=(("all_reduce", "sums"),)),
+           when="D", after_grads=True, stream="network",
+           cost=(Term("all_reduce", "sums", "R>1"), Term("reduce_scatter", "grad_share", "U"))),
     Effect("all_gather", "optim", ("gpu", "cpu"), reads=(Hold("optim", "T", paged=False),),
            writes=(Hold("param", "home"),), when="R>1", after_grads=True, stream="network",
            cost=(("all_gather", "master"),)),

@@ -83,7 +83,8 @@ HANDLERS: dict[tuple[str, str], Handler] = {
     ("update", "layer"): Handler(None, "the updater", "in step(), or during backward where that is exact"),
     ("all_reduce", "grad"): Handler(None, "the gradient averaging", "at the end of the backward that completes an "
                                     "accumulation step, every unit's sums at once ([Note: data parallel over the "
-                                    "process group])"),
+                                    "process group]); with gathered units, each unit's reduce-scatter once every "
+                                    "rank has its gradients ([Note: sharded gradient sums])"),
     ("all_gather", "optim"): Handler(None, "the updater", "after step() updated this rank's share, every unit's at "
                                      "once (ranks/gather.py)"),
     ("offload", "optim"): Handler(None, "the updater", "the write-back to nvme after the update, behind the next "
@@ -181,6 +182,7 @@ def unit_layout(trace: Trace, bank: ParamBank, page_bytes: int, world_size: int 
     # "states" rows, with what this rank updates and sends per unit
     gather = (unit_gather_elements([list(layer.params) for layer in bank.layers], bank.every_share())
               if bank.shards is not None else None)
+    units = sharding_of(bank) == "units"  # [Note: gathered units]: no compute copy at rest
     sharded = []
     for lay in layers:
         u = to_unit[lay.index]
@@ -188,10 +190,23 @@ def unit_layout(trace: Trace, bank: ParamBank, page_bytes: int, world_size: int 
         numel = {i: bank.params[i][1].numel() for i in trained}
         owned = {i: bank.owned_numel(i) for i in trained}
         optim = sum(4 * (owned[i] if bank.master_sharded(i) else numel[i]) + 8 * owned[i] for i in trained)
+        extra = {"gather_elements": gather[u] if gather is not None else 0}
+        if units:  # each rank's part of the unit's gather and of its reduce-scatter: the largest rank's share
+            members = bank.layers[u].params
+            shares = bank.every_share()
+            extra = dict(shard_bytes=0, gather_elements=max(sum(sh.owned(i) for i in members) for sh in shares),
+                         unit_gather_bytes=max(sum(sh.owned(i) * bank.compute_dtype_of(i).itemsize for i in members)
+                                               for sh in shares))
         sharded.append(dataclasses.replace(
             lay, shard_elements=sum(owned.values()), elements=sum(numel.values()), optim_bytes=optim,
-            optim_pages=-(-optim // page_bytes), gather_elements=gather[u] if gather is not None else 0))
-    return Layout(page_bytes, world_size, tuple(sharded), "states")
+            optim_pages=-(-optim // page_bytes), **extra))
+    return Layout(page_bytes, world_size, tuple(sharded), sharding_of(bank))
+
+
+def sharding_of(bank: ParamBank) -> str:
+    """How a data-parallel engine's plans shard: ``units`` where its units are gathered (with
+    compute copies homed on the cpu: [Note: gathered units]), else ``states``."""
+    return "units" if bank.gathered and bank.home_tier == "cpu" else "states"
 
 
 def units_of_layers(trace: Trace, bank: ParamBank) -> dict[int, int]:

@@ -54,7 +54,8 @@ from torch import nn
 from pagemem.engine.paging.arena import ArenaSizer
 from pagemem.engine.units.bank import ParamBank
 from pagemem.engine.units.budget_checks import refusal
-from pagemem.engine.paging.executor import Executor, ExecutorTotals, PlanMismatch, Schedule, unit_layout
+from pagemem.engine.paging.executor import (Executor, ExecutorTotals, PlanMismatch, Schedule, sharding_of,
+                                           unit_layout)
 from pagemem.engine.units.guard import Guard
 from pagemem.engine.units.residency import Residency
 from pagemem.engine.paging.peaks import PeakMeter
@@ -281,15 +282,17 @@ class Pager:
         pb = s.page_bytes
         gpu = self.residency.budget_bytes - self.static_gpu_pages * pb
         budgets = {"gpu": gpu, "cpu": s.tier("cpu").capacity * pb, "nvme": s.tier("nvme").capacity * pb}
-        if self.bank.gathered:  # the "states" plan keeps a whole compute copy at home, which a gathered
-            # bank does not ([Note: gathered units]): its home tier's budget is given those pages on top
+        W = self.world_size
+        sharding = "params" if W == 1 else sharding_of(self.bank)
+        if self.bank.gathered and sharding == "states":  # homes on nvme: the "states" plan keeps a whole
+            # compute copy at home, which a gathered bank does not ([Note: gathered units]): the home
+            # tier's budget is given those pages on top
             budgets[self.bank.home_tier] += sum(self.bank.compute_pages(li) for li in range(len(self.bank.layers))) * pb
         try:  # the non-model peak reserved at every op (see the Note)
             # the pages are counted once, by the engine, from its units (see executor.unit_layout)
-            W = self.world_size
             p = plan(trace.with_non_model_peak_reserved(), budgets, world_size=W, optimizer_tier=self.plan_tier,
                      page_bytes=pb, layout=unit_layout(trace, self.bank, pb, W), home_tier=self.bank.home_tier,
-                     sharding="states" if W > 1 else "params")
+                     sharding=sharding)
             schedule = Schedule.compile(p, trace, self.bank)
         except InfeasiblePlan as exc:
             self.plan_note = str(exc)

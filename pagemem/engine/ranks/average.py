@@ -7,8 +7,8 @@ size, and every budget is per rank. Every rank holds the whole gradient sums and
 compute copy, unless ``shard_parameters`` gathers the compute copy per unit and reduce-scatters
 the sums instead of this ([Note: gathered units] in ``unit_gather.py``, [Note: sharded gradient
 sums] in ``grad_scatter.py``) (each rank shards its optimizer states: [Note: sharded moments], [Note: sharded
-master weights], and plans its iterations as such, ``sharding="states"``; the ZeRO-3 plan's
-reduce-scatters are not run yet) and runs forward and backward on its own batch. At the end of the backward that completes
+master weights], and plans its iterations as such, ``sharding="states"``, or with gathered
+units ``sharding="units"``; the page-sharded ZeRO-3 plan, ``"params"``, is not run) and runs forward and backward on its own batch. At the end of the backward that completes
 an accumulation step (``accumulation_steps``; every backward by habit with the default 1, as
 DDP does, or DDP's ``no_sync`` for the earlier micro-batches) the ranks average their fp32
 gradient sums: first they agree which parameters have a gradient on any rank (a parameter

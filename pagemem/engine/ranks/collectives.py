@@ -81,6 +81,8 @@ class Collectives:
         """Collectives issued."""
         self.sent_bytes = 0
         """Bytes this rank sent, as the ring algorithm sends them."""
+        self.header_bytes = 0
+        """Of ``sent_bytes``, those of the operations' headers and agreed values (``begin``)."""
         self.wait_seconds = 0.0
         """Time callers waited for collectives to finish."""
         self.failed: RankFailed | None = None
@@ -216,6 +218,7 @@ class Collectives:
 
     def _max_min(self, values: list[int], what: str) -> tuple[list[int], list[int]]:
         t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self.ranks.device)
+        self.header_bytes += bus_bytes("all_reduce", t.numel() * t.element_size(), self.ranks.world_size)
         self.reduce_now(t, what, "max")
         n = len(values)
         return [int(x) for x in t[:n]], [-int(x) for x in t[n:]]
@@ -279,7 +282,8 @@ class Collectives:
 
     def stats(self) -> dict[str, Any]:
         return {"rank": self.ranks.rank, "world_size": self.ranks.world_size, "backend": self.ranks.backend,
-                "collectives": self.calls, "sent_bytes": self.sent_bytes, "collective_wait_seconds": self.wait_seconds}
+                "collectives": self.calls, "sent_bytes": self.sent_bytes, "header_bytes": self.header_bytes,
+                "collective_wait_seconds": self.wait_seconds}
 
     def close(self) -> None:
         """Stop the thread (a collective stuck after a failure is left to the group's timeout)."""
