@@ -5,12 +5,10 @@ gather a unit when it is fetched, and train as the replicated engine and as torc
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-from test_engine_ranks import WORKER, distance, launch, plain, run_ok, weights
+from test_engine_ranks import distance, launch, plain, run_ok
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
