@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import pytest
 
 from pagemem.errors import ConfigError
-from pagemem.sched import HardwareProfile, plan, simulate, validate
+from pagemem.sched import HardwareProfile, Plan, plan, simulate, validate
 from pagemem.sched.network import bus_bytes
 from pagemem.tracer import synthetic_transformer
 
@@ -44,6 +44,8 @@ def test_a_units_plan_is_valid_and_sends_each_move_s_gather_and_the_sums_share(l
                   optimizer_tier=optimizer_tier, cache_optimizer=False)
     assert p.predicted_peak["cpu"] < states.predicted_peak["cpu"]
     assert simulate(p, tr, HardwareProfile.builtin("dev-vm")).iteration_time > 0
+    again = Plan.from_dict(p.to_dict())  # a saved units plan loads as it was
+    assert again.layout == p.layout and again.bytes_moved() == p.bytes_moved()
 
 
 def test_units_need_the_compute_copy_homed_on_the_cpu():

@@ -247,4 +247,4 @@ def _complete(tasks: list[Task], trace) -> list[Task]:
 def _layer_fields(layer: LayerLayout) -> tuple:
     return (layer.index, layer.name, layer.param_bytes, layer.shard_elements, layer.shard_bytes,
             layer.param_pages, layer.optim_bytes, layer.optim_pages, layer.cached_pages, layer.stream_pages,
-            layer.elements, layer.gather_elements)
+            layer.elements, layer.gather_elements, layer.unit_gather_bytes)
