@@ -50,7 +50,7 @@ def test_sharded_parameters_train_as_replicas_and_as_ddp(tmp_path, world):
     assert distance(ours, ddp) <= exact
 
 
-@pytest.mark.slow  # make test's 10 minutes (clipping by hand vs DDP stays fast: the loop habits)
+@pytest.mark.slow  # make test's 10 minutes
 def test_clipping_by_the_global_norm_of_the_shares_is_within_ddps_own_distance(tmp_path):
     """``max_grad_norm``: the global norm summed from every rank's share of the sums ([Note:
     sharded gradient sums]), another reduction order than torch's, so not bit for bit."""
@@ -141,7 +141,8 @@ def test_a_parameter_read_on_one_rank_alone_fails_every_rank_instead_of_hanging(
         assert "RankFailed" in err and "different" in err, err[-2000:]
 
 
-@pytest.mark.parametrize("loop", ["habit", pytest.param("accum", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("loop", [pytest.param("habit", marks=pytest.mark.slow),  # make test's 10 minutes
+                                  pytest.param("accum", marks=pytest.mark.slow)])
 def test_loop_habits_with_sharded_parameters_equal_ddp(tmp_path, loop):
     """``loss.backward()``, clipping by hand over ``model.parameters()`` (each ``p.grad``'s norm
     a collective over the shares), ``optimizer.step()``/``zero_grad()``; accumulation over two
