@@ -155,6 +155,7 @@ def test_loop_habits_with_sharded_parameters_equal_ddp(tmp_path, loop):
     assert distance(ours, {k: v * 0 for k, v in ours.items()}) > 1e-3
 
 
+@pytest.mark.slow  # make test's 10 minutes
 def test_a_parameter_reached_on_some_ranks_only_trains_as_ddp(tmp_path):
     """A block every rank runs, whose ``extra`` parameter only some ranks' batches reach (told
     by the data: the inputs' signatures are alike): the block's unit is ready on some ranks only,
